@@ -1,0 +1,35 @@
+"""`rlrecipes check`: the CI gate: median TPS/card of a run against a baseline."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from ._common import console, die, err_console, user_errors
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("check", help="Compare the median TPS/card over the baseline's step window with its tolerance. "
+                               "Exits 1 on a regression; says so when the run beats `refresh_above`.\n\n"
+                               "Example: `rlrecipes check runs/qwen25_7b-smoke --baseline recipes/qwen25_7b/baseline.json --hardware cpu`")
+    @user_errors
+    def check(run_dir: Path = typer.Argument(..., help="A run folder (holds metrics.jsonl)."),
+              baseline: Optional[Path] = typer.Option(None, "--baseline", "-b",
+                                                      help="baseline.json (default: the run's recipe folder's)."),
+              hardware: str = typer.Option("cpu", "--hardware", help="Entry of baseline.json to compare with.")) -> None:
+        from ..baseline import BaselineError, check_run
+
+        if baseline is None:
+            cfg = run_dir / "recipe_dir.txt"
+            if not cfg.is_file():
+                die(f"{run_dir}: cannot find the recipe's baseline; pass --baseline recipes/<recipe>/baseline.json")
+            baseline = Path(cfg.read_text().strip()) / "baseline.json"
+        try:
+            res = check_run(run_dir, baseline, hardware)
+        except BaselineError as e:
+            die(str(e))
+        if res.regression:
+            err_console.print(f"[bold red]{res.message()}[/]", highlight=False)
+            raise typer.Exit(1)
+        console.print(f"[bold {'yellow' if res.refresh else 'green'}]{res.message()}[/]", highlight=False)

@@ -1,0 +1,68 @@
+"""`rlrecipes plan`: layouts, per-device memory and reshard volume for N nodes; every violated rule at once."""
+from __future__ import annotations
+
+import json
+from typing import List, Optional
+
+import typer
+from rich.table import Table
+
+from ._common import console, user_errors
+
+
+def render_plan(plan) -> None:
+    from ..plan import format_violations
+
+    head = (f"[bold]{plan.recipe}[/] on {plan.nodes} node(s) x {plan.devices_per_node} {plan.device} devices = "
+            f"{plan.world} devices · model {plan.model_params / 1e9:.2f}B params · batch "
+            f"{plan.global_batch} x {plan.n_samples} (mini-batch {plan.mini_batch})")
+    console.print(head)
+    t = Table(title="layouts")
+    for c in ("role", "TP", "PP", "EP", "DP", "layer split"):
+        t.add_column(c, justify="right" if c not in ("role", "layer split") else "left")
+    for r in plan.roles.values():
+        t.add_row(r.role, str(r.tp), str(r.pp), str(r.ep), "-" if r.dp is None else str(r.dp),
+                  ",".join(map(str, r.pp_layers)) if r.pp_layers else "even")
+    console.print(t)
+    m = Table(title=f"estimated memory per device, GiB (device: {plan.device_memory_gb:g} GiB)")
+    for c in ("phase", "weights", "grads", "optimizer", "activations", "KV cache", "total"):
+        m.add_column(c, justify="right" if c != "phase" else "left")
+    for phase, mem in (("train (actor)", plan.train_memory), ("rollout", plan.rollout_memory)):
+        g = mem.gib()
+        m.add_row(phase, *(f"{g[k]:.2f}" for k in ("weights", "grads", "optimizer", "activations", "kv_cache", "total")))
+    console.print(m)
+    console.print(f"reshard traffic per device per step: [bold]{plan.reshard_bytes_per_device / 2**30:.2f} GiB[/] "
+                  f"(full model in bf16: {plan.reshard_full_bytes / 2**30:.1f} GiB)")
+    for c in plan.changes:
+        console.print(f"[cyan]changed:[/] {c}")
+    if plan.ok:
+        console.print("[bold green]plan OK[/]")
+    else:
+        console.print(f"[bold red]{format_violations(plan)}[/]", highlight=False)
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("plan", help="Derive the layouts for N nodes, check every rule, and estimate per-device memory and "
+                              "reshard traffic. Exits 1 when a rule is violated.\n\n"
+                              "Examples: `rlrecipes plan deepseek_r1_671b --nodes 48`  ·  "
+                              "`rlrecipes plan qwen25_7b --nodes 2 --json`  ·  `rlrecipes plan qwen25_7b actor.layout.tp=4`")
+    @user_errors
+    def plan_cmd(recipe: str = typer.Argument(..., help="Registered name or path to a recipe folder."),
+                 overrides: Optional[List[str]] = typer.Argument(None, help="KEY=VALUE overrides."),
+                 nodes: Optional[int] = typer.Option(None, "--nodes", "-n", min=1, help="Node count (default: the recipe's)."),
+                 devices_per_node: Optional[int] = typer.Option(None, "--devices-per-node", "-d", min=1,
+                                                                help="Devices per node (default: the recipe's)."),
+                 smoke: bool = typer.Option(False, "--smoke", help="Plan the smoke configuration."),
+                 keep_batch: bool = typer.Option(False, "--keep-batch", help="Keep the global batch when scaling nodes."),
+                 as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON.")) -> None:
+        from ..plan import build_plan
+        from ..recipe import load_recipe
+
+        r = load_recipe(recipe, smoke=smoke, overrides=overrides or [])
+        plan = build_plan(r, nodes, devices_per_node, keep_batch=keep_batch)
+        if as_json:
+            print(json.dumps(plan.to_json(), indent=2))
+        else:
+            render_plan(plan)
+        if not plan.ok:
+            raise typer.Exit(1)

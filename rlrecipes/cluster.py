@@ -1,0 +1,107 @@
+"""Ray bring-up (embedded local, or an existing cluster), resource check and placement.
+
+``connect()`` starts an embedded single-node Ray when no cluster address is given (``--smoke``
+runs), or joins ``address`` / ``$RAY_ADDRESS`` / ``auto``. ``check_resources`` compares what the
+cluster has against what a plan needs *before* any worker is placed.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from . import device as dev
+
+
+class ClusterError(RuntimeError):
+    """The cluster cannot host the run; the message says what was found and what to do."""
+
+
+@dataclass
+class ClusterResources:
+    nodes: int
+    devices_per_node: list[int]
+    resource: str
+    cpus: float
+
+    @property
+    def total_devices(self) -> int:
+        return sum(self.devices_per_node)
+
+    def describe(self) -> str:
+        per = ", ".join(str(d) for d in self.devices_per_node) or "none"
+        return f"{self.nodes} node(s), {self.total_devices} {self.resource} device(s) (per node: {per}), {self.cpus:g} CPUs"
+
+
+def connect(address: Optional[str] = None, *, embedded: bool = False, num_cpus: Optional[int] = None,
+            resources: Optional[dict] = None) -> str:
+    """Initialise Ray; returns 'embedded' or the address joined."""
+    import ray
+
+    if ray.is_initialized():
+        return "existing"
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    if embedded:
+        ray.init(num_cpus=num_cpus, resources=resources, include_dashboard=False, log_to_driver=True,
+                 configure_logging=False, namespace="rlrecipes")
+        return "embedded"
+    target = address or os.environ.get("RAY_ADDRESS") or "auto"
+    try:
+        ray.init(address=target, include_dashboard=False, log_to_driver=True, namespace="rlrecipes")
+    except (ConnectionError, RuntimeError, ValueError) as e:
+        raise ClusterError(f"no Ray cluster at {target!r}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    return target
+
+
+def cluster_resources(resource: str) -> ClusterResources:
+    import ray
+
+    per_node = []
+    cpus = 0.0
+    for n in ray.nodes():
+        if not n.get("Alive"):
+            continue
+        r = n.get("Resources", {})
+        per_node.append(int(r.get(resource, 0)))
+        cpus += r.get("CPU", 0)
+    return ClusterResources(len(per_node), per_node, resource, cpus)
+
+
+def check_resources(found: ClusterResources, nodes: int, devices_per_node: int, recipe_dir: Optional[Path] = None,
+                    cpus_needed: float = 0) -> None:
+    """Raise ClusterError unless the cluster has `nodes` nodes with `devices_per_node` devices each."""
+    full = sum(1 for d in found.devices_per_node if d >= devices_per_node)
+    if full >= nodes and found.cpus >= cpus_needed:
+        return
+    launch = f"{recipe_dir}/launch.sh" if recipe_dir else "recipes/<recipe>/launch.sh"
+    need = f"{nodes} node(s) x {devices_per_node} {found.resource} devices"
+    if cpus_needed and found.cpus < cpus_needed:
+        need += f" and {cpus_needed:g} CPUs"
+    raise ClusterError(
+        f"the Ray cluster is too small: found {found.describe()}; the plan needs {need}.\n"
+        f"Start a cluster by running on every node:\n"
+        f"  NNODES={nodes} NODE_RANK=<0..{nodes - 1}> MASTER_ADDR=<head node IP> bash {launch}\n"
+        f"(the head, NODE_RANK=0, runs the recipe once all nodes have joined), or try it on this "
+        f"machine with `rlrecipes run <recipe> --smoke`.")
+
+
+def placement_group(world: int, resource: str, cpus_per_worker: float = 1.0, timeout_s: float = 60.0):
+    """One bundle per worker ({resource: 1, CPU: c}), packed onto as few nodes as possible."""
+    import ray
+    from ray.util.placement_group import placement_group as _pg
+
+    bundle = {"CPU": cpus_per_worker}
+    if resource != "CPU":
+        bundle[resource] = 1
+    pg = _pg([dict(bundle) for _ in range(world)], strategy="PACK")
+    ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+    if not ready:
+        ray.util.remove_placement_group(pg)
+        raise ClusterError(f"could not place {world} workers with {bundle} each within {timeout_s:.0f}s; "
+                           f"cluster has {cluster_resources(resource).describe()}")
+    return pg
+
+
+def device_resource(device_type: str) -> str:
+    return dev.ray_resource(device_type)

@@ -1,0 +1,213 @@
+"""The one module that knows about cpu, cuda and npu.
+
+Everything else in rlrecipes asks this module for a device, a communication
+backend, memory figures or a synchronisation point, so that the same code runs
+on Ascend NPUs (torch_npu + HCCL), NVIDIA GPUs (NCCL) and CPUs (gloo).
+
+A test greps the package: no other module may name ``torch.cuda``/``torch.npu``.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import resource
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+DeviceType = Literal["cpu", "cuda", "npu"]
+
+# Ray resource name for one accelerator of each type.
+RAY_RESOURCE = {"npu": "NPU", "cuda": "GPU", "cpu": "CPU"}
+COMM_BACKEND = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}
+# Environment variable through which a launcher restricts visible devices.
+VISIBLE_DEVICES_ENV = {"npu": "ASCEND_RT_VISIBLE_DEVICES", "cuda": "CUDA_VISIBLE_DEVICES", "cpu": None}
+# ACL storage format id of FRACTAL_NZ (torch_npu.npu_format_cast), used for the NZ KV cache.
+ACL_FORMAT_FRACTAL_NZ = 29
+
+
+@functools.lru_cache(maxsize=1)
+def _npu_available() -> bool:
+    try:
+        import torch_npu  # noqa: F401  (registers torch.npu)
+    except Exception:
+        return False
+    return bool(getattr(torch, "npu", None)) and torch.npu.is_available()
+
+
+def _cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def detect() -> DeviceType:
+    """npu when torch_npu imports and sees a device, else cuda, else cpu.
+
+    ``RLRECIPES_DEVICE`` forces a type (e.g. ``cpu`` on a GPU host for tests).
+    """
+    forced = os.environ.get("RLRECIPES_DEVICE")
+    if forced:
+        if forced not in COMM_BACKEND:
+            raise ValueError(f"RLRECIPES_DEVICE={forced!r}: expected one of cpu, cuda, npu")
+        return forced  # type: ignore[return-value]
+    if _npu_available():
+        return "npu"
+    if _cuda_available():
+        return "cuda"
+    return "cpu"
+
+
+def resolve(device_type: str | None) -> DeviceType:
+    """Resolve a recipe's ``resources.device`` (``auto`` or a type) to a device type."""
+    if device_type in (None, "auto"):
+        return detect()
+    if device_type not in COMM_BACKEND:
+        raise ValueError(f"unknown device type {device_type!r}: expected auto, cpu, cuda or npu")
+    return device_type  # type: ignore[return-value]
+
+
+def comm_backend(device_type: str | None = None) -> str:
+    """torch.distributed backend for a device type: hccl, nccl or gloo."""
+    return COMM_BACKEND[resolve(device_type)]
+
+
+def ray_resource(device_type: str | None = None) -> str:
+    return RAY_RESOURCE[resolve(device_type)]
+
+
+def device_count(device_type: str | None = None) -> int:
+    dt = resolve(device_type)
+    if dt == "npu":
+        return torch.npu.device_count()
+    if dt == "cuda":
+        return torch.cuda.device_count()
+    return 1
+
+
+def torch_device(device_type: str | None = None, local_rank: int = 0) -> torch.device:
+    """The torch.device a worker with this local rank computes on."""
+    dt = resolve(device_type)
+    if dt == "cpu":
+        return torch.device("cpu")
+    return torch.device(dt, local_rank % max(device_count(dt), 1))
+
+
+def set_device(device: torch.device) -> None:
+    if device.type == "npu":
+        torch.npu.set_device(device)
+    elif device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
+def synchronize(device: torch.device | None = None) -> None:
+    if device is None or device.type == "cpu":
+        return
+    if device.type == "npu":
+        torch.npu.synchronize(device)
+    elif device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def supports_bf16(device: torch.device) -> bool:
+    """bf16 compute is used on accelerators; CPU training stays fp32 (exact, and faster on CPUs)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return device.type == "npu"
+
+
+def train_dtype(device: torch.device, requested: str = "auto") -> torch.dtype:
+    """The dtype a recipe's ``model.dtype`` resolves to on this device."""
+    if requested == "auto":
+        return torch.bfloat16 if supports_bf16(device) else torch.float32
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[requested]
+
+
+def empty_cache(device: torch.device) -> None:
+    if device.type == "npu":
+        torch.npu.empty_cache()
+    elif device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+@dataclass
+class MemoryStats:
+    allocated_bytes: int
+    peak_bytes: int
+    total_bytes: int | None
+
+
+def host_rss_bytes() -> int:
+    """Current resident set size of this process (Linux /proc, else ru_maxrss)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:  # pragma: no cover - non-Linux
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def host_peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def memory_stats(device: torch.device) -> MemoryStats:
+    """Allocated / peak / total memory of a device. On CPU: this process's RSS and its peak."""
+    if device.type == "npu":
+        return MemoryStats(torch.npu.memory_allocated(device), torch.npu.max_memory_allocated(device),
+                           torch.npu.get_device_properties(device).total_memory)
+    if device.type == "cuda":
+        return MemoryStats(torch.cuda.memory_allocated(device), torch.cuda.max_memory_allocated(device),
+                           torch.cuda.get_device_properties(device).total_memory)
+    return MemoryStats(host_rss_bytes(), host_peak_rss_bytes(), None)
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "npu":
+        torch.npu.reset_peak_memory_stats(device)
+    elif device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def pin_memory_ok(device: torch.device) -> bool:
+    """Whether host copies for swap-out should be pinned (only useful for accelerators)."""
+    return device.type != "cpu"
+
+
+def to_nz_format(tensor: torch.Tensor) -> torch.Tensor:
+    """Cast a KV-cache tensor to the NPU FRACTAL_NZ layout; identity elsewhere."""
+    if tensor.device.type == "npu":
+        import torch_npu
+
+        return torch_npu.npu_format_cast(tensor, ACL_FORMAT_FRACTAL_NZ)
+    return tensor
+
+
+def manual_seed_all(seed: int) -> None:
+    torch.manual_seed(seed)
+    dt = detect()
+    if dt == "cuda":
+        torch.cuda.manual_seed_all(seed)
+    elif dt == "npu":
+        torch.npu.manual_seed_all(seed)
+
+
+def rng_state() -> dict:
+    """RNG state of torch (and the accelerator) for checkpoints."""
+    state = {"cpu": torch.get_rng_state()}
+    dt = detect()
+    if dt == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    elif dt == "npu":
+        state["npu"] = torch.npu.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and detect() == "cuda":
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "npu" in state and detect() == "npu":
+        torch.npu.set_rng_state_all(state["npu"])
+
+
+def is_accelerator(device_type: str) -> bool:
+    return device_type in ("cuda", "npu")

@@ -1,0 +1,347 @@
+"""Parallel layouts for N nodes: validation, per-device memory and reshard-volume estimates.
+
+``build_plan(recipe, nodes)`` derives the DP size of every role from the world size, checks
+every layout rule at once, and estimates per-device memory (weights, gradients, optimizer state,
+activations, rollout weights and KV cache) and the weight bytes each device receives when the
+trained weights are resharded into the rollout layout. Nothing here starts a process, so an
+impossible layout fails in ``rlrecipes plan`` before anything is launched.
+
+Scaling policy: the recipe pins a layout at ``resources.nodes``. On another node count the
+TP/PP/EP sizes stay and DP scales; the global batch scales with the actor DP size so every DP
+rank keeps its per-step batch (weak scaling), unless ``keep_batch=True`` (strong scaling).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+from .models import ModelDims
+from .recipe import Recipe
+
+GiB = 1024 ** 3
+DTYPE_BYTES = 2  # weights and activations in bf16 on accelerators
+
+
+@dataclass
+class RoleLayout:
+    role: str
+    tp: int
+    pp: int
+    ep: int
+    dp: Optional[int]
+    world: int
+    pp_layers: Optional[list[int]] = None
+
+    def describe(self) -> str:
+        dp = "?" if self.dp is None else self.dp
+        s = f"TP{self.tp} PP{self.pp} EP{self.ep} DP{dp}"
+        if self.pp_layers and self.pp > 1:
+            s += f" layers {','.join(map(str, self.pp_layers))}"
+        return s
+
+
+@dataclass
+class Memory:
+    """Per-device memory of one phase, in bytes."""
+
+    weights: float = 0.0
+    grads: float = 0.0
+    optimizer: float = 0.0
+    activations: float = 0.0
+    kv_cache: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.grads + self.optimizer + self.activations + self.kv_cache
+
+    def gib(self) -> dict[str, float]:
+        d = {k: round(v / GiB, 2) for k, v in asdict(self).items()}
+        d["total"] = round(self.total / GiB, 2)
+        return d
+
+
+@dataclass
+class Violation:
+    rule: str
+    detail: str
+
+    def __str__(self) -> str:
+        return f"{self.rule}: {self.detail}"
+
+
+@dataclass
+class Plan:
+    recipe: str
+    nodes: int
+    devices_per_node: int
+    world: int
+    device: str
+    device_memory_gb: float
+    roles: dict[str, RoleLayout]
+    global_batch: int
+    mini_batch: int
+    n_samples: int
+    train_memory: Memory = field(default_factory=Memory)
+    rollout_memory: Memory = field(default_factory=Memory)
+    reshard_bytes_per_device: float = 0.0
+    reshard_full_bytes: float = 0.0
+    changes: list[str] = field(default_factory=list)
+    violations: list[Violation] = field(default_factory=list)
+    nearest_valid_nodes: list[int] = field(default_factory=list)
+    model_params: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+    @property
+    def cards(self) -> int:
+        return self.world
+
+    def to_json(self) -> dict:
+        return {
+            "recipe": self.recipe, "ok": self.ok, "nodes": self.nodes, "devices_per_node": self.devices_per_node,
+            "world": self.world, "device": self.device, "model_params": self.model_params,
+            "roles": {k: asdict(v) for k, v in self.roles.items()},
+            "global_batch": self.global_batch, "mini_batch": self.mini_batch, "n_samples": self.n_samples,
+            "memory_gib": {"train": self.train_memory.gib(), "rollout": self.rollout_memory.gib(),
+                           "device": self.device_memory_gb},
+            "reshard_gib_per_device": round(self.reshard_bytes_per_device / GiB, 3),
+            "reshard_full_model_gib": round(self.reshard_full_bytes / GiB, 3),
+            "changes": self.changes, "violations": [asdict(v) for v in self.violations],
+            "nearest_valid_nodes": self.nearest_valid_nodes,
+        }
+
+
+# ---------------------------------------------------------------------------------------------
+def _even_split(layers: int, pp: int) -> list[int]:
+    base, extra = divmod(layers, pp)
+    return [base + (1 if i < extra else 0) for i in range(pp)]
+
+
+def _stage_params(dims: ModelDims, pp_layers: list[int]) -> list[tuple[float, float]]:
+    """(non-expert, expert) parameters held by each pipeline stage (embedding first, head last)."""
+    out, start = [], 0
+    for s, n in enumerate(pp_layers):
+        ne = e = 0.0
+        for layer in range(start, start + n):
+            a, b = dims.layer_params(layer)
+            ne += a
+            e += b
+        if s == 0:
+            ne += dims.vocab_size * dims.hidden_size
+        if s == len(pp_layers) - 1:
+            ne += dims.hidden_size + (0 if dims.tie_embeddings else dims.vocab_size * dims.hidden_size)
+        out.append((ne, e))
+        start += n
+    return out
+
+
+def _layout_violations(role: RoleLayout, dims: ModelDims, world: int, engine: str) -> list[Violation]:
+    v: list[Violation] = []
+    name = role.role
+    if world % (role.tp * role.pp):
+        v.append(Violation("TP*PP divides the world",
+                           f"{name}: TP{role.tp} x PP{role.pp} = {role.tp * role.pp} does not divide {world} devices"))
+        return v
+    dp = world // (role.tp * role.pp)
+    if (dp * role.tp) % role.ep:
+        v.append(Violation("EP divides DP*TP", f"{name}: EP{role.ep} does not divide DP{dp} x TP{role.tp} = {dp * role.tp}"))
+    if dims.num_heads % role.tp:
+        v.append(Violation("attention heads divide by TP", f"{name}: {dims.num_heads} heads, TP{role.tp}"))
+    if not dims.is_mla and dims.num_kv_heads % role.tp:
+        v.append(Violation("KV heads divide by TP", f"{name}: {dims.num_kv_heads} KV heads, TP{role.tp}"))
+    if dims.is_moe and dims.num_experts % role.ep:
+        v.append(Violation("experts divide by EP", f"{name}: {dims.num_experts} experts, EP{role.ep}"))
+    if not dims.is_moe and role.ep != 1:
+        v.append(Violation("EP needs an MoE model", f"{name}: EP{role.ep} on dense family {dims.family}; set ep: 1"))
+    if role.pp_layers is not None:
+        if len(role.pp_layers) != role.pp:
+            v.append(Violation("layer split has one entry per PP stage",
+                               f"{name}: pp_layers has {len(role.pp_layers)} entries for PP{role.pp}"))
+        if sum(role.pp_layers) != dims.num_layers:
+            v.append(Violation("layer split sums to the layer count",
+                               f"{name}: pp_layers {role.pp_layers} sums to {sum(role.pp_layers)}, model has {dims.num_layers} layers"))
+    elif role.pp > dims.num_layers:
+        v.append(Violation("PP at most the layer count", f"{name}: PP{role.pp} > {dims.num_layers} layers"))
+    if engine == "native" and name != "rollout" and role.pp != 1:
+        v.append(Violation("native engine has no pipeline parallelism",
+                           f"{name}: PP{role.pp} with engine native; use actor.engine: megatron or pp: 1"))
+    if engine == "native" and role.ep > 1 and role.tp % role.ep:
+        v.append(Violation("native engine keeps EP inside the TP group",
+                           f"{name}: EP{role.ep} does not divide TP{role.tp}; use ep <= tp with tp % ep == 0"))
+    return v
+
+
+def _train_memory(dims: ModelDims, role: RoleLayout, recipe: Recipe, dp: int) -> Memory:
+    pp_layers = role.pp_layers or _even_split(dims.num_layers, role.pp)
+    if len(pp_layers) != role.pp or sum(pp_layers) != dims.num_layers:
+        pp_layers = _even_split(dims.num_layers, role.pp)
+    worst = Memory()
+    seq = recipe.data.max_prompt_length + recipe.rollout.sampling.max_new_tokens
+    # megatron splits each expert over TP as well (expert TP = TP); the native engine does not
+    etp = role.tp if recipe.actor.engine == "megatron" else 1
+    for s, (ne, e) in enumerate(_stage_params(dims, pp_layers)):
+        params = ne / role.tp + e / (role.ep * etp)
+        expert_dp = max(1, dp * role.tp // (role.ep * etp))
+        m = Memory()
+        m.weights = params * DTYPE_BYTES
+        m.grads = params * DTYPE_BYTES
+        if not recipe.actor.offload_optimizer:
+            # fp32 master + Adam m, v, sharded over DP (distributed optimizer)
+            m.optimizer = 12 * (ne / role.tp / dp + e / (role.ep * etp) / expert_dp)
+        layers = pp_layers[s]
+        per_layer = recipe.trainer.micro_batch * seq * dims.hidden_size * DTYPE_BYTES / role.tp
+        # with recomputation only each layer's input is kept; without, ~16 activations per layer
+        m.activations = per_layer * layers * (1 if recipe.actor.recompute else 16) + \
+            recipe.trainer.micro_batch * seq * dims.vocab_size * 4 / role.tp  # fp32 logits
+        if m.total > worst.total:
+            worst = m
+    return worst
+
+
+def _rollout_memory(dims: ModelDims, role: RoleLayout, recipe: Recipe, device_bytes: float) -> Memory:
+    total, experts = dims.total_params(), dims.expert_params()
+    m = Memory()
+    m.weights = ((total - experts) / role.tp + experts / role.ep) * DTYPE_BYTES
+    budget = device_bytes * recipe.rollout.inference.gpu_memory_utilization
+    m.kv_cache = max(0.0, budget - m.weights)
+    return m
+
+
+def _kv_needed(dims: ModelDims, role: RoleLayout, recipe: Recipe, rows_per_instance: float) -> float:
+    seq = recipe.data.max_prompt_length + recipe.rollout.sampling.max_new_tokens
+    seqs = min(recipe.rollout.inference.max_num_seqs, max(1.0, rows_per_instance))
+    per_token = dims.kv_bytes_per_token(DTYPE_BYTES)
+    if not dims.is_mla:  # MLA's latent cache is replicated across TP; GQA heads are split
+        per_token /= role.tp
+    return seqs * seq * per_token
+
+
+def _reshard_bytes(dims: ModelDims, train: RoleLayout, rollout: RoleLayout) -> float:
+    """Bytes one device receives per step: its rollout shard minus what its train shard already holds.
+
+    Assumes nested, aligned shards (TP/EP sizes divide each other), the layout the resharder plans.
+    """
+    total, experts = dims.total_params(), dims.expert_params()
+    dense = total - experts
+    need = dense / rollout.tp + experts / rollout.ep
+    held = dense / train.pp / max(train.tp, rollout.tp) + experts / train.pp / max(train.ep, rollout.ep)
+    return max(0.0, need - held) * DTYPE_BYTES
+
+
+def build_plan(recipe: Recipe, nodes: Optional[int] = None, devices_per_node: Optional[int] = None,
+               keep_batch: bool = False, _search: bool = True) -> Plan:
+    res = recipe.resources
+    nodes = nodes or res.nodes
+    dpn = devices_per_node or res.devices_per_node
+    world = nodes * dpn
+    dims = recipe.model.dims()
+
+    a = recipe.actor.layout
+    roles = {"actor": RoleLayout("actor", a.tp, a.pp, a.ep, None, world, a.pp_layers)}
+    if recipe.ref.enabled:
+        r = recipe.ref.layout or a
+        roles["ref"] = RoleLayout("ref", r.tp, r.pp, r.ep, None, world, r.pp_layers)
+    if recipe.algorithm.name == "ppo":
+        c = recipe.critic.layout or a
+        roles["critic"] = RoleLayout("critic", c.tp, c.pp, c.ep, None, world, c.pp_layers)
+    ro = recipe.rollout.layout
+    roles["rollout"] = RoleLayout("rollout", ro.tp, ro.pp, ro.ep, None, world)
+
+    violations: list[Violation] = []
+    if ro.pp != 1:
+        violations.append(Violation("rollout PP = 1", f"rollout.layout.pp is {ro.pp}; the rollout runs without pipeline stages"))
+    for role in roles.values():
+        engine = recipe.rollout.engine if role.role == "rollout" else recipe.actor.engine
+        vs = _layout_violations(role, dims, world, engine)
+        violations.extend(vs)
+        if world % (role.tp * role.pp) == 0:
+            role.dp = world // (role.tp * role.pp)
+
+    # batch scaling
+    gb, mb = recipe.trainer.global_batch, recipe.trainer.mini_batch
+    n = recipe.trainer.n_samples_per_prompt
+    changes: list[str] = []
+    actor = roles["actor"]
+    if nodes != res.nodes:
+        pinned_world = res.nodes * dpn
+        if pinned_world % (a.tp * a.pp) == 0 and actor.dp is not None:
+            pinned_dp = pinned_world // (a.tp * a.pp)
+            changes.append(f"nodes {res.nodes} -> {nodes}: world {pinned_world} -> {world} devices")
+            for role in roles.values():
+                old = pinned_world // (role.tp * role.pp)
+                if role.dp is not None and role.dp != old:
+                    changes.append(f"{role.role} DP {old} -> {role.dp} (TP/PP/EP unchanged)")
+            if not keep_batch and actor.dp != pinned_dp and gb % pinned_dp == 0 and mb % pinned_dp == 0:
+                new_gb, new_mb = gb // pinned_dp * actor.dp, mb // pinned_dp * actor.dp
+                if new_gb != gb:
+                    changes.append(f"global batch {gb} -> {new_gb} prompts, mini-batch {mb} -> {new_mb} "
+                                   f"({gb // pinned_dp} prompts per actor DP rank kept; --keep-batch holds {gb})")
+                gb, mb = new_gb, new_mb
+    for role in roles.values():
+        if role.role == "rollout" or role.dp is None:
+            continue
+        if gb % role.dp:
+            violations.append(Violation("global batch divides by DP",
+                                        f"{role.role}: {gb} prompts per step over DP{role.dp}"))
+        elif mb % role.dp:
+            violations.append(Violation("mini-batch divides by DP",
+                                        f"{role.role}: {mb} prompts per optimizer step over DP{role.dp}"))
+
+    device_bytes = res.device_memory_gb * GiB
+    plan = Plan(recipe=recipe.name, nodes=nodes, devices_per_node=dpn, world=world, device=res.device,
+                device_memory_gb=res.device_memory_gb, roles=roles, global_batch=gb, mini_batch=mb, n_samples=n,
+                changes=changes, model_params=dims.total_params())
+    if actor.dp is not None:
+        plan.train_memory = _train_memory(dims, actor, recipe, actor.dp)
+        if plan.train_memory.total > device_bytes:
+            violations.append(Violation("training memory fits the device",
+                                        f"actor needs {plan.train_memory.total / GiB:.1f} GiB per device "
+                                        f"> {res.device_memory_gb:g} GiB (raise TP/PP/EP, or set actor.offload_optimizer)"))
+    rollout = roles["rollout"]
+    if rollout.dp is not None:
+        plan.rollout_memory = _rollout_memory(dims, rollout, recipe, device_bytes)
+        budget = device_bytes * recipe.rollout.inference.gpu_memory_utilization
+        instances = max(1, world // (rollout.tp * max(1, rollout.ep // rollout.tp)))
+        need_kv = _kv_needed(dims, rollout, recipe, gb * n / instances)
+        if plan.rollout_memory.weights > budget:
+            violations.append(Violation("rollout weights fit the device",
+                                        f"rollout weights {plan.rollout_memory.weights / GiB:.1f} GiB > "
+                                        f"{budget / GiB:.1f} GiB budget (gpu_memory_utilization "
+                                        f"{recipe.rollout.inference.gpu_memory_utilization}); raise rollout TP/EP"))
+        elif plan.rollout_memory.kv_cache < min(need_kv, 0.05 * device_bytes):
+            violations.append(Violation("KV cache fits the device",
+                                        f"only {plan.rollout_memory.kv_cache / GiB:.1f} GiB left for the KV cache"))
+        if actor.dp is not None:
+            plan.reshard_bytes_per_device = _reshard_bytes(dims, actor, rollout)
+            plan.reshard_full_bytes = dims.total_params() * DTYPE_BYTES
+    plan.violations = violations
+    if violations and _search:
+        plan.nearest_valid_nodes = nearest_valid_nodes(recipe, nodes, dpn, keep_batch)
+    return plan
+
+
+def nearest_valid_nodes(recipe: Recipe, nodes: int, devices_per_node: int, keep_batch: bool = False,
+                        limit: int = 4096) -> list[int]:
+    """The closest node counts below and above ``nodes`` whose plan has no violation."""
+    below = next((n for n in range(nodes - 1, 0, -1)
+                  if build_plan(recipe, n, devices_per_node, keep_batch, _search=False).ok), None)
+    above = next((n for n in range(nodes + 1, max(limit, 4 * nodes))
+                  if build_plan(recipe, n, devices_per_node, keep_batch, _search=False).ok), None)
+    return [n for n in (below, above) if n is not None]
+
+
+class PlanError(RuntimeError):
+    """Raised by `run` when the plan has violations (the message lists all of them)."""
+
+
+def format_violations(plan: Plan) -> str:
+    lines = [f"{plan.recipe} on {plan.nodes} node(s) x {plan.devices_per_node} devices = {plan.world}: "
+             f"{len(plan.violations)} rule(s) violated"]
+    lines += [f"  - {v}" for v in plan.violations]
+    if plan.nearest_valid_nodes:
+        lines.append(f"  nearest valid node counts: {', '.join(map(str, plan.nearest_valid_nodes))}")
+    else:
+        lines.append("  no node count up to the search limit satisfies every rule; change the layout in the recipe")
+    return "\n".join(lines)

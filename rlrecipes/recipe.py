@@ -1,0 +1,571 @@
+"""Recipe schema, YAML loading with inheritance, typed ``a.b=value`` overrides, and the registry.
+
+A recipe folder holds ``recipe.yaml`` (the full-scale run) and ``smoke.yaml`` (the same recipe
+at tiny size on CPU), which inherits ``recipe.yaml`` through ``defaults: [recipe.yaml]`` and
+holds only the differences. Every field below has a docstring; ``rlrecipes show --resolved``
+prints the merged result.
+"""
+from __future__ import annotations
+
+import difflib
+import os
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .models import FAMILIES, PRESETS, SMOKE, ModelDims, smoke_dims
+
+
+class RecipeError(ValueError):
+    """A bad recipe, override or recipe name. The message names the file/key and suggests a fix."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# model / data
+# ---------------------------------------------------------------------------------------------
+class SmokeDims(_Strict):
+    """Overrides of the family's tiny smoke dimensions (see rlrecipes.models.SMOKE)."""
+
+    vocab_size: Optional[int] = None
+    hidden_size: Optional[int] = None
+    num_layers: Optional[int] = None
+    num_heads: Optional[int] = None
+    num_kv_heads: Optional[int] = None
+    head_dim: Optional[int] = None
+    intermediate_size: Optional[int] = None
+    num_experts: Optional[int] = None
+    moe_intermediate_size: Optional[int] = None
+    experts_per_token: Optional[int] = None
+
+
+class ModelConfig(_Strict):
+    family: Literal["qwen2", "qwen3_moe", "deepseek_v3"]
+    """Architecture family: qwen2 (dense), qwen3_moe (MoE), deepseek_v3 (MLA + MoE)."""
+    preset: Optional[str] = None
+    """Pinned real dimensions used by the planner (qwen2.5-7b, qwen3-30b-a3b, deepseek-v3-671b)."""
+    path: Optional[str] = None
+    """Local HF folder (config.json + safetensors + tokenizer). Never a hub id: nothing is downloaded."""
+    smoke: Optional[SmokeDims] = None
+    """Build a tiny randomly initialised model of the family from config instead of loading `path`."""
+    tokenizer: Optional[str] = None
+    """Local tokenizer folder; defaults to `path`, or the bundled character tokenizer for smoke runs."""
+    dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
+    """Training dtype. auto: bf16 on accelerators that support it, fp32 on CPU."""
+
+    @field_validator("preset")
+    @classmethod
+    def _known_preset(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None and v not in PRESETS:
+            raise ValueError(f"unknown preset {v!r}; choose one of {', '.join(PRESETS)}")
+        return v
+
+    @model_validator(mode="after")
+    def _source(self) -> "ModelConfig":
+        if self.path is None and self.smoke is None and self.preset is None:
+            raise ValueError("set model.path (a local HF folder), model.preset, or model.smoke")
+        if self.preset and PRESETS[self.preset].family != self.family:
+            raise ValueError(f"preset {self.preset!r} is family {PRESETS[self.preset].family!r}, not {self.family!r}")
+        return self
+
+    def dims(self) -> ModelDims:
+        """Dimensions of the model this recipe trains (smoke dims, or the pinned real preset)."""
+        if self.smoke is not None:
+            return smoke_dims(self.family, **self.smoke.model_dump(exclude_none=True))
+        if self.preset is not None:
+            return PRESETS[self.preset]
+        from transformers import AutoConfig
+
+        from .models import dims_from_hf_config
+
+        return dims_from_hf_config(AutoConfig.from_pretrained(self.path, local_files_only=True))
+
+
+class DataConfig(_Strict):
+    train_files: list[str] = Field(default_factory=list)
+    """JSONL or Parquet files of prompts, relative to the recipe folder or absolute."""
+    synthetic: Optional[Literal["arithmetic"]] = None
+    """Use the bundled deterministic synthetic task instead of files (smoke runs)."""
+    synthetic_size: int = 2048
+    """Number of synthetic prompts generated from the seed."""
+    prompt_key: str = "prompt"
+    """Field holding the prompt text (or chat messages)."""
+    answer_key: str = "answer"
+    """Field holding the reference answer given to the reward function."""
+    max_prompt_length: int = 2048
+    """Prompts longer than this (in tokens) are dropped and counted."""
+    apply_chat_template: bool = True
+    """Wrap prompts with the tokenizer's chat template when it has one."""
+    shuffle: bool = True
+    """Shuffle deterministically by trainer.seed each epoch."""
+    on_malformed: Literal["error", "skip"] = "error"
+    """A malformed row either stops the run with its file:line, or is skipped and counted."""
+
+    @model_validator(mode="after")
+    def _some_data(self) -> "DataConfig":
+        if not self.train_files and self.synthetic is None:
+            raise ValueError("set data.train_files (JSONL/Parquet) or data.synthetic: arithmetic")
+        return self
+
+
+# ---------------------------------------------------------------------------------------------
+# algorithm
+# ---------------------------------------------------------------------------------------------
+class DynamicSampling(_Strict):
+    enabled: bool = False
+    """DAPO: drop groups whose scores are all equal and generate more until the batch is full."""
+    metric: str = "score"
+    """Per-sample metric a group must vary in to be kept."""
+    max_gen_batches: int = 4
+    """Cap on generation rounds per step; the step trains on what it has when the cap is hit."""
+
+
+class Overlong(_Strict):
+    enabled: bool = False
+    """DAPO overlong reward shaping: a linear penalty in the last `buffer_len` tokens."""
+    buffer_len: int = 512
+    """Length of the soft-penalty zone before the response length limit."""
+    penalty_factor: float = 1.0
+    """Penalty at the hard limit."""
+
+
+class AlgorithmConfig(_Strict):
+    name: Literal["grpo", "dapo", "ppo"]
+    """The algorithm: its stage DAG and defaults."""
+    adv_estimator: Literal["grpo", "grpo_no_std", "gae"] = "grpo"
+    """Advantage: group-normalised outcome (grpo), without std (Dr. GRPO), or GAE with a critic (ppo)."""
+    norm_adv_by_std: bool = True
+    """GRPO: divide by the group std (+1e-6)."""
+    gamma: float = 1.0
+    """GAE discount."""
+    lam: float = 1.0
+    """GAE lambda."""
+    clip_ratio_low: float = 0.2
+    """PPO clip eps below 1."""
+    clip_ratio_high: float = 0.2
+    """PPO clip eps above 1 (DAPO clip-higher: 0.28)."""
+    dual_clip_c: Optional[float] = 3.0
+    """Dual-clip bound for negative advantages; null disables."""
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    """How token losses are aggregated; invariant to the DP/micro-batch split."""
+    entropy_coef: float = 0.0
+    """Entropy bonus coefficient."""
+    use_kl_loss: bool = True
+    """Add a KL(actor || ref) term to the loss."""
+    kl_coef: float = 0.001
+    """KL coefficient (initial value for the adaptive controller)."""
+    kl_estimator: Literal["k1", "abs", "k2", "mse", "k3", "low_var_kl"] = "low_var_kl"
+    """KL estimator."""
+    use_kl_in_reward: bool = False
+    """Subtract the KL penalty from the token rewards instead of (or as well as) the loss."""
+    kl_controller: Literal["fixed", "adaptive"] = "fixed"
+    """KL coefficient controller."""
+    kl_target: float = 0.1
+    """Adaptive controller: target KL."""
+    kl_horizon: int = 10000
+    """Adaptive controller: horizon."""
+    value_clip: float = 0.5
+    """PPO critic value clipping range."""
+    ppo_epochs: int = 1
+    """Optimizer passes over each rollout batch. 1 (with one mini-batch) is on-policy."""
+    skip_old_log_prob: Literal["auto", "true", "false"] = "auto"
+    """Skip the old-log-prob forward when on-policy (auto decides from ppo_epochs and mini-batches)."""
+    dynamic_sampling: DynamicSampling = Field(default_factory=DynamicSampling)
+    overlong: Overlong = Field(default_factory=Overlong)
+
+    @field_validator("skip_old_log_prob", mode="before")
+    @classmethod
+    def _bool_to_str(cls, v: Any) -> Any:
+        return str(v).lower() if isinstance(v, bool) else v
+
+
+class RewardConfig(_Strict):
+    fn: str = "math_verify"
+    """Reward function: a registered name (math_verify, smoke_arith, format) or `module:function`."""
+    format_weight: float = 0.0
+    """Weight of the format reward added to the outcome reward."""
+
+
+# ---------------------------------------------------------------------------------------------
+# layouts and engines
+# ---------------------------------------------------------------------------------------------
+class TrainLayout(_Strict):
+    tp: int = Field(1, ge=1)
+    """Tensor-parallel size."""
+    pp: int = Field(1, ge=1)
+    """Pipeline-parallel size."""
+    ep: int = Field(1, ge=1)
+    """Expert-parallel size (carved out of dp*tp)."""
+    pp_layers: Optional[list[int]] = None
+    """Layers per pipeline stage, e.g. [7,7,8,8,8,8,8,7]; even split when null."""
+
+
+class RolloutLayout(_Strict):
+    tp: int = Field(1, ge=1)
+    """Tensor-parallel size of one rollout instance."""
+    pp: int = Field(1, ge=1)
+    """Must be 1: rollout runs without pipeline parallelism."""
+    ep: int = Field(1, ge=1)
+    """Expert-parallel size of the rollout (experts are routed here by the resharder)."""
+
+
+class ActorConfig(_Strict):
+    engine: Literal["native", "megatron"] = "native"
+    """Training engine: native (HF + FSDP2 + DTensor TP/EP, any device) or megatron (megatron-core / MindSpeed)."""
+    layout: TrainLayout = Field(default_factory=TrainLayout)
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip."""
+    offload_optimizer: bool = False
+    """Keep optimizer state on host during training (swap-optimizer); the planner counts it off-device."""
+    recompute: bool = True
+    """Activation recomputation (counted in the planner's activation estimate)."""
+
+
+class RefConfig(_Strict):
+    enabled: bool = True
+    """Compute reference log-probs (needed for a KL term)."""
+    layout: Optional[TrainLayout] = None
+    """Reference layout; null reuses the actor layout (colocated)."""
+
+
+class CriticConfig(_Strict):
+    layout: Optional[TrainLayout] = None
+    """Critic layout (PPO); null reuses the actor layout."""
+    lr: float = 1e-5
+    """Critic learning rate."""
+
+
+class InferenceSettings(_Strict):
+    """Rollout-engine settings rendered for vllm-ascend (see rlrecipes.core.inference)."""
+
+    kv_cache_format: Literal["nd", "nz"] = "nd"
+    """KV-cache storage format: nd, or nz (ACL FRACTAL_NZ on Ascend)."""
+    multistream_mla: bool = False
+    """Overlap MLA preprocessing on a second stream (DeepSeek)."""
+    multistream_moe: bool = False
+    """Overlap the MoE shared expert with routed experts on a second stream."""
+    graph_mode: bool = False
+    """Capture decode in a graph (torchair / ACL graph)."""
+    enforce_eager: bool = False
+    """Disable graph capture entirely."""
+    max_num_seqs: int = 256
+    """Max concurrent sequences per instance."""
+    gpu_memory_utilization: float = Field(0.6, gt=0, le=1)
+    """Share of device memory the rollout may take (weights + KV cache)."""
+    max_num_batched_tokens: Optional[int] = None
+    """Chunked-prefill budget per scheduler step."""
+    decode_only: bool = False
+    """This instance serves decode only (disaggregated prefill/decode)."""
+
+
+class SamplingConfig(_Strict):
+    temperature: float = Field(1.0, ge=0)
+    """Sampling temperature; 0 is greedy."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling."""
+    top_k: int = -1
+    """Top-k sampling; -1 disables."""
+    max_new_tokens: int = 2048
+    """Response length limit."""
+
+
+class RolloutConfig(_Strict):
+    engine: Literal["native", "vllm"] = "native"
+    """Rollout engine: native (batched KV-cache sampler, any device) or vllm (vLLM / vllm-ascend)."""
+    layout: RolloutLayout = Field(default_factory=RolloutLayout)
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    inference: InferenceSettings = Field(default_factory=InferenceSettings)
+
+
+class ReshardConfig(_Strict):
+    strategy: Literal["auto", "allgather_naive", "allgather_swap", "alltoallv_experts", "tp_allgather_pp_alltoall"] = "auto"
+    """How trained weights reach the rollout layout each step."""
+    bucket_mb: int = Field(512, ge=1)
+    """Bucket size of the bucketed strategies."""
+    swap_grads: bool = False
+    """Also swap gradients to host during rollout."""
+    swap_optimizer: bool = True
+    """Also swap optimizer state to host during rollout."""
+
+
+class ResourcesConfig(_Strict):
+    nodes: int = Field(1, ge=1)
+    """Nodes the pinned layout was published on (`--nodes` overrides)."""
+    devices_per_node: int = Field(16, ge=1)
+    """Ray accelerator resources per node (an Atlas A3 node: 8 cards = 16 dies)."""
+    device: Literal["auto", "npu", "cuda", "cpu"] = "npu"
+    """Device type the recipe targets."""
+    dies_per_card: int = Field(2, ge=1)
+    """Ray devices per card; TPS/card divides by cards (A3: 2 dies per card)."""
+    device_memory_gb: float = Field(64.0, gt=0)
+    """Memory of one device, for the planner's fit check (A3 die: 64 GB HBM)."""
+    cpus_per_worker: float = Field(1.0, gt=0)
+    """Ray CPUs reserved per worker actor."""
+
+
+class TrainerConfig(_Strict):
+    steps: int = Field(100, ge=1)
+    """Training steps (one rollout batch each)."""
+    global_batch: int = Field(32, ge=1)
+    """Prompts per step."""
+    n_samples_per_prompt: int = Field(8, ge=1)
+    """Responses sampled per prompt (the GRPO group size)."""
+    mini_batch: int = Field(32, ge=1)
+    """Prompts per optimizer step; global_batch / mini_batch optimizer steps per rollout batch."""
+    micro_batch: int = Field(4, ge=1)
+    """Samples per forward/backward on one DP rank (gradient accumulation)."""
+    lr: float = 1e-6
+    """Actor AdamW learning rate."""
+    warmup_steps: int = 0
+    """Linear LR warm-up steps."""
+    seed: int = 1234
+    """Seed of data order, sampling and initialisation."""
+    checkpoint_interval: int = 0
+    """Save the train state every K steps (0: never)."""
+    out_dir: str = "runs"
+    """Where run folders are created."""
+    dock_timeout_s: float = 600.0
+    """A stage waiting longer than this on the TransferDock fails with a named error."""
+
+    @model_validator(mode="after")
+    def _batches(self) -> "TrainerConfig":
+        if self.global_batch % self.mini_batch:
+            raise ValueError(f"trainer.global_batch={self.global_batch} is not a multiple of trainer.mini_batch={self.mini_batch}")
+        return self
+
+
+class Recipe(_Strict):
+    name: str
+    """Registered name of the recipe."""
+    description: str = ""
+    """One line shown by `rlrecipes list`."""
+    model: ModelConfig
+    data: DataConfig
+    algorithm: AlgorithmConfig
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    actor: ActorConfig = Field(default_factory=ActorConfig)
+    ref: RefConfig = Field(default_factory=RefConfig)
+    critic: CriticConfig = Field(default_factory=CriticConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    resharding: ReshardConfig = Field(default_factory=ReshardConfig)
+    resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+
+    @model_validator(mode="after")
+    def _cross(self) -> "Recipe":
+        if self.algorithm.name == "ppo" and self.algorithm.adv_estimator != "gae":
+            raise ValueError("algorithm.name=ppo needs algorithm.adv_estimator=gae")
+        if self.algorithm.name != "ppo" and self.algorithm.adv_estimator == "gae":
+            raise ValueError(f"algorithm.adv_estimator=gae needs a critic: set algorithm.name=ppo (got {self.algorithm.name})")
+        return self
+
+    # convenience -------------------------------------------------------------------------------
+    @property
+    def rows_per_step(self) -> int:
+        return self.trainer.global_batch * self.trainer.n_samples_per_prompt
+
+    @property
+    def folder(self) -> Optional[Path]:
+        return getattr(self, "_folder", None)
+
+
+# ---------------------------------------------------------------------------------------------
+# loading
+# ---------------------------------------------------------------------------------------------
+def _deep_merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def load_yaml_tree(path: Path, _seen: tuple = ()) -> dict:
+    """Load a YAML file and the files it names in ``defaults:`` (merged first, in order)."""
+    path = path.resolve()
+    if path in _seen:
+        raise RecipeError(f"{path}: `defaults` forms a cycle ({' -> '.join(p.name for p in _seen + (path,))})")
+    if not path.is_file():
+        raise RecipeError(f"{path}: no such recipe file")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark else ""
+        raise RecipeError(f"{path}{where}: invalid YAML: {getattr(e, 'problem', e)}") from None
+    if not isinstance(data, dict):
+        raise RecipeError(f"{path}: top level must be a mapping of sections (model:, data:, ...)")
+    defaults = data.pop("defaults", []) or []
+    if isinstance(defaults, str):
+        defaults = [defaults]
+    merged: dict = {}
+    for d in defaults:
+        merged = _deep_merge(merged, load_yaml_tree(path.parent / d, _seen + (path,)))
+    return _deep_merge(merged, data)
+
+
+def _fields_at(loc: tuple) -> list[str]:
+    """Valid field names at a location of the Recipe model tree (for 'did you mean')."""
+    model: Any = Recipe
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            return []
+        ann = field.annotation
+        for cand in getattr(ann, "__args__", ()) or (ann,):
+            if isinstance(cand, type) and issubclass(cand, BaseModel):
+                ann = cand
+                break
+        model = ann
+    return list(getattr(model, "model_fields", {}))
+
+
+def _format_errors(err: ValidationError, source: str, origins: dict[str, str]) -> str:
+    lines = []
+    for e in err.errors():
+        loc = tuple(p for p in e["loc"] if not (isinstance(p, str) and p.startswith("function-after")))
+        key = ".".join(str(p) for p in loc) or "(top level)"
+        src = origins.get(key, source)
+        if e["type"] == "extra_forbidden":
+            choices = _fields_at(loc)
+            close = difflib.get_close_matches(str(loc[-1]), choices, n=1)
+            hint = f"; did you mean `{'.'.join(map(str, loc[:-1] + (close[0],)))}`?" if close else (
+                f"; valid keys here: {', '.join(choices)}" if choices else "")
+            lines.append(f"{src}: unknown key `{key}`{hint}")
+        elif e["type"] == "missing":
+            lines.append(f"{src}: missing required key `{key}`")
+        else:
+            got = e.get("input")
+            got_s = "" if isinstance(got, dict) else f" (got {got!r})"
+            lines.append(f"{src}: `{key}`: {e['msg']}{got_s}")
+    return "\n".join(lines)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """Parse ``a.b.c=value``; the value is YAML-typed (1 -> int, true -> bool, [1,2] -> list)."""
+    if "=" not in text:
+        raise RecipeError(f"override {text!r}: expected KEY=VALUE, e.g. trainer.steps=20")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key or any(not p for p in key.split(".")):
+        raise RecipeError(f"override {text!r}: empty key part; write dotted keys like actor.layout.tp=2")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.split("."), value
+
+
+def apply_overrides(data: dict, overrides: list[str], origins: dict[str, str]) -> dict:
+    data = _deep_merge({}, data)
+    for text in overrides:
+        path, value = parse_override(text)
+        node = data
+        for i, p in enumerate(path[:-1]):
+            nxt = node.get(p)
+            if nxt is None:
+                nxt = node[p] = {}
+            elif not isinstance(nxt, dict):
+                raise RecipeError(f"override {text!r}: `{'.'.join(path[:i + 1])}` is a value, not a section")
+            node = nxt
+        node[path[-1]] = value
+        origins[".".join(path)] = f"override `{text}`"
+    return data
+
+
+def recipe_roots() -> list[Path]:
+    """Where registered recipes live: $RLRECIPES_PATH, the source checkout's recipes/, the wheel's copy."""
+    roots: list[Path] = []
+    for p in filter(None, os.environ.get("RLRECIPES_PATH", "").split(os.pathsep)):
+        roots.append(Path(p))
+    src = Path(__file__).resolve().parent.parent / "recipes"
+    if src.is_dir():
+        roots.append(src)
+    try:
+        packaged = Path(str(resources.files("rlrecipes") / "_recipes"))
+        if packaged.is_dir():
+            roots.append(packaged)
+    except (ModuleNotFoundError, TypeError):  # pragma: no cover
+        pass
+    return roots
+
+
+def registry() -> dict[str, Path]:
+    """Registered recipe name -> folder (first root wins)."""
+    found: dict[str, Path] = {}
+    for root in recipe_roots():
+        for d in sorted(root.iterdir()):
+            if (d / "recipe.yaml").is_file() and d.name not in found:
+                found[d.name] = d
+    return found
+
+
+def find_recipe(name_or_path: str) -> Path:
+    """A recipe folder from a registered name or a path to a folder (or to a YAML file's folder)."""
+    p = Path(name_or_path)
+    if p.is_dir():
+        if not (p / "recipe.yaml").is_file():
+            raise RecipeError(f"{p}: not a recipe folder (no recipe.yaml). Create one with `rlrecipes cp <recipe> {p}`")
+        return p.resolve()
+    if p.suffix in (".yaml", ".yml") and p.is_file():
+        return p.resolve().parent
+    reg = registry()
+    if name_or_path in reg:
+        return reg[name_or_path]
+    close = difflib.get_close_matches(name_or_path, list(reg), n=1)
+    hint = f"did you mean `{close[0]}`? " if close else ""
+    raise RecipeError(f"unknown recipe {name_or_path!r}: {hint}registered recipes: {', '.join(reg) or '(none)'}; "
+                      "or pass a path to a recipe folder")
+
+
+def load_recipe(name_or_path: str, *, smoke: bool = False, overrides: list[str] | None = None,
+                file: str | None = None) -> Recipe:
+    """Load, merge (defaults + overrides) and validate a recipe.
+
+    ``file`` picks a YAML inside the folder; by default ``smoke.yaml`` with ``smoke=True``,
+    otherwise ``recipe.yaml``. A path to a YAML file loads that file.
+    """
+    folder = find_recipe(name_or_path)
+    p = Path(name_or_path)
+    if file is None and p.suffix in (".yaml", ".yml") and p.is_file():
+        yaml_path = p.resolve()
+    else:
+        yaml_path = folder / (file or ("smoke.yaml" if smoke else "recipe.yaml"))
+    data = load_yaml_tree(yaml_path)
+    origins: dict[str, str] = {}
+    data = apply_overrides(data, list(overrides or []), origins)
+    try:
+        recipe = Recipe.model_validate(data)
+    except ValidationError as e:
+        raise RecipeError(_format_errors(e, str(yaml_path), origins)) from None
+    object.__setattr__(recipe, "_folder", folder)
+    object.__setattr__(recipe, "_source", yaml_path)
+    return recipe
+
+
+def resolve_path(recipe: Recipe, path: str) -> Path:
+    """A path from a recipe, relative to its folder unless absolute."""
+    p = Path(os.path.expanduser(path))
+    if not p.is_absolute() and recipe.folder is not None:
+        p = recipe.folder / p
+    return p
+
+
+def dump_yaml(recipe: Recipe) -> str:
+    return yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False)
+
+
+__all__ = ["Recipe", "RecipeError", "load_recipe", "find_recipe", "registry", "recipe_roots",
+           "parse_override", "dump_yaml", "resolve_path", "SMOKE", "FAMILIES"]
