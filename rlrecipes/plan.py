@@ -143,9 +143,8 @@ def _layout_violations(role: RoleLayout, dims: ModelDims, world: int, engine: st
     if world % (role.tp * role.pp):
         v.append(Violation("TP*PP divides the world",
                            f"{name}: TP{role.tp} x PP{role.pp} = {role.tp * role.pp} does not divide {world} devices"))
-        return v
-    dp = world // (role.tp * role.pp)
-    if (dp * role.tp) % role.ep:
+    dp = world // (role.tp * role.pp) if world % (role.tp * role.pp) == 0 else None
+    if dp is not None and (dp * role.tp) % role.ep:
         v.append(Violation("EP divides DP*TP", f"{name}: EP{role.ep} does not divide DP{dp} x TP{role.tp} = {dp * role.tp}"))
     if dims.num_heads % role.tp:
         v.append(Violation("attention heads divide by TP", f"{name}: {dims.num_heads} heads, TP{role.tp}"))

@@ -35,7 +35,7 @@ def register(app: typer.Typer) -> None:
             return
         t = Table(title="rlrecipes")
         for c in ("recipe", "model", "algorithm", "hardware", "baseline TPS/card"):
-            t.add_column(c)
+            t.add_column(c, no_wrap=c in ("recipe", "model"), overflow="fold")
         for row in rows:
             tps = ", ".join(f"{hw}: {v}" for hw, v in row["tps_per_card"].items()) or "-"
             t.add_row(row["recipe"], row["model"], row["algorithm"], row["hardware"], tps)

@@ -1,0 +1,77 @@
+import random
+
+import pytest
+
+from rlrecipes.plan import build_plan, format_violations
+from rlrecipes.recipe import load_recipe
+
+
+def test_deepseek_16_nodes_passes_pinned_layout():
+    p = build_plan(load_recipe("deepseek_r1_671b"), 16)
+    assert p.ok, format_violations(p)
+    assert p.world == 256 and p.roles["actor"].dp == 8 and p.roles["rollout"].dp == 128
+    assert p.changes == []
+    assert 0 < p.train_memory.total <= 64 * 2**30 and 0 < p.rollout_memory.total <= 64 * 2**30
+    assert 0 < p.reshard_bytes_per_device < p.reshard_full_bytes
+
+
+def test_deepseek_48_nodes_scales_dp_and_says_so():
+    p = build_plan(load_recipe("deepseek_r1_671b"), 48)
+    assert p.ok, format_violations(p)
+    assert p.roles["actor"].dp == 24 and p.roles["actor"].tp == 4 and p.roles["actor"].pp == 8
+    assert p.global_batch == 1536
+    text = " ".join(p.changes)
+    assert "actor DP 8 -> 24" in text and "global batch 512 -> 1536" in text
+    strong = build_plan(load_recipe("deepseek_r1_671b"), 48, keep_batch=True)
+    assert not strong.ok and any("global batch divides by DP" == v.rule for v in strong.violations)
+
+
+def test_deepseek_3_nodes_fails_with_every_reason_and_nearest():
+    p = build_plan(load_recipe("deepseek_r1_671b"), 3)
+    assert not p.ok
+    rules = {v.rule for v in p.violations}
+    assert "TP*PP divides the world" in rules and "EP divides DP*TP" in rules
+    assert p.nearest_valid_nodes == [8]
+    assert "32 does not divide 48" in format_violations(p)
+
+
+def test_rules_reported_together():
+    r = load_recipe("qwen25_7b", overrides=["actor.layout.tp=3", "rollout.layout.pp=2", "actor.layout.pp_layers=[10,10]"])
+    p = build_plan(r, 1)
+    rules = {v.rule for v in p.violations}
+    assert {"rollout PP = 1", "attention heads divide by TP", "layer split sums to the layer count"} <= rules
+
+
+def test_experts_divide_by_ep_and_memory():
+    r = load_recipe("qwen3_moe_30b", overrides=["rollout.layout.ep=16", "rollout.layout.tp=1"])
+    assert build_plan(r, 1).ok  # 128 experts / 16
+    r = load_recipe("qwen3_moe_30b", overrides=["rollout.layout.ep=3"])
+    assert "experts divide by EP" in {v.rule for v in build_plan(r, 3).violations}
+    r = load_recipe("qwen25_7b", overrides=["actor.layout.tp=1", "actor.layout.pp=1", "resources.device_memory_gb=16"])
+    assert "training memory fits the device" in {v.rule for v in build_plan(r, 1).violations}
+
+
+@pytest.mark.parametrize("name", ["qwen25_7b", "qwen3_moe_30b", "deepseek_r1_671b"])
+def test_property_random_node_counts(name):
+    """Whatever the node count: a valid plan's layouts multiply out to the world and the batch divides;
+    an invalid one always lists a rule, and its nearest valid counts are valid."""
+    recipe = load_recipe(name)
+    rng = random.Random(0)
+    for nodes in rng.sample(range(1, 80), 12):
+        p = build_plan(recipe, nodes)
+        if p.ok:
+            for role in p.roles.values():
+                assert role.tp * role.pp * role.dp == p.world
+                assert (role.dp * role.tp) % role.ep == 0
+                if role.role != "rollout":
+                    assert p.global_batch % role.dp == 0
+        else:
+            assert p.violations
+            for n in p.nearest_valid_nodes:
+                assert build_plan(recipe, n).ok
+
+
+@pytest.mark.parametrize("name", ["qwen25_7b", "qwen3_moe_30b", "deepseek_r1_671b"])
+def test_smoke_plans_pass(name):
+    p = build_plan(load_recipe(name, smoke=True))
+    assert p.ok, format_violations(p)
