@@ -1,0 +1,50 @@
+import pytest
+
+from rlrecipes.core.inference import InferenceConfigError, parse_version, render
+from rlrecipes.recipe import InferenceSettings, load_recipe
+
+
+def S(**kw):
+    return InferenceSettings(**kw)
+
+
+def test_deepseek_recipe_on_torchair_versions():
+    inf = load_recipe("deepseek_r1_671b").rollout.inference
+    r = render(inf, "0.9.1", is_mla=True)
+    assert r.additional_config["torchair_graph_config"] == {
+        "enabled": True, "enable_kv_nz": True, "enable_multistream_mla": True, "enable_multistream_moe": True}
+    assert r.engine_kwargs["enforce_eager"] is False and r.engine_kwargs["gpu_memory_utilization"] == 0.85
+    r = render(inf, "0.11.0rc1", is_mla=True)
+    assert r.additional_config["multistream_overlap_shared_expert"] is True
+    assert "enable_multistream_moe" not in r.additional_config["torchair_graph_config"]
+
+
+def test_v012_rejects_torchair_only_knobs_with_alternative():
+    with pytest.raises(InferenceConfigError, match="0.12.0.*multistream_mla"):
+        render(S(multistream_mla=True, graph_mode=True), "0.12.0", is_mla=True)
+    with pytest.raises(InferenceConfigError, match="no NZ KV cache"):
+        render(S(kv_cache_format="nz"), "0.12.0", is_mla=True)
+
+
+def test_v013_nz_top_level_mla_decode_only():
+    r = render(S(kv_cache_format="nz", decode_only=True), "0.13.0", is_mla=True)
+    assert r.additional_config == {"enable_kv_nz": True}
+    with pytest.raises(InferenceConfigError, match="MLA models only"):
+        render(S(kv_cache_format="nz", decode_only=True), "0.13.0", is_mla=False)
+    with pytest.raises(InferenceConfigError, match="decode-only"):
+        render(S(kv_cache_format="nz"), "0.13.1", is_mla=True)
+
+
+def test_torchair_nz_needs_graph_and_mla():
+    with pytest.raises(InferenceConfigError, match="graph mode"):
+        render(S(kv_cache_format="nz", graph_mode=False), "0.10.0", is_mla=True)
+    with pytest.raises(InferenceConfigError, match="MLA"):
+        render(S(kv_cache_format="nz", graph_mode=True), "0.10.0", is_mla=False)
+
+
+def test_versions():
+    assert parse_version("v0.11.0rc1") == (0, 11, 0)
+    with pytest.raises(InferenceConfigError):
+        parse_version("latest")
+    with pytest.raises(InferenceConfigError, match="older than 0.9.1"):
+        render(S(), "0.8.5", is_mla=False)
