@@ -1,0 +1,85 @@
+"""The bundled smoke task: a deterministic synthetic digit task and a character-level tokenizer.
+
+The tokenizer is a real Hugging Face tokenizer (``tokenizers`` WordLevel model wrapped in
+``PreTrainedTokenizerFast``) saved with ``save_pretrained`` so runs load it with
+``AutoTokenizer.from_pretrained(folder)`` -- the same code path as a real model. Its vocabulary
+has 32 entries (the smoke models use ``vocab_size=32``).
+
+Task (chosen by experiment, see ``rlrecipes/data/_smoke_check.py``): **copy** a short digit
+string. Prompt ``"<bos>407="``, expected response ``"407"`` then ``<eos>``. The reward
+(:func:`rlrecipes.rewards.smoke_reward`) is graded: the fraction of leading characters that are
+right.
+"""
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
+SPECIAL_TOKENS = [PAD, BOS, EOS, UNK]
+# 4 special + 10 digits + 18 symbols/letters = 32
+CHARS = list("0123456789") + list("+-*/=()., ?:abcxy")
+SMOKE_VOCAB_SIZE = 32
+SMOKE_TASKS = ("copy", "reverse", "add")
+
+
+def smoke_vocab() -> dict[str, int]:
+    """Token -> id; ids 0..3 are pad, bos, eos, unk."""
+    toks = SPECIAL_TOKENS + CHARS
+    toks = toks + [f"<extra_{i}>" for i in range(SMOKE_VOCAB_SIZE - len(toks))]
+    assert len(toks) == SMOKE_VOCAB_SIZE, len(toks)
+    return {t: i for i, t in enumerate(toks)}
+
+
+def build_smoke_tokenizer(folder: str | os.PathLike) -> Path:
+    """Build the character-level smoke tokenizer and ``save_pretrained`` it into ``folder``.
+
+    Every character is one token; ``<bos>`` is prepended (post-processor) and decoding joins the
+    characters back without spaces. Returns the folder path; load with
+    ``AutoTokenizer.from_pretrained(folder)``.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = smoke_vocab()
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, vocab[BOS])]
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD, unk_token=UNK,
+        padding_side="left", model_max_length=512,
+    )
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(str(folder))
+    return folder
+
+
+def smoke_example(rng: random.Random, task: str = "copy", num_digits: int = 3) -> dict[str, str]:
+    """One example ``{"prompt": ..., "answer": ...}`` of the smoke task."""
+    if task == "copy":
+        s = "".join(rng.choice("0123456789") for _ in range(num_digits))
+        return {"prompt": f"{s}=", "answer": s}
+    if task == "reverse":
+        s = "".join(rng.choice("0123456789") for _ in range(num_digits))
+        return {"prompt": f"{s}=", "answer": s[::-1]}
+    if task == "add":
+        a, b = rng.randrange(10 ** num_digits), rng.randrange(10 ** num_digits)
+        return {"prompt": f"{a}+{b}=", "answer": str(a + b)}
+    raise ValueError(f"unknown smoke task {task!r}; choose one of {', '.join(SMOKE_TASKS)}")
+
+
+def smoke_task_dataset(n: int, seed: int = 0, *, task: str = "copy", num_digits: int = 3) -> list[dict[str, str]]:
+    """``n`` deterministic smoke examples from ``seed`` (no files). Rows: ``{"prompt", "answer"}``.
+
+    The same ``(n, seed, task, num_digits)`` always gives the same rows, and a longer dataset
+    starts with the rows of a shorter one.
+    """
+    if n < 0:
+        raise ValueError(f"smoke_task_dataset: n must be >= 0; got {n}")
+    rng = random.Random(f"rlrecipes-smoke-{task}-{num_digits}-{seed}")
+    return [smoke_example(rng, task, num_digits) for _ in range(n)]

@@ -1,0 +1,93 @@
+"""Reward addressing and fault-tolerant batch scoring.
+
+A reward function has the signature ``fn(completion: str, answer: str) -> float``. Recipes name
+one by a built-in name (``math_verify``, ``format``, ``smoke``) or by an import path
+``"pkg.module:function"``.
+"""
+from __future__ import annotations
+
+import difflib
+import importlib
+import math
+from typing import Callable, Sequence
+
+from .format import format_reward
+from .math import math_verify
+from .smoke import smoke_reward
+
+RewardFn = Callable[[str, str], float]
+
+BUILTIN_REWARDS: dict[str, RewardFn] = {
+    "math_verify": math_verify,
+    "format": format_reward,
+    "smoke": smoke_reward,
+}
+
+
+def resolve_reward(spec: str | RewardFn) -> RewardFn:
+    """Return the reward function named by ``spec``.
+
+    ``spec`` is a built-in name (``math_verify``, ``format``, ``smoke``), an import path
+    ``"pkg.module:function"``, or already a callable (returned as is).
+    """
+    if callable(spec):
+        return spec
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"reward must be a name or 'pkg.module:function'; got {spec!r}")
+    spec = spec.strip()
+    if spec in BUILTIN_REWARDS:
+        return BUILTIN_REWARDS[spec]
+    if ":" not in spec:
+        close = difflib.get_close_matches(spec, BUILTIN_REWARDS, n=1, cutoff=0.5)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise ValueError(
+            f"unknown reward {spec!r}; built-in rewards: {', '.join(sorted(BUILTIN_REWARDS))}, or give an "
+            f"import path 'pkg.module:function'.{hint}"
+        )
+    mod_name, _, attr = spec.partition(":")
+    try:
+        mod = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise ValueError(f"reward {spec!r}: cannot import module {mod_name!r} ({e}); check the module path "
+                         "and that it is importable (on PYTHONPATH / installed)") from e
+    fn = getattr(mod, attr, None)
+    if fn is None:
+        names = [n for n in dir(mod) if not n.startswith("_") and callable(getattr(mod, n))]
+        close = difflib.get_close_matches(attr, names, n=1, cutoff=0.5)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise ValueError(f"reward {spec!r}: module {mod_name!r} has no attribute {attr!r}.{hint}")
+    if not callable(fn):
+        raise ValueError(f"reward {spec!r}: {mod_name}.{attr} is not callable")
+    return fn
+
+
+def score_batch(
+    fn: RewardFn | str, completions: Sequence[str], answers: Sequence[str]
+) -> tuple[list[float], int, str | None]:
+    """Score every (completion, answer) pair; never raises because of one bad sample.
+
+    A sample whose reward function raises, or returns something that is not a finite number,
+    scores 0.0 and is counted.
+
+    Returns:
+        ``(scores, n_errors, first_error_message)``; the message names the sample index and the
+        exception, e.g. ``"sample 3: ValueError: ..."``, or is None when there were no errors.
+    """
+    if len(completions) != len(answers):
+        raise ValueError(f"score_batch: {len(completions)} completions but {len(answers)} answers")
+    fn = resolve_reward(fn)
+    scores: list[float] = []
+    n_err, first = 0, None
+    for i, (c, a) in enumerate(zip(completions, answers)):
+        try:
+            v = float(fn(c, a))
+            if not math.isfinite(v):
+                raise ValueError(f"reward returned a non-finite value {v!r}")
+        except Exception as e:  # noqa: BLE001 - one bad sample must not kill the step
+            n_err += 1
+            if first is None:
+                name = getattr(fn, "__qualname__", repr(fn))
+                first = f"sample {i}: {type(e).__name__}: {e} (in reward {name})"
+            v = 0.0
+        scores.append(v)
+    return scores, n_err, first
