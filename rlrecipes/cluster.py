@@ -43,7 +43,7 @@ def connect(address: Optional[str] = None, *, embedded: bool = False, num_cpus: 
         return "existing"
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     if embedded:
-        ray.init(num_cpus=num_cpus, resources=resources, include_dashboard=False, log_to_driver=True,
+        ray.init(address="local", num_cpus=num_cpus, resources=resources, include_dashboard=False, log_to_driver=True,
                  configure_logging=False, namespace="rlrecipes")
         return "embedded"
     target = address or os.environ.get("RAY_ADDRESS") or "auto"

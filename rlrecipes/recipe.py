@@ -90,8 +90,10 @@ class ModelConfig(_Strict):
 class DataConfig(_Strict):
     train_files: list[str] = Field(default_factory=list)
     """JSONL or Parquet files of prompts, relative to the recipe folder or absolute."""
-    synthetic: Optional[Literal["arithmetic"]] = None
-    """Use the bundled deterministic synthetic task instead of files (smoke runs)."""
+    synthetic: Optional[Literal["copy", "reverse", "add"]] = None
+    """Use the bundled deterministic synthetic digit task instead of files (smoke runs)."""
+    synthetic_digits: int = 3
+    """Digits per synthetic prompt."""
     synthetic_size: int = 2048
     """Number of synthetic prompts generated from the seed."""
     prompt_key: str = "prompt"
@@ -110,7 +112,7 @@ class DataConfig(_Strict):
     @model_validator(mode="after")
     def _some_data(self) -> "DataConfig":
         if not self.train_files and self.synthetic is None:
-            raise ValueError("set data.train_files (JSONL/Parquet) or data.synthetic: arithmetic")
+            raise ValueError("set data.train_files (JSONL/Parquet) or data.synthetic: copy")
         return self
 
 
@@ -187,7 +189,7 @@ class AlgorithmConfig(_Strict):
 
 class RewardConfig(_Strict):
     fn: str = "math_verify"
-    """Reward function: a registered name (math_verify, smoke_arith, format) or `module:function`."""
+    """Reward function: a registered name (math_verify, format, smoke) or `module:function`."""
     format_weight: float = 0.0
     """Weight of the format reward added to the outcome reward."""
 

@@ -1,0 +1,291 @@
+"""Sample-flow benchmark: centralised driver vs TransferDock vs TransferDock + TensorCache.
+
+The five-stage flow of one RL step, rollout -> reward -> ref -> advantage -> update, on a local
+Ray with W cheap worker actors (no models; ``num_cpus=0``). Every row holds ``input_ids [L]``
+int64 and ``log_probs [L]`` float32; each later stage reads its inputs and writes one new column
+(``scores [1]``, ``ref_log_probs [L]``, ``advantages [1]``, update writes ``loss [1]``).
+
+Modes:
+  centralised  the driver gathers every stage's output (``ray.get``) into one batch and scatters
+               contiguous chunks as the next stage's input (the single-controller design).
+  dock         every worker runs its own loop over the stages, pulling a token-balanced share of
+               the rows from the TransferDock and putting its outputs back; the driver only says
+               "step s" and collects timings.
+  dock+cache   like dock, but columns a worker produces and consumes itself (ids, log-probs,
+               scores, ref log-probs, advantages) stay in its TensorCache and the dock records
+               only "held on rank r". The update stage uses the dock's balanced layout, so its
+               inputs move with one all-to-all (gloo) between the workers.
+
+Prints one JSON line per (mode, W): mode, workers, rows, seq_len, seconds_per_step,
+driver_bytes (sample bytes that passed through the driver process, counted where the driver
+receives or sends arrays), skew_p50_s / skew_p99_s (last minus first worker start of a stage,
+over all stages and measured steps), plus moved_bytes (sample bytes moved between processes by
+the mode's data path, for context).
+
+    python benchmarks/sample_flow.py                       # W = 2, 4, 8, 16; L = 1024; 64 rows/worker
+    python benchmarks/sample_flow.py --workers 8 --seq-len 512 --rows-per-worker 32 --steps 5
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+GROUP = 8                # samples per prompt (GRPO n)
+VOCAB = 32000
+STAGES = ["rollout", "reward", "ref", "advantage", "update"]
+
+
+# ---- stage math (tiny, deterministic, numpy so every mode computes the same) ----------------------
+def rollout(rows: np.ndarray, seq_len: int, step: int):
+    rng = np.random.default_rng(step * 1_000_003 + int(rows[0]))
+    ids = rng.integers(0, VOCAB, size=(rows.size, seq_len), dtype=np.int64)      # [n, L]
+    logp = -rng.random((rows.size, seq_len), dtype=np.float32)                   # [n, L]
+    return ids, logp
+
+
+def reward(ids: np.ndarray) -> np.ndarray:
+    return ((ids[:, :16].sum(1) % 7) / 7.0).astype(np.float32)                  # [n]
+
+
+def ref(ids: np.ndarray) -> np.ndarray:
+    return -((ids % 13).astype(np.float32) / 13.0)                              # [n, L]
+
+
+def advantage(scores: np.ndarray) -> np.ndarray:
+    g = scores.reshape(-1, GROUP)                                               # [groups, G]
+    return ((g - g.mean(1, keepdims=True)) / (g.std(1, keepdims=True) + 1e-6)).reshape(-1).astype(np.float32)
+
+
+def update(ids, logp, ref_logp, adv) -> np.ndarray:
+    kl = (logp - ref_logp).mean(1)                                              # [n]
+    return (-(adv * logp.mean(1)) + 0.01 * kl).astype(np.float32)               # [n]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_worker_class(ray):
+    @ray.remote(num_cpus=0)
+    class Worker:
+        def __init__(self, rank: int, world: int, seq_len: int, rows_per_worker: int):
+            import torch
+            torch.set_num_threads(1)
+            self.rank, self.world, self.L, self.R = rank, world, seq_len, rows_per_worker
+            self.dock = None
+            self.cache = None
+            self.pg = False
+
+        def ready(self):
+            return True
+
+        def init_group(self, port: int):
+            import torch.distributed as dist
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            dist.init_process_group("gloo", rank=self.rank, world_size=self.world)
+            self.pg = True
+
+        def set_dock(self, dock):
+            from rlrecipes.core.tensor_cache import TensorCache
+            self.dock = dock
+            self.cache = TensorCache("cpu", rank=self.rank)
+
+        # -- centralised: one call per stage, data in and out through the driver --------------
+        def stage(self, name: str, step: int, inputs: dict):
+            t0 = time.time()
+            if name == "rollout":
+                ids, logp = rollout(inputs["rows"], self.L, step)
+                out = {"input_ids": ids, "log_probs": logp}
+            elif name == "reward":
+                out = {"scores": reward(inputs["input_ids"])}
+            elif name == "ref":
+                out = {"ref_log_probs": ref(inputs["input_ids"])}
+            elif name == "advantage":
+                out = {"advantages": advantage(inputs["scores"])}
+            else:
+                out = {"loss": update(inputs["input_ids"], inputs["log_probs"],
+                                      inputs["ref_log_probs"], inputs["advantages"])}
+            return t0, out
+
+        # -- dock modes: the worker's own controller loop over the stages -----------------------
+        def run_step(self, step: int, rows: list[int], use_cache: bool):
+            import torch
+            d, me, W = self.dock, self.rank, self.world
+            starts = {}
+            rows_np = np.asarray(rows, np.int64)
+
+            starts["rollout"] = time.time()
+            ids, logp = rollout(rows_np, self.L, step)
+            if use_cache:
+                self.cache.clear(step)
+                self.cache.put("input_ids", rows, torch.from_numpy(ids))
+                self.cache.put("log_probs", rows, torch.from_numpy(logp))
+                d.mark_cached({"input_ids": [self.L] * len(rows), "log_probs": [self.L] * len(rows)}, rows, me)
+            else:
+                d.put({"input_ids": torch.from_numpy(ids), "log_probs": torch.from_numpy(logp)}, rows)
+
+            starts["reward"] = time.time()
+            if use_cache:  # same worker, same rows: straight from the cache
+                r_rows = rows
+                r_ids = self.cache.stacked("input_ids", rows).numpy()
+            else:
+                b = d.get("reward", ["input_ids"], None, dp_rank=me, dp_size=W)
+                r_rows, r_ids = b.rows, b["input_ids"].numpy()
+            sc = reward(r_ids)
+            if use_cache:
+                self.cache.put("scores", rows, torch.from_numpy(sc))
+                d.mark_cached(["scores"], rows, me)
+            else:
+                d.put({"scores": torch.from_numpy(sc)}, r_rows)
+
+            starts["ref"] = time.time()
+            if use_cache:
+                rl = ref(self.cache.stacked("input_ids", rows).numpy())
+                self.cache.put("ref_log_probs", rows, torch.from_numpy(rl))
+                d.mark_cached({"ref_log_probs": [self.L] * len(rows)}, rows, me)
+            else:
+                b = d.get("ref", ["input_ids"], None, dp_rank=me, dp_size=W)
+                d.put({"ref_log_probs": torch.from_numpy(ref(b["input_ids"].numpy()))}, b.rows)
+
+            starts["advantage"] = time.time()
+            if use_cache:  # this worker generated whole groups: its own scores are all it needs
+                adv = advantage(self.cache.stacked("scores", rows).numpy())
+                self.cache.put("advantages", rows, torch.from_numpy(adv)[:, None])
+                d.mark_cached(["advantages"], rows, me)
+            else:
+                b = d.get("advantage", ["scores"], None, dp_rank=me, dp_size=W, whole_groups=True)
+                d.put({"advantages": torch.from_numpy(advantage(b["scores"].numpy()))}, b.rows)
+
+            starts["update"] = time.time()
+            cols = ["input_ids", "log_probs", "ref_log_probs", "advantages"]
+            b = d.get("update", cols, None, dp_rank=me, dp_size=W)
+            if use_cache:  # another DP layout: one all-to-all between the workers
+                got = self.cache.exchange_mine(cols, b.rows)
+                arr = {c: torch.stack(got[c]).numpy() if got[c] else np.zeros((0, self.L))
+                       for c in cols}
+                loss = update(arr["input_ids"], arr["log_probs"], arr["ref_log_probs"],
+                              arr["advantages"].reshape(-1))
+                moved = self.cache.bytes_received
+            else:
+                loss = update(b["input_ids"].numpy(), b["log_probs"].numpy(),
+                              b["ref_log_probs"].numpy(), b["advantages"].numpy())
+                moved = 0
+            d.put({"loss": torch.from_numpy(loss)}, b.rows)
+            return {"starts": starts, "a2a_bytes": moved}
+
+    return Worker
+
+
+def run_centralised(ray, workers, W, R, L, steps):
+    rows_all = np.arange(W * R, dtype=np.int64)
+    step_times, skews, driver_bytes = [], [], 0
+    for step in range(steps + 1):
+        t0 = time.time()
+        starts = {s: [] for s in STAGES}
+        nbytes = 0
+        # rollout: the driver hands out row ids (tiny) and gathers the generated batch
+        res = ray.get([w.stage.remote("rollout", step, {"rows": rows_all[i * R:(i + 1) * R]})
+                       for i, w in enumerate(workers)])
+        batch = {}
+        for k in ("input_ids", "log_probs"):
+            batch[k] = np.concatenate([o[k] for _, o in res])
+            nbytes += batch[k].nbytes
+        starts["rollout"] = [t for t, _ in res]
+        for name, ins in (("reward", ["input_ids"]), ("ref", ["input_ids"]), ("advantage", ["scores"]),
+                          ("update", ["input_ids", "log_probs", "ref_log_probs", "advantages"])):
+            chunks = {k: np.split(batch[k], W) for k in ins}                  # contiguous DP chunks
+            nbytes += sum(batch[k].nbytes for k in ins)                       # scattered by the driver
+            res = ray.get([w.stage.remote(name, step, {k: chunks[k][i] for k in ins})
+                           for i, w in enumerate(workers)])
+            starts[name] = [t for t, _ in res]
+            for k in res[0][1]:
+                batch[k] = np.concatenate([o[k] for _, o in res])
+                nbytes += batch[k].nbytes                                     # gathered by the driver
+        dt = time.time() - t0
+        if step > 0:   # step 0 warms up
+            step_times.append(dt)
+            driver_bytes += nbytes
+            skews += [max(v) - min(v) for v in starts.values()]
+    return step_times, skews, driver_bytes // steps, driver_bytes // steps
+
+
+def run_dock(ray, workers, dock, W, R, L, steps, use_cache):
+    step_times, skews, moved = [], [], 0
+    for step in range(steps + 1):
+        t0 = time.time()
+        dock.reset(step)
+        rows = dock.add_groups(W * R // GROUP, GROUP)                        # metadata only
+        res = ray.get([w.run_step.remote(step, rows[i * R:(i + 1) * R], use_cache)
+                       for i, w in enumerate(workers)])
+        dt = time.time() - t0
+        if step > 0:
+            step_times.append(dt)
+            skews += [max(r["starts"][s] for r in res) - min(r["starts"][s] for r in res) for s in STAGES]
+            moved += sum(r["a2a_bytes"] for r in res)
+    return step_times, skews, 0, moved // steps
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workers", type=int, nargs="+", default=[2, 4, 8, 16])
+    ap.add_argument("--seq-len", type=int, default=1024)
+    ap.add_argument("--rows-per-worker", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=3, help="measured steps (after one warm-up step)")
+    ap.add_argument("--modes", nargs="+", default=["centralised", "dock", "dock+cache"],
+                    choices=["centralised", "dock", "dock+cache"])
+    ap.add_argument("--num-cpus", type=int, default=2, help="CPUs of the local Ray")
+    args = ap.parse_args(argv)
+    if args.rows_per_worker % GROUP:
+        ap.error(f"--rows-per-worker must be a multiple of the group size {GROUP}")
+
+    import ray
+    from rlrecipes.core.dock import TransferDock
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    ray.init(num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False,
+             configure_logging=False, runtime_env={"env_vars": {"PYTHONPATH": root}})
+    try:
+        Worker = make_worker_class(ray)
+        for W in args.workers:
+            R, L = args.rows_per_worker, args.seq_len
+            workers = [Worker.remote(i, W, L, R) for i in range(W)]
+            ray.get([w.ready.remote() for w in workers])
+            port = _free_port()
+            ray.get([w.init_group.remote(port) for w in workers])
+            dock = TransferDock.ray()
+            ray.get([w.set_dock.remote(dock) for w in workers])
+            try:
+                for mode in args.modes:
+                    if mode == "centralised":
+                        st, sk, db, moved = run_centralised(ray, workers, W, R, L, args.steps)
+                    else:
+                        st, sk, db, moved = run_dock(ray, workers, dock, W, R, L, args.steps,
+                                                     mode == "dock+cache")
+                    print(json.dumps({
+                        "mode": mode, "workers": W, "rows": W * R, "seq_len": L,
+                        "seconds_per_step": round(float(np.median(st)), 4),
+                        "driver_bytes": int(db),
+                        "skew_p50_s": round(float(np.percentile(sk, 50)), 4),
+                        "skew_p99_s": round(float(np.percentile(sk, 99)), 4),
+                        "a2a_bytes_per_step": int(moved) if mode == "dock+cache" else 0,
+                    }), flush=True)
+            finally:
+                dock.shutdown()
+                for w in workers:
+                    ray.kill(w)
+    finally:
+        ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()

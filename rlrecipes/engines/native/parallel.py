@@ -1,0 +1,475 @@
+"""Parallelism for the native engines: device meshes, TP/EP/FSDP2 on HF models, grad-norm, shards.
+
+Everything here follows ``docs/conventions.md``:
+
+* rank order is Megatron's (TP fastest, then DP); the mesh of one engine is
+  ``("dp", "etp", "ep")`` of shape ``(dp, tp // ep, ep)`` with ``"tp"`` the flattening of
+  ``("etp", "ep")``; so ``tp_rank = etp_rank * ep + ep_rank`` and ``ep_rank = tp_rank % ep``,
+  i.e. EP groups are contiguous blocks of ranks inside one TP group (native engines require
+  ``ep | tp``: every rank of an EP group sees the same tokens);
+* TP sharding of HF parameter names (:func:`param_rule`) is done with PyTorch's own DTensor
+  plans: ``ColwiseParallel`` (q/k/v, gate/up, MLA q_b/kv_b, lm_head), ``RowwiseParallel``
+  (o_proj, down_proj; the embedding as vocab-parallel ``RowwiseParallel``);
+* experts (fused ``gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]``) are split along dim 0
+  into contiguous blocks of ``E // ep`` experts; the block is a DTensor ``Shard(0)`` on the
+  ``"ep"`` sub-mesh so that DCP checkpoints and ``full_tensor()`` exports see the whole tensor.
+* data parallelism is FSDP2 (``fully_shard``) over the ``"dp"`` sub-mesh. FSDP2 runs on gloo in
+  torch >= 2.6 (gloo has reduce_scatter / all_gather_into_tensor), so the same code runs on
+  CPU, CUDA and NPU; there is no separate DP all-reduce path.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+# ---------------------------------------------------------------------------------------------
+# Name -> sharding rule (docs/conventions.md). Kept local so the engines do not wait on
+# rlrecipes.models.sharding; the two must agree (a test checks local_shards against slices).
+# ---------------------------------------------------------------------------------------------
+_COL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "q_b_proj", "kv_b_proj")
+_ROW = ("o_proj", "down_proj")
+_REPL = ("q_a_proj", "kv_a_proj_with_mqa")
+
+
+def param_rule(name: str) -> str:
+    """Sharding rule of an HF parameter name: ``col``, ``row``, ``vocab``, ``expert`` or ``replicate``.
+
+    >>> param_rule("model.layers.0.self_attn.q_proj.bias")
+    'col'
+    >>> param_rule("model.layers.1.mlp.experts.gate_up_proj")
+    'expert'
+    """
+    parts = name.split(".")
+    if ".mlp.experts." in f".{name}" and parts[-1] in ("gate_up_proj", "down_proj", "gate_up_proj_bias",
+                                                      "down_proj_bias"):
+        return "expert"
+    if len(parts) >= 2 and parts[-2] == "embed_tokens":
+        return "vocab"
+    if parts[0] == "lm_head":
+        return "col"
+    if len(parts) >= 2 and parts[-1] in ("weight", "bias"):
+        mod = parts[-2]
+        if mod in _COL:
+            return "col"
+        if mod in _ROW:
+            return "row"
+    return "replicate"
+
+
+def tp_dim(name: str) -> int | None:
+    """The dimension TP splits for this parameter (None: not split over TP)."""
+    rule = param_rule(name)
+    if rule in ("col", "vocab"):
+        return 0
+    if rule == "row":
+        return 1 if not name.endswith(".bias") else None  # row-parallel bias is replicated
+    return None
+
+
+def is_expert(name: str) -> bool:
+    return param_rule(name) == "expert"
+
+
+def tp_partial_grad(name: str) -> bool:
+    """Replicated params that act per-head on TP-local heads: their grad is a partial sum over TP."""
+    return bool(re.search(r"\.self_attn\.(q_norm|k_norm)\.weight$", name))
+
+
+# ---------------------------------------------------------------------------------------------
+# Layout and meshes
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class MeshInfo:
+    """One engine's device mesh over the whole world (see module docstring for the rank order)."""
+
+    root: DeviceMesh  # ("dp", "etp", "ep")
+    tp: int
+    ep: int
+    dp: int
+
+    @property
+    def dp_mesh(self) -> DeviceMesh:
+        return self.root["dp"]
+
+    @property
+    def tp_mesh(self) -> DeviceMesh:
+        return self.root["tp"]
+
+    @property
+    def ep_mesh(self) -> DeviceMesh:
+        return self.root["ep"]
+
+    @property
+    def tp_rank(self) -> int:
+        return self.tp_mesh.get_local_rank()
+
+    @property
+    def dp_rank(self) -> int:
+        return self.dp_mesh.get_local_rank()
+
+    @property
+    def ep_rank(self) -> int:
+        return self.ep_mesh.get_local_rank()
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.dp
+
+
+def build_mesh(device_type: str, tp: int = 1, ep: int = 1) -> MeshInfo:
+    """A (dp, tp) mesh with EP inside TP over the whole initialised world.
+
+    Raises a clear error when the layout does not fit the world or ``ep`` does not divide ``tp``.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialised: call "
+                           "torch.distributed.init_process_group(device.comm_backend(), ...) first "
+                           "(a single process can use world_size=1)")
+    world = dist.get_world_size()
+    if tp < 1 or ep < 1:
+        raise ValueError(f"layout tp={tp}, ep={ep}: both must be >= 1")
+    if world % tp:
+        raise ValueError(f"layout tp={tp} does not divide the world size {world}")
+    if tp % ep:
+        raise ValueError(f"native engines run EP inside the TP group, so ep must divide tp: got "
+                         f"tp={tp}, ep={ep}; use the megatron engine for EP across DP ranks")
+    dp = world // tp
+    root = init_device_mesh(device_type, (dp, tp // ep, ep), mesh_dim_names=("dp", "etp", "ep"))
+    root["etp", "ep"]._flatten("tp")
+    return MeshInfo(root=root, tp=tp, ep=ep, dp=dp)
+
+
+# ---------------------------------------------------------------------------------------------
+# EP: autograd-aware reduce over the EP group
+# ---------------------------------------------------------------------------------------------
+class _CopyToGroup(torch.autograd.Function):
+    """Forward identity; backward sum-all-reduce (the input is replicated, its grad is partial)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromGroup(torch.autograd.Function):
+    """Forward sum-all-reduce of partial outputs; backward identity (the output grad is replicated).
+
+    ``torch.distributed.nn.functional.all_reduce`` would all-reduce the gradient too, which is
+    right when every rank owns a different loss term but gives ``ep x`` the gradient here, where
+    every rank of the group computes the same (replicated) loss.
+    """
+
+    @staticmethod
+    def forward(ctx, x, group):
+        out = x.contiguous().clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class EPExperts(nn.Module):
+    """Fused HF experts holding only this EP rank's contiguous block of ``E // ep`` experts.
+
+    Drop-in for ``Qwen3MoeExperts`` / ``DeepseekV3Experts``: same call
+    ``(hidden [N, H], top_k_index [N, k], top_k_weights [N, k]) -> [N, H]`` and the same
+    parameter names (``gate_up_proj``, ``down_proj``), so state-dict names do not change.
+    Every rank of the EP group sees the same tokens and routing; each computes its local
+    experts' contribution and a sum-all-reduce over the group combines them.
+    """
+
+    def __init__(self, experts: nn.Module, ep_mesh: DeviceMesh):
+        super().__init__()
+        gate_up = experts.gate_up_proj.detach()  # [E, 2I, H]
+        down = experts.down_proj.detach()  # [E, H, I]
+        if getattr(experts, "has_bias", False):
+            raise NotImplementedError("EPExperts: experts with biases are not supported")
+        ep, rank = ep_mesh.size(), ep_mesh.get_local_rank()
+        n_exp = gate_up.shape[0]
+        if n_exp % ep:
+            raise ValueError(f"num_experts={n_exp} is not divisible by ep={ep}")
+        self.num_experts, self.num_local = n_exp, n_exp // ep
+        self.first = rank * self.num_local
+        sl = slice(self.first, self.first + self.num_local)
+        self.gate_up_proj = nn.Parameter(DTensor.from_local(gate_up[sl].clone(), ep_mesh, [Shard(0)],
+                                                            run_check=False))
+        self.down_proj = nn.Parameter(DTensor.from_local(down[sl].clone(), ep_mesh, [Shard(0)], run_check=False))
+        self.act_fn = experts.act_fn
+        self.group = ep_mesh.get_group()
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        x = _CopyToGroup.apply(hidden_states, self.group)  # [N, H]
+        w = _CopyToGroup.apply(top_k_weights, self.group)  # [N, k]
+        gate_up = _local(self.gate_up_proj)  # [E_local, 2I, H]
+        down = _local(self.down_proj)  # [E_local, H, I]
+        out = torch.zeros_like(x)  # [N, H]
+        local_idx = top_k_index - self.first  # [N, k]
+        hit = (local_idx >= 0) & (local_idx < self.num_local)  # [N, k]
+        tok, slot = hit.nonzero(as_tuple=True)  # [M], [M]
+        if tok.numel():
+            e_of = local_idx[tok, slot]  # [M]
+            order = torch.argsort(e_of, stable=True)
+            tok, slot, e_of = tok[order], slot[order], e_of[order]
+            counts = torch.bincount(e_of, minlength=self.num_local).tolist()
+            start = 0
+            for e, c in enumerate(counts):
+                if c == 0:
+                    continue
+                t, s = tok[start:start + c], slot[start:start + c]  # [c]
+                start += c
+                gate, up = F.linear(x[t], gate_up[e]).chunk(2, dim=-1)  # [c, I] each
+                y = F.linear(self.act_fn(gate) * up, down[e])  # [c, H]
+                out.index_add_(0, t, (y * w[t, s, None]).to(out.dtype))
+        return _ReduceFromGroup.apply(out, self.group)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+# ---------------------------------------------------------------------------------------------
+# Apply TP / EP / FSDP2 to an HF causal LM (or a backbone + value head)
+# ---------------------------------------------------------------------------------------------
+def _check_divisible(config, tp: int) -> None:
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", heads) or heads
+    if heads % tp:
+        raise ValueError(f"tp={tp} does not divide num_attention_heads={heads}")
+    if kv % tp and getattr(config, "kv_lora_rank", None) is None:
+        raise ValueError(f"tp={tp} does not divide num_key_value_heads={kv}; choose tp | {kv}")
+
+
+def tp_plan(model: nn.Module) -> dict[str, object]:
+    """The DTensor TP plan (exact module FQN -> ParallelStyle) derived from parameter names."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan: dict[str, object] = {}
+    for fqn, mod in model.named_modules():
+        if not isinstance(mod, (nn.Linear, nn.Embedding)):
+            continue
+        rule = param_rule(f"{fqn}.weight")
+        if rule == "vocab":
+            plan[fqn] = RowwiseParallel(input_layouts=Replicate())
+        elif rule == "col":
+            # lm_head gathers the vocab shards: logits come out replicated, [b, t, V].
+            plan[fqn] = ColwiseParallel(output_layouts=Replicate()) if fqn == "lm_head" else ColwiseParallel()
+        elif rule == "row":
+            plan[fqn] = RowwiseParallel()
+    return plan
+
+
+def parallelize(model: nn.Module, mesh: MeshInfo, *, fsdp: bool, mp_dtype: torch.dtype | None = None,
+                replicate_head: bool = False) -> nn.Module:
+    """TP (DTensor plans over ``mesh.tp_mesh``), EP (``EPExperts`` over ``mesh.ep_mesh``), then FSDP2.
+
+    ``fsdp``: wrap every decoder layer and the root with ``fully_shard`` over ``mesh.dp_mesh``;
+    ``mp_dtype``: FSDP2 mixed precision compute dtype (params stay in their own dtype as masters);
+    ``replicate_head``: keep ``lm_head`` replicated (a critic's ``Linear(hidden, 1)`` value head).
+    """
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    cfg = model.config
+    tied = bool(getattr(cfg, "tie_word_embeddings", False)) and hasattr(model, "lm_head")
+    if mesh.tp > 1:
+        _check_divisible(cfg, mesh.tp)
+        plan = tp_plan(model)
+        if tied or replicate_head:
+            plan.pop("lm_head", None)
+        tied = tied and not replicate_head
+        _mla_rope_key_grad_hooks(model, mesh.tp_mesh.get_group())
+        parallelize_module(model, mesh.tp_mesh, plan)
+        if tied:
+            # the embedding is vocab-parallel Shard(0): the same DTensor serves as a column-parallel head
+            model.lm_head.weight = model.get_input_embeddings().weight
+            _attach_colwise_hooks(model.lm_head, mesh.tp_mesh)
+    if mesh.ep > 1:
+        for fqn, mod in list(model.named_modules()):
+            if fqn.endswith("mlp.experts") and hasattr(mod, "gate_up_proj"):
+                parent = model.get_submodule(fqn.rsplit(".", 1)[0])
+                parent.experts = EPExperts(mod, mesh.ep_mesh)
+    if fsdp:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mp = MixedPrecisionPolicy(param_dtype=mp_dtype, reduce_dtype=torch.float32) if mp_dtype else None
+        kw = {"mesh": mesh.dp_mesh}
+        if mp is not None:
+            kw["mp_policy"] = mp
+        for layer in _decoder_layers(model):
+            fully_shard(layer, **kw)
+        fully_shard(model, **kw)
+    return model
+
+
+def _mla_rope_key_grad_hooks(model: nn.Module, tp_group) -> None:
+    """MLA: the rope key (last ``qk_rope_head_dim`` outputs of ``kv_a_proj_with_mqa``) is shared by
+    all heads, but each TP rank only uses it for its local heads, so its grad is a partial sum over
+    TP. A forward hook routes that slice through copy-to-group (identity fwd, all-reduce bwd)."""
+    cfg = model.config
+    rope = getattr(cfg, "qk_rope_head_dim", None)
+    if not getattr(cfg, "kv_lora_rank", None) or not rope:
+        return
+
+    def hook(_m, _args, out):  # out: [b, t, kv_lora_rank + rope]
+        latent, k_rot = out.split([out.shape[-1] - rope, rope], dim=-1)
+        return torch.cat([latent, _CopyToGroup.apply(k_rot, tp_group)], dim=-1)
+
+    for fqn, mod in model.named_modules():
+        if fqn.endswith("self_attn.kv_a_proj_with_mqa"):
+            mod.register_forward_hook(hook)
+
+
+def _attach_colwise_hooks(lm_head: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Input Replicate -> DTensor and output Shard(-1) -> Replicate for a head sharing the embedding."""
+
+    def pre(_m, args):
+        x = args[0]
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, tp_mesh, [Replicate()], run_check=False)
+        return (x,) + tuple(args[1:])
+
+    def post(_m, _args, out):
+        return out.redistribute(tp_mesh, [Replicate()]).to_local() if isinstance(out, DTensor) else out
+
+    lm_head.register_forward_pre_hook(pre)
+    lm_head.register_forward_hook(post)
+
+
+def _decoder_layers(model: nn.Module) -> list[nn.Module]:
+    backbone = getattr(model, "model", model)
+    layers = getattr(backbone, "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__}: no .model.layers to shard with FSDP2")
+    return list(layers)
+
+
+# ---------------------------------------------------------------------------------------------
+# Shards, full tensors, grad norm
+# ---------------------------------------------------------------------------------------------
+def _named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Parameters (tied ones under every name) and persistent buffers, with HF names."""
+    seen = set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        seen.add(name)
+        yield name, p
+    sd_keys = set(model.state_dict().keys())
+    for name, b in model.named_buffers():
+        if name in sd_keys and name not in seen:
+            yield name, b
+
+
+def train_layout_shard(t: torch.Tensor) -> torch.Tensor:
+    """This rank's TP/EP shard of a (possibly FSDP-sharded) DTensor with the DP dim all-gathered."""
+    if not isinstance(t, DTensor):
+        return t.detach()
+    mesh = t.device_mesh
+    names = mesh.mesh_dim_names or ()
+    placements = [Replicate() if (i < len(names) and names[i] == "dp") else p for i, p in enumerate(t.placements)]
+    if list(placements) != list(t.placements):
+        t = t.redistribute(mesh, placements)
+    return t.to_local().detach()
+
+
+def local_shards(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter/persistent buffer of this rank in the train layout (see conventions)."""
+    with torch.no_grad():
+        return {name: train_layout_shard(t) for name, t in _named_tensors(model)}
+
+
+def full_state_dict(model: nn.Module, *, keep: bool = True) -> dict[str, torch.Tensor]:
+    """The unsharded tensors (collective on every rank; ``keep=False`` drops them, e.g. off rank 0)."""
+    out = {}
+    with torch.no_grad():
+        for name, t in _named_tensors(model):
+            full = t.full_tensor() if isinstance(t, DTensor) else t.detach()
+            if keep:
+                out[name] = full.cpu().clone()
+    return out
+
+
+def copy_shard_(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
+    """Copy ``value`` (this rank's local shard) into ``param`` in place, checking the shape."""
+    dst = _local(param.data if isinstance(param, nn.Parameter) else param)
+    if tuple(dst.shape) != tuple(value.shape):
+        raise ValueError(f"load_shards: {name}: got shape {tuple(value.shape)}, this rank holds "
+                         f"{tuple(dst.shape)} (wrong layout?)")
+    dst.copy_(value.to(device=dst.device, dtype=dst.dtype))
+
+
+def _replication(t: torch.Tensor, world: int) -> int:
+    """How many ranks of the world hold each element of ``t``'s local shard."""
+    if not isinstance(t, DTensor):
+        return world
+    shards = 1
+    for i, p in enumerate(t.placements):
+        if p.is_shard():
+            shards *= t.device_mesh.size(i)
+    return max(world // shards, 1)
+
+
+def global_grad_norm(params: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """L2 norm of all gradients across the whole mesh, counting every distinct element once.
+
+    Each rank sums ``|g_local|^2 / replication`` (replication = ranks holding that element:
+    TP copies of norms, ``tp/ep`` copies of expert blocks, DP copies without FSDP) and one
+    sum-all-reduce over the world gives the exact global norm, identical on every rank.
+    """
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for p in params:
+        g = p.grad
+        if g is None:
+            continue
+        gl = _local(g)
+        total += gl.detach().double().pow(2).sum() / _replication(g, world)
+    if world > 1:
+        dist.all_reduce(total)
+    return total.sqrt().float()
+
+
+def scale_grads_(params: Iterable[torch.Tensor], coef: float) -> None:
+    for p in params:
+        if p.grad is not None:
+            _local(p.grad).mul_(coef)
+
+
+def allreduce_tp_partial_grads(model: nn.Module, mesh: MeshInfo) -> None:
+    """Sum the per-head norm grads (q_norm/k_norm) over the TP group (each rank saw its heads only)."""
+    if mesh.tp == 1:
+        return
+    group = mesh.tp_mesh.get_group()
+    for name, p in model.named_parameters():
+        if p.grad is not None and tp_partial_grad(name):
+            dist.all_reduce(_local(p.grad), group=group)
+
+
+def convention_slice(full: torch.Tensor, name: str, tp: int, tp_rank: int, ep: int, ep_rank: int) -> torch.Tensor:
+    """The slice of a full tensor a rank holds per docs/conventions.md (torch.chunk semantics)."""
+    if is_expert(name):
+        return torch.chunk(full, ep, dim=0)[ep_rank] if ep > 1 else full
+    d = tp_dim(name)
+    if d is None or tp == 1:
+        return full
+    return torch.chunk(full, tp, dim=d)[tp_rank]
+
+
+__all__ = ["EPExperts", "MeshInfo", "allreduce_tp_partial_grads", "build_mesh", "convention_slice",
+           "copy_shard_", "full_state_dict", "global_grad_norm", "is_expert", "local_shards",
+           "param_rule", "parallelize", "scale_grads_", "tp_dim", "tp_partial_grad", "tp_plan",
+           "train_layout_shard"]

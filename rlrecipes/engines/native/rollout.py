@@ -1,0 +1,332 @@
+"""Native rollout engine: a lean batched sampler over an HF model with a pre-allocated KV cache.
+
+The loop is one model forward per generated token (prefill once, then 1-token decode steps into
+a static KV cache, ``transformers.StaticCache``, allocated once per batch shape and reused), plus
+the sampling arithmetic; none of ``generate()``'s logits processors, stopping criteria or
+per-step input preparation.
+
+Sampling and log-probs: the log-prob returned for a token is
+``log_softmax(logits / temperature)[token]``, the *temperature-scaled, untruncated* distribution
+(what the trainer recomputes with the same temperature); top-k / top-p only restrict the set the
+token is drawn from. ``temperature == 0`` is greedy and returns ``log_softmax(logits)``.
+
+TP consistency: every TP rank of a rollout group draws with the same seed (``seed`` offset by the
+rollout DP rank) and, with ``tp > 1``, the tokens of TP rank 0 are broadcast to its group, so the
+group always continues the same sequences. Different DP groups sample different tokens.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from rlrecipes import device as devmod
+from rlrecipes.engines.native import parallel as par
+from rlrecipes.engines.native.loader import ModelSource, build_model
+from rlrecipes.engines.native.memory import SwappedStorages
+from rlrecipes.engines.native.train import _resolve_dtype, resolve_device
+
+
+@dataclass
+class RolloutOutput:
+    """Per sample: response ids (1-D, unpadded, EOS included when emitted) and their log-probs."""
+
+    responses: list[torch.Tensor]
+    log_probs: list[torch.Tensor]
+    metrics: dict = field(default_factory=dict)
+
+
+def left_pad(prompts: Sequence[torch.Tensor], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids [B, P], mask [B, P])`` with prompts right-aligned (left padding)."""
+    if not len(prompts):
+        raise ValueError("generate: no prompts")
+    lens = [int(p.numel()) for p in prompts]
+    if min(lens) == 0:
+        raise ValueError("generate: empty prompt at index %d" % lens.index(0))
+    P = max(lens)
+    ids = torch.full((len(prompts), P), pad_token_id, dtype=torch.long)  # [B, P]
+    mask = torch.zeros((len(prompts), P), dtype=torch.long)  # [B, P]
+    for i, p in enumerate(prompts):
+        ids[i, P - lens[i]:] = p.reshape(-1).long()
+        mask[i, P - lens[i]:] = 1
+    return ids, mask
+
+
+def sample_next(logits: torch.Tensor, *, temperature: float, top_k: int, top_p: float,
+                generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row. ``logits [B, V]`` -> ``(tokens [B], logp [B])`` (see module docstring)."""
+    logits = logits.float()
+    if temperature <= 0:
+        logp_all = F.log_softmax(logits, dim=-1)  # [B, V]
+        tok = logits.argmax(-1)  # [B]
+        return tok, logp_all.gather(-1, tok[:, None]).squeeze(-1)
+    scaled = logits / temperature if temperature != 1.0 else logits  # [B, V]
+    logp_all = F.log_softmax(scaled, dim=-1)  # [B, V]
+    filtered = scaled
+    if top_k and 0 < top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, top_k, dim=-1).values[:, -1:]  # [B, 1]
+        filtered = filtered.masked_fill(filtered < kth, float("-inf"))
+    if 0.0 < top_p < 1.0:
+        sorted_logits, order = torch.sort(filtered, dim=-1, descending=True)  # [B, V]
+        probs = sorted_logits.softmax(-1)
+        drop = probs.cumsum(-1) - probs > top_p  # keep the smallest prefix with mass >= top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        filtered = torch.empty_like(filtered).scatter_(-1, order, sorted_logits)
+    probs = filtered.softmax(-1)  # [B, V]
+    tok = torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # [B]
+    return tok, logp_all.gather(-1, tok[:, None]).squeeze(-1)
+
+
+class RolloutEngine:
+    """Batched KV-cache sampler with its own (tp, ep) layout, ``dp = world // tp``, pp = 1.
+
+    Args:
+        model: ``ModelDims`` (smoke, built from config with ``seed``) or a local HF folder.
+        layout: ``(tp, ep)`` of the rollout; ``ep`` must divide ``tp`` in the native engine.
+        device: ``torch.device``, a type name or None (auto, ``LOCAL_RANK``-indexed).
+        seed: sampling seed; TP ranks of one rollout group share it, DP groups offset it.
+        dtype: ``"auto"`` (bf16 on accelerators, fp32 on CPU), ``"bf16"``, ``"fp32"``... or a dtype.
+        cache: ``"static"`` (pre-allocated, reused across calls of the same batch shape) or
+            ``"dynamic"`` (HF DynamicCache, grows by concatenation).
+        attn_implementation: HF attention backend.
+
+    Weights arrive from the resharder through :meth:`load_shards` in the ROLLOUT layout
+    (docs/conventions.md slices for this rank); :meth:`shard_shapes` says what each rank expects.
+    """
+
+    def __init__(self, model: ModelSource, *, layout: tuple[int, int] = (1, 1),
+                 device: torch.device | str | None = None, seed: int = 0, dtype: str | torch.dtype = "auto",
+                 cache: str = "static", attn_implementation: str = "sdpa"):
+        if cache not in ("static", "dynamic"):
+            raise ValueError(f"cache={cache!r}: expected 'static' or 'dynamic'")
+        layout = tuple(layout)
+        tp, ep = int(layout[0]), int(layout[1]) if len(layout) > 1 else 1
+        self.device = resolve_device(device)
+        self.dtype = _resolve_dtype(self.device, dtype)
+        self.mesh = par.build_mesh(self.device.type, tp=tp, ep=ep)
+        devmod.set_device(self.device)
+        hf_model, self.dims = build_model(model, dtype=self.dtype, seed=seed, attn_implementation=attn_implementation)
+        hf_model.to(self.device)
+        self.model = par.parallelize(hf_model, self.mesh, fsdp=False)
+        self.model.eval()
+        self.model.requires_grad_(False)
+        self.config = self.model.config
+        self.cache_kind = cache
+        self.seed = seed
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(self._group_seed(seed))
+        self._cache = None
+        self._cache_key = None
+        self._sleeping_weights: SwappedStorages | None = None
+        self._tp_group = self.mesh.tp_mesh.get_group() if self.mesh.tp > 1 else None
+        self._tp_src = dist.get_global_rank(self._tp_group, 0) if self._tp_group is not None else None
+
+    def _group_seed(self, seed: int) -> int:
+        return int(seed) + 1_000_003 * self.mesh.dp_rank
+
+    def reseed(self, seed: int) -> None:
+        self.generator.manual_seed(self._group_seed(seed))
+
+    # ----------------------------------------------------------------------------- weights
+    def _tensors(self) -> dict[str, torch.Tensor]:
+        return dict(par._named_tensors(self.model))
+
+    def shard_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Local (rollout-layout) shape of every parameter / persistent buffer on this rank."""
+        return {n: tuple(par._local(t).shape) for n, t in self._tensors().items()}
+
+    def local_shards(self) -> dict[str, torch.Tensor]:
+        """This rank's rollout-layout tensors (views, not copies)."""
+        return {n: par._local(t.data if hasattr(t, "data") else t) for n, t in self._tensors().items()}
+
+    @torch.no_grad()
+    def load_shards(self, shards: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy ``(name, local tensor in ROLLOUT layout)`` pairs into the weights in place.
+
+        Returns how many tensors were copied; unknown names or wrong shapes raise.
+        """
+        targets = self._tensors()
+        n = 0
+        for name, value in shards:
+            if name not in targets:
+                raise KeyError(f"load_shards: {name!r} is not a parameter of the rollout model "
+                               f"({type(self.model).__name__})")
+            par.copy_shard_(targets[name], value, name)
+            n += 1
+        return n
+
+    # ----------------------------------------------------------------------------- memory
+    def sleep(self, *, weights: bool = False) -> None:
+        """Release the KV cache (and, with ``weights=True``, swap the weights to host)."""
+        self._cache, self._cache_key = None, None
+        if weights and self._sleeping_weights is None:
+            self._sleeping_weights = SwappedStorages((t for t in self._tensors().values()), self.device)
+        devmod.empty_cache(self.device)
+
+    def wake(self) -> None:
+        """Take the weights back (the KV cache is re-allocated by the next ``generate``)."""
+        if self._sleeping_weights is not None:
+            self._sleeping_weights.restore()
+            self._sleeping_weights = None
+
+    # ----------------------------------------------------------------------------- sampling
+    def _new_cache(self, batch: int, max_len: int):
+        from transformers import DynamicCache, StaticCache
+
+        if self.cache_kind == "dynamic":
+            return DynamicCache(config=self.config)
+        key = (batch, max_len)
+        if self._cache is not None and self._cache_key == key:
+            self._cache.reset()
+            return self._cache
+        self._cache = StaticCache(config=self.config, max_cache_len=max_len)
+        self._cache_key = key
+        return self._cache
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[torch.Tensor], *, max_new_tokens: int, temperature: float = 1.0,
+                 top_p: float = 1.0, top_k: int = 0, eos_token_id: int | Sequence[int] | None = None,
+                 pad_token_id: int = 0, seed: int | None = None) -> RolloutOutput:
+        """Sample up to ``max_new_tokens`` per prompt (list of 1-D token tensors, any lengths).
+
+        Stops a sequence at its first EOS (kept) and the batch when all stopped. ``seed`` reseeds
+        the generator first (reproducible calls); otherwise the engine's stream continues.
+        """
+        if self._sleeping_weights is not None:
+            raise RuntimeError("generate() on a sleeping engine: call wake() first")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+        if seed is not None:
+            self.reseed(seed)
+        dev = self.device
+        ids, pmask = left_pad(prompts, pad_token_id)
+        ids, pmask = ids.to(dev), pmask.to(dev)  # [B, P]
+        B, P = ids.shape
+        L = P + max_new_tokens
+        eos = torch.tensor(sorted({eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or [])),
+                           dtype=torch.long, device=dev)  # [n_eos]
+        cache = self._new_cache(B, L)
+        mask = torch.zeros((B, L), dtype=torch.long, device=dev)  # [B, L]
+        mask[:, :P] = pmask
+        pos = (pmask.cumsum(-1) - 1).clamp_(min=0)  # [B, P]
+        static = self.cache_kind == "static"
+        out_tok = torch.full((B, max_new_tokens), pad_token_id, dtype=torch.long, device=dev)  # [B, N]
+        out_lp = torch.zeros((B, max_new_tokens), dtype=torch.float32, device=dev)  # [B, N]
+        finished = torch.zeros(B, dtype=torch.bool, device=dev)  # [B]
+        lengths = torch.full((B,), max_new_tokens, dtype=torch.long, device=dev)  # [B]
+        check_every = 8 if devmod.is_accelerator(dev.type) else 1
+        t0 = time.perf_counter()
+        logits = self.model(input_ids=ids, attention_mask=mask if static else pmask, position_ids=pos,
+                            past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]  # [B, V]
+        next_pos = pos[:, -1:] + 1  # [B, 1]
+        steps = 0
+        for t in range(max_new_tokens):
+            tok, lp = sample_next(logits, temperature=temperature, top_k=top_k, top_p=top_p,
+                                  generator=self.generator)  # [B], [B]
+            if self._tp_group is not None:
+                dist.broadcast(tok, src=self._tp_src, group=self._tp_group)
+            tok = tok.masked_fill(finished, pad_token_id)
+            out_tok[:, t] = tok
+            out_lp[:, t] = lp.masked_fill(finished, 0.0)
+            steps = t + 1
+            if eos.numel():
+                hit = torch.isin(tok, eos) & ~finished  # [B]
+                lengths = torch.where(hit, torch.full_like(lengths, t + 1), lengths)
+                finished |= hit
+                if (t + 1) % check_every == 0 and bool(finished.all()):
+                    break
+            if t + 1 == max_new_tokens:
+                break
+            mask[:, P + t] = 1
+            logits = self.model(input_ids=tok[:, None], attention_mask=mask if static else mask[:, :P + t + 1],
+                                position_ids=next_pos, past_key_values=cache, use_cache=True).logits[:, -1]
+            next_pos = next_pos + 1
+        devmod.synchronize(dev)
+        dt = time.perf_counter() - t0
+        lengths = torch.minimum(lengths, torch.full_like(lengths, steps)).cpu()
+        out_tok, out_lp = out_tok.cpu(), out_lp.cpu()
+        responses = [out_tok[i, :lengths[i]].clone() for i in range(B)]
+        logps = [out_lp[i, :lengths[i]].clone() for i in range(B)]
+        gen = int(lengths.sum())
+        return RolloutOutput(responses, logps, {"rollout/tokens": gen, "rollout/seconds": dt,
+                                                "rollout/tokens_per_s": gen / max(dt, 1e-9),
+                                                "rollout/steps": steps})
+
+
+# ---------------------------------------------------------------------------------------------
+# Benchmark helper
+# ---------------------------------------------------------------------------------------------
+def ensure_process_group(device_type: str | None = None) -> bool:
+    """Initialise a 1-process group when none exists (benchmarks, notebooks). True if it did."""
+    if dist.is_initialized():
+        return False
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group(devmod.comm_backend(device_type), rank=0, world_size=1)
+    return True
+
+
+def bench_vs_generate(model: ModelSource, *, batch: int = 16, prompt_len: int = 32, max_new_tokens: int = 128,
+                      device: torch.device | str | None = None, dtype: str | torch.dtype = "auto",
+                      cache: str = "static", seed: int = 0, repeats: int = 2, warmup: bool = True) -> dict:
+    """Tokens/s of :class:`RolloutEngine` vs ``transformers`` ``model.generate`` on the same model and batch.
+
+    Both sample at temperature 1 (no top-k/top-p), generate exactly ``max_new_tokens`` tokens for
+    each of ``batch`` random prompts of ``prompt_len`` tokens (no EOS), use a KV cache, and are
+    timed over ``repeats`` runs after a warm-up. Single process (tp=1); initialises a 1-process
+    group if needed. Returns ``{"native_tokens_per_s", "hf_generate_tokens_per_s", "speedup", ...}``.
+    """
+    created = ensure_process_group(None if device is None else resolve_device(device).type)
+    try:
+        eng = RolloutEngine(model, layout=(1, 1), device=device, seed=seed, dtype=dtype, cache=cache)
+        g = torch.Generator().manual_seed(seed)
+        vocab = eng.config.vocab_size
+        prompts = [torch.randint(1, vocab, (prompt_len,), generator=g) for _ in range(batch)]
+        ids = torch.stack(prompts).to(eng.device)  # [B, P]
+        am = torch.ones_like(ids)
+        hf = eng.model
+        n_tok = batch * max_new_tokens
+
+        def run_native():
+            return eng.generate(prompts, max_new_tokens=max_new_tokens, temperature=1.0, seed=seed)
+
+        def run_hf():
+            hf.generation_config.eos_token_id = None
+            return hf.generate(input_ids=ids, attention_mask=am, do_sample=True, temperature=1.0, top_k=0,
+                               top_p=1.0, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                               pad_token_id=0, eos_token_id=None)
+
+        def timed(fn):
+            if warmup:
+                fn()
+            best = float("inf")
+            for _ in range(repeats):
+                devmod.synchronize(eng.device)
+                t = time.perf_counter()
+                fn()
+                devmod.synchronize(eng.device)
+                best = min(best, time.perf_counter() - t)
+            return best
+
+        t_native = timed(run_native)
+        t_hf = timed(run_hf)
+        return {"native_tokens_per_s": n_tok / t_native, "hf_generate_tokens_per_s": n_tok / t_hf,
+                "speedup": t_hf / t_native, "batch": batch, "prompt_len": prompt_len,
+                "max_new_tokens": max_new_tokens, "cache": cache, "device": str(eng.device),
+                "dtype": str(eng.dtype).replace("torch.", ""), "family": eng.dims.family}
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+
+__all__ = ["RolloutEngine", "RolloutOutput", "bench_vs_generate", "ensure_process_group", "left_pad",
+           "sample_next"]

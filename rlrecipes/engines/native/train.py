@@ -1,0 +1,374 @@
+"""Native train engine: an HF causal LM sharded with DTensor TP, EP-inside-TP and FSDP2.
+
+Batches (one *micro-batch* is a mapping):
+
+* ``input_ids [b, T]`` — left-padded prompt followed by the right-padded response; the last
+  ``R`` positions are the response slots;
+* ``attention_mask [b, T]`` — 1 on real tokens (prompt and response), 0 on padding;
+* ``response_mask [b, R]`` (or ``responses [b, R]``) — fixes ``R``; the engine does not look
+  at its values, the loss closure does.
+
+Position ids are ``cumsum(attention_mask) - 1`` (left padding is skipped). The log-prob of the
+response token at slot ``j`` is read from the logits at position ``T - R - 1 + j``; padded
+response slots get a finite but meaningless value that the caller masks.
+
+Gradient semantics: ``train_step`` back-propagates ``loss / len(micro_batches)`` per micro-batch
+(``loss_scale="mean"``) or the loss as returned (``loss_scale="sum"``), then FSDP2 *averages*
+gradients over the DP ranks. A loss closure that returns the mean loss of its micro-batch
+therefore gives the gradient of the mean over all micro-batches of all DP ranks; for token-level
+aggregation over the global batch, weight the loss inside the closure and use ``"sum"``.
+"""
+from __future__ import annotations
+
+import math
+import os
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from rlrecipes import device as devmod
+from rlrecipes.engines.native import parallel as par
+from rlrecipes.engines.native.memory import SwappedStorages
+from rlrecipes.engines.native.loader import ModelSource, build_model, save_hf_folder, source_folder
+
+LossFn = Callable[[torch.Tensor, "torch.Tensor | None", Mapping[str, Any]], "tuple[torch.Tensor, dict]"]
+
+
+def resolve_device(device: torch.device | str | None) -> torch.device:
+    """A torch.device from a device, a type name (``cpu``/``cuda``/``npu``/``auto``) or None (auto)."""
+    if isinstance(device, torch.device):
+        return device
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    return devmod.torch_device(device, local_rank=local_rank)
+
+
+def _resolve_dtype(dev: torch.device, dtype: str | torch.dtype) -> torch.dtype:
+    return dtype if isinstance(dtype, torch.dtype) else devmod.train_dtype(dev, dtype)
+
+
+def response_len_of(mb: Mapping[str, Any]) -> int:
+    for key in ("response_mask", "responses"):
+        if key in mb:
+            return int(mb[key].shape[-1])
+    if "response_len" in mb:
+        return int(mb["response_len"])
+    raise KeyError("micro-batch needs 'response_mask' [b, R], 'responses' [b, R] or 'response_len'; "
+                   f"got keys {sorted(mb)}")
+
+
+class TrainEngine:
+    """HF model + DTensor TP + EP (inside TP) + FSDP2 over a (dp, tp) DeviceMesh of the whole world.
+
+    Args:
+        model: ``ModelDims`` (smoke: built from ``hf_config(dims)``, seeded) or a local HF folder
+            (config.json + safetensors).
+        role: ``"actor"`` (trainable: AdamW, fp32 master weights) or ``"ref"`` (frozen, weights
+            stored in the compute dtype, no optimizer).
+        layout: ``(tp, ep)``; ``dp = world // tp``; ``ep`` must divide ``tp``.
+        device: ``torch.device``, a type name or None (auto, ``LOCAL_RANK``-indexed).
+        lr, weight_decay, betas, eps: AdamW settings.
+        grad_clip: max global L2 norm of the gradients (``<= 0``: no clipping, the norm is still
+            reported).
+        seed: seeds the smoke model's init (same on every rank) and torch's RNG.
+        dtype: ``"auto"`` (bf16 where ``device.supports_bf16``, fp32 on CPU), ``"bf16"``,
+            ``"fp16"``, ``"fp32"`` or a torch.dtype: the compute dtype. Actor master weights,
+            gradient reduction and optimizer state stay fp32 (FSDP2 mixed precision).
+        fsdp: wrap with FSDP2; default: when ``dp > 1`` or the actor computes in low precision.
+        attn_implementation: HF attention backend (``"sdpa"`` or ``"eager"``).
+    """
+
+    metric_prefix = "actor"
+
+    def __init__(self, model: ModelSource, *, role: str = "actor", layout: tuple[int, int] = (1, 1),
+                 device: torch.device | str | None = None, lr: float = 1e-6, weight_decay: float = 0.0,
+                 grad_clip: float = 1.0, seed: int = 0, dtype: str | torch.dtype = "auto",
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, fsdp: bool | None = None,
+                 attn_implementation: str = "sdpa"):
+        if role not in ("actor", "ref", "critic"):
+            raise ValueError(f"role={role!r}: expected 'actor', 'ref' or 'critic'")
+        layout = tuple(layout)
+        tp, ep = int(layout[0]), int(layout[1]) if len(layout) > 1 else 1
+        self.role, self.device, self.seed = role, resolve_device(device), seed
+        self.trainable = role != "ref"
+        self.compute_dtype = _resolve_dtype(self.device, dtype)
+        self.mesh = par.build_mesh(self.device.type, tp=int(tp), ep=int(ep))
+        devmod.set_device(self.device)
+        torch.manual_seed(seed)
+        param_dtype = torch.float32 if self.trainable else self.compute_dtype
+        hf_model, self.dims = build_model(model, dtype=param_dtype, seed=seed,
+                                          attn_implementation=attn_implementation)
+        self._source_folder = source_folder(model)
+        hf_model = self._adapt_model(hf_model)
+        hf_model.to(self.device)
+        low_precision = self.compute_dtype != param_dtype
+        self.fsdp = bool(fsdp) if fsdp is not None else (self.mesh.dp > 1 or low_precision)
+        if low_precision and not self.fsdp:
+            raise ValueError("mixed precision training needs FSDP2 (fsdp=True) in the native engine")
+        self.model = par.parallelize(hf_model, self.mesh, fsdp=self.fsdp,
+                                     mp_dtype=self.compute_dtype if low_precision else None,
+                                     replicate_head=role == "critic")
+        self.config = self.model.config
+        self.optimizer = None
+        if self.trainable:
+            self.model.train()
+            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=betas, eps=eps,
+                                               weight_decay=weight_decay)
+        else:
+            self.model.eval()
+            self.model.requires_grad_(False)
+        self.grad_clip = grad_clip
+        self.step = 0
+        self._offloaded: list | None = None
+
+    # ----------------------------------------------------------------------------- model hooks
+    def _adapt_model(self, model: nn.Module) -> nn.Module:
+        """Subclasses swap heads here (before sharding)."""
+        return model
+
+    def _head_output(self, logits: torch.Tensor, targets: torch.Tensor, temperature: float,
+                     with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        logits = logits.float()  # [b, R, V]
+        if temperature != 1.0:
+            logits = logits / temperature
+        logp_all = F.log_softmax(logits, dim=-1)  # [b, R, V]
+        logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # [b, R]
+        entropy = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else None  # [b, R]
+        return logp, entropy
+
+    def _forward(self, mb: Mapping[str, Any], temperature: float = 1.0,
+                 with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        input_ids = mb["input_ids"].to(self.device)  # [b, T]
+        attention_mask = mb["attention_mask"].to(self.device)  # [b, T]
+        R = response_len_of(mb)
+        T = input_ids.shape[1]
+        if not 0 < R < T:
+            raise ValueError(f"response length R={R} must be in (0, T={T})")
+        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_(min=0)  # [b, T]
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         use_cache=False, logits_to_keep=R + 1)
+        logits = out.logits[:, :-1]  # [b, R, V]: positions T-R-1 .. T-2 predict the response slots
+        return self._head_output(logits, input_ids[:, T - R:], temperature, with_entropy)
+
+    # ----------------------------------------------------------------------------- inference
+    @torch.no_grad()
+    def log_probs(self, batch: Mapping[str, Any], *, temperature: float = 1.0, with_entropy: bool = False,
+                  micro_batch_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Per-token log-probs ``[B, R]`` (fp32) of the response tokens, and entropy ``[B, R]`` or None.
+
+        ``batch`` is a micro-batch mapping (see module docstring); ``micro_batch_size`` splits it.
+        """
+        self.model.eval()
+        B = batch["input_ids"].shape[0]
+        mbs = micro_batch_size or B
+        outs, ents = [], []
+        for s in range(0, B, mbs):
+            mb = {k: (v[s:s + mbs] if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == B else v)
+                  for k, v in batch.items()}
+            logp, ent = self._forward(mb, temperature, with_entropy)
+            outs.append(logp)
+            ents.append(ent)
+        if self.trainable:
+            self.model.train()
+        return torch.cat(outs), (torch.cat(ents) if with_entropy else None)
+
+    # ----------------------------------------------------------------------------- training
+    def _params(self) -> list[torch.Tensor]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def train_step(self, micro_batches: Sequence[Mapping[str, Any]], loss_fn: LossFn, *,
+                   temperature: float = 1.0, with_entropy: bool = False, loss_scale: str = "mean") -> dict:
+        """Forward/backward every micro-batch, clip, AdamW step; returns metrics.
+
+        ``loss_fn(logp [b, R], entropy [b, R] | None, micro_batch) -> (loss, metrics)``.
+        Metrics: ``<role>/loss`` (mean over micro-batches), ``<role>/grad_norm`` (global, before
+        clipping), ``<role>/lr``, ``<role>/skipped_step`` (1.0 when the loss or the grad norm was
+        NaN/inf anywhere: the update is skipped on every rank) and the closure's metrics averaged
+        over micro-batches.
+        """
+        if not self.trainable:
+            raise RuntimeError(f"train_step on a {self.role!r} engine: only actor/critic engines train")
+        if not micro_batches:
+            raise ValueError("train_step: no micro-batches")
+        if loss_scale not in ("mean", "sum"):
+            raise ValueError(f"loss_scale={loss_scale!r}: expected 'mean' or 'sum'")
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        n = len(micro_batches)
+        acc: dict[str, list[float]] = defaultdict(list)
+        losses = []
+        for i, mb in enumerate(micro_batches):
+            if self.fsdp:
+                self.model.set_requires_gradient_sync(i == n - 1)
+            logp, ent = self._forward(mb, temperature, with_entropy)
+            loss, metrics = loss_fn(logp, ent, mb)
+            (loss / n if loss_scale == "mean" else loss).backward()
+            losses.append(loss.detach().float())
+            for k, v in (metrics or {}).items():
+                acc[k].append(float(v))
+        par.allreduce_tp_partial_grads(self.model, self.mesh)
+        params = self._params()
+        grad_norm = par.global_grad_norm(params, self.device)
+        loss_bad = torch.tensor([float(not all(torch.isfinite(x).item() for x in losses))], device=self.device)
+        if dist.get_world_size() > 1:
+            dist.all_reduce(loss_bad)
+        skipped = bool(loss_bad.item() > 0) or not math.isfinite(grad_norm.item())
+        if not skipped:
+            if self.grad_clip and self.grad_clip > 0:
+                coef = self.grad_clip / (grad_norm.item() + 1e-6)
+                if coef < 1.0:
+                    par.scale_grads_(params, coef)
+            self.optimizer.step()
+            self.step += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        p = self.metric_prefix
+        out = {f"{p}/loss": float(torch.stack(losses).mean()), f"{p}/grad_norm": float(grad_norm),
+               f"{p}/lr": self.optimizer.param_groups[0]["lr"], f"{p}/skipped_step": float(skipped)}
+        out.update({k: sum(v) / len(v) for k, v in acc.items()})
+        return out
+
+    def set_lr(self, lr: float) -> None:
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+
+    # ----------------------------------------------------------------------------- weights
+    def local_shards(self) -> dict[str, torch.Tensor]:
+        """This rank's shard of every parameter (and persistent buffer) in the TRAIN layout.
+
+        TP shard for column/row/vocab params, full tensor for replicated ones, the EP block for
+        experts; the FSDP (DP) dimension all-gathered. Collective: call on every rank.
+        """
+        return par.local_shards(self.model)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Unsharded tensors on every rank (collective; small models and tests)."""
+        return par.full_state_dict(self.model)
+
+    def export_hf(self, folder: str | os.PathLike, *, dtype: torch.dtype | None = None) -> Path:
+        """Write the full model as an HF folder (rank 0 writes after a gather; all ranks call)."""
+        rank = dist.get_rank()
+        sd = par.full_state_dict(self.model, keep=rank == 0)
+        if rank == 0:
+            save_hf_folder(sd, self.config, folder, tokenizer_from=self._source_folder, dtype=dtype)
+        dist.barrier()
+        return Path(folder)
+
+    # ----------------------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict:
+        """Model (+ optimizer) state for ``torch.distributed.checkpoint`` (DTensor-sharded)."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+        if self.optimizer is not None:
+            msd, osd = get_state_dict(self.model, self.optimizer)
+            return {"model": msd, "optim": osd, "step": torch.tensor(self.step)}
+        return {"model": get_model_state_dict(self.model), "step": torch.tensor(self.step)}
+
+    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+        if self.optimizer is not None and "optim" in sd:
+            set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        else:
+            set_model_state_dict(self.model, sd["model"])
+        self.step = int(sd.get("step", self.step))
+
+    def save(self, path: str | os.PathLike) -> None:
+        """DCP save of model + optimizer into a directory (every rank writes its shards)."""
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(self.state_dict(), checkpoint_id=str(path))
+
+    def load(self, path: str | os.PathLike) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        if not Path(path).is_dir():
+            raise FileNotFoundError(f"checkpoint directory {str(path)!r} does not exist")
+        sd = self.state_dict()
+        if self.optimizer is not None and not sd["optim"].get("state"):
+            # AdamW state is created lazily; materialise it so DCP has somewhere to load into.
+            self._init_optimizer_state()
+            sd = self.state_dict()
+        dcp.load(sd, checkpoint_id=str(path))
+        self.load_state_dict(sd)
+
+    def _init_optimizer_state(self) -> None:
+        lrs = [g["lr"] for g in self.optimizer.param_groups]
+        for g in self.optimizer.param_groups:
+            g["lr"] = 0.0
+        for p in self._params():
+            p.grad = torch.zeros_like(p)
+        wd = [g["weight_decay"] for g in self.optimizer.param_groups]
+        for g in self.optimizer.param_groups:
+            g["weight_decay"] = 0.0
+        self.optimizer.step()
+        for g, lr, w in zip(self.optimizer.param_groups, lrs, wd):
+            g["lr"], g["weight_decay"] = lr, w
+        self.optimizer.zero_grad(set_to_none=True)
+
+    # ----------------------------------------------------------------------------- memory
+    def offload(self, *, force: bool = False) -> None:
+        """Move params, grads and optimizer state to host memory, freeing device memory.
+
+        Storage level (:class:`memory.SwappedStorages`): every view (FSDP2 shards, DTensor locals,
+        optimizer references) stays valid and ``onload()`` restores it in place. On CPU this is a
+        no-op (host is the device) unless ``force=True`` (tests use it to exercise the path).
+        """
+        if self._offloaded is not None or (not devmod.is_accelerator(self.device.type) and not force):
+            return
+        tensors = []
+        for p in self.model.parameters():
+            tensors += [p.data, p.grad]
+        if self.optimizer is not None:
+            for state in self.optimizer.state.values():
+                tensors += [v for v in state.values() if torch.is_tensor(v)]
+        self._offloaded = SwappedStorages(tensors, self.device)
+
+    def onload(self) -> None:
+        """Bring back what ``offload()`` moved to host (no-op when nothing is offloaded)."""
+        if self._offloaded is not None:
+            self._offloaded.restore()
+            self._offloaded = None
+
+
+class ValueEngine(TrainEngine):
+    """PPO critic: the HF backbone + ``Linear(hidden, 1)`` per token (the ``lm_head`` slot).
+
+    Same batches as the actor; ``values(batch) -> [B, R]`` are read at the same positions as the
+    actor's log-probs (the state before each response token). ``loss_fn(values [b, R], None, mb)``.
+    The head is replicated over TP; the rest is sharded exactly like the actor.
+    """
+
+    metric_prefix = "critic"
+
+    def __init__(self, model: ModelSource, **kwargs):
+        kwargs.setdefault("role", "critic")
+        super().__init__(model, **kwargs)
+
+    def _adapt_model(self, model: nn.Module) -> nn.Module:
+        hidden = model.config.hidden_size
+        torch.manual_seed(self.seed)
+        head = nn.Linear(hidden, 1, bias=True, dtype=model.lm_head.weight.dtype)
+        nn.init.normal_(head.weight, std=1.0 / math.sqrt(hidden))
+        nn.init.zeros_(head.bias)
+        model.config.tie_word_embeddings = False
+        model.lm_head = head
+        model.config.critic_head = True
+        return model
+
+    def _head_output(self, logits, targets, temperature, with_entropy):
+        return logits[..., 0].float(), None  # [b, R]
+
+    @torch.no_grad()
+    def values(self, batch: Mapping[str, Any], *, micro_batch_size: int | None = None) -> torch.Tensor:
+        """Per-token values ``[B, R]`` (fp32)."""
+        return self.log_probs(batch, micro_batch_size=micro_batch_size)[0]
+
+    def export_hf(self, folder, *, dtype=None):  # pragma: no cover - a critic is not an HF LM
+        raise NotImplementedError("a critic has a value head, not an LM head: use save()/load() (DCP)")
+
+
+__all__ = ["LossFn", "TrainEngine", "ValueEngine", "resolve_device", "response_len_of"]

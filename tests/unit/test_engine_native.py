@@ -1,0 +1,188 @@
+"""Native engines on one process (a 1-rank gloo group in-process; no spawned processes)."""
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from rlrecipes.engines.native import parallel as par
+from rlrecipes.engines.native.loader import build_model, check_hf_folder
+from rlrecipes.engines.native.rollout import RolloutEngine, left_pad, sample_next
+from rlrecipes.models import SMOKE
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_rank_group():
+    if dist.is_initialized():
+        yield
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _prompts(seed=0, lens=(3, 7, 5)):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, 32, (n,), generator=g) for n in lens]
+
+
+@pytest.mark.parametrize("family", list(SMOKE))
+@pytest.mark.parametrize("cache", ["static", "dynamic"])
+def test_greedy_equals_hf_generate(family, cache):
+    eng = RolloutEngine(SMOKE[family], device="cpu", cache=cache)
+    prompts = _prompts()
+    out = eng.generate(prompts, max_new_tokens=10, temperature=0)
+    ids, am = left_pad(prompts, 0)
+    ref = eng.model.generate(input_ids=ids, attention_mask=am, do_sample=False, max_new_tokens=10,
+                             min_new_tokens=10, pad_token_id=0, eos_token_id=None)[:, ids.shape[1]:]
+    for i in range(len(prompts)):
+        assert torch.equal(out.responses[i], ref[i]), (i, out.responses[i], ref[i])
+    # top-k = 1 sampling is greedy
+    k1 = eng.generate(prompts, max_new_tokens=10, temperature=1.0, top_k=1, seed=5)
+    assert all(torch.equal(a, b) for a, b in zip(k1.responses, out.responses))
+
+
+def test_logprobs_equal_recomputed_forward_and_seeded():
+    eng = RolloutEngine(SMOKE["qwen2"], device="cpu")
+    prompts = _prompts(1)
+    out = eng.generate(prompts, max_new_tokens=8, temperature=1.0, seed=11)
+    again = eng.generate(prompts, max_new_tokens=8, temperature=1.0, seed=11)
+    assert all(torch.equal(a, b) for a, b in zip(out.responses, again.responses))
+    model = eng.model
+    for p, r, lp in zip(prompts, out.responses, out.log_probs):
+        seq = torch.cat([p, r])[None]  # [1, P + R]
+        with torch.no_grad():
+            logits = model(input_ids=seq).logits[0, len(p) - 1:-1].float()  # [R, V]
+        want = torch.log_softmax(logits, -1).gather(-1, r[:, None]).squeeze(-1)
+        torch.testing.assert_close(lp, want, atol=1e-4, rtol=1e-4)
+
+
+def test_eos_stops_and_is_kept():
+    eng = RolloutEngine(SMOKE["qwen2"], device="cpu")
+    prompts = _prompts(2)
+    greedy = eng.generate(prompts, max_new_tokens=12, temperature=0)
+    eos = int(greedy.responses[0][3])  # a token the first sequence emits at step 3 (or earlier)
+    out = eng.generate(prompts, max_new_tokens=12, temperature=0, eos_token_id=eos)
+    for full, cut in zip(greedy.responses, out.responses):
+        hits = (full == eos).nonzero()
+        n = int(hits[0]) + 1 if len(hits) else len(full)
+        assert torch.equal(cut, full[:n])
+    assert [len(x) for x in out.log_probs] == [len(x) for x in out.responses]
+    assert out.responses[0][-1].item() == eos and len(out.responses[0]) <= 4
+
+
+def test_sample_next_top_p_top_k_support():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.tensor([[5.0, 4.0, 0.0, -1.0, -2.0]]).repeat(64, 1)  # [64, 5]
+    tok, lp = sample_next(logits, temperature=1.0, top_k=2, top_p=1.0, generator=g)
+    assert set(tok.tolist()) <= {0, 1}
+    tok, _ = sample_next(logits, temperature=1.0, top_k=0, top_p=0.5, generator=g)
+    assert set(tok.tolist()) == {0}  # p(token 0) = 0.72 > 0.5
+    # the returned log-prob is from the untruncated temperature-scaled distribution
+    tok, lp = sample_next(logits, temperature=2.0, top_k=1, top_p=1.0, generator=g)
+    want = torch.log_softmax(logits / 2.0, -1)[:, 0]
+    assert torch.equal(tok, torch.zeros_like(tok))
+    torch.testing.assert_close(lp, want)
+
+
+def test_sleep_wake_and_load_shards():
+    eng = RolloutEngine(SMOKE["qwen3_moe"], device="cpu", seed=1)
+    ref, _ = build_model(SMOKE["qwen3_moe"], seed=0)
+    assert eng.load_shards(ref.state_dict().items()) == len(ref.state_dict())
+    prompts = _prompts(3)
+    a = eng.generate(prompts, max_new_tokens=6, temperature=0)
+    eng.sleep(weights=True)
+    with pytest.raises(RuntimeError, match="wake"):
+        eng.generate(prompts, max_new_tokens=2)
+    eng.wake()
+    b = eng.generate(prompts, max_new_tokens=6, temperature=0)
+    assert all(torch.equal(x, y) for x, y in zip(a.responses, b.responses))
+    with pytest.raises(ValueError, match="shape"):
+        eng.load_shards([("model.norm.weight", torch.zeros(3))])
+    with pytest.raises(KeyError, match="not a parameter"):
+        eng.load_shards([("model.nope.weight", torch.zeros(3))])
+
+
+def test_train_engine_single_rank_offload_roundtrip():
+    from rlrecipes.engines.native.train import TrainEngine
+
+    eng = TrainEngine(SMOKE["qwen2"], layout=(1, 1), device="cpu", lr=1e-3)
+    ids = torch.randint(1, 32, (2, 9))
+    mb = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "response_mask": torch.ones(2, 4)}
+    m = eng.train_step([mb], lambda lp, ent, b: (-lp.mean() + 0 * ent.mean(), {}), with_entropy=True)
+    assert m["actor/skipped_step"] == 0.0 and m["actor/grad_norm"] > 0
+    before = eng.full_state_dict()
+    eng.offload(force=True)
+    assert all(p.untyped_storage().nbytes() == 0 for p in eng.model.parameters())
+    eng.onload()
+    for k, v in eng.full_state_dict().items():
+        assert torch.equal(v, before[k])
+    m = eng.train_step([mb], lambda lp, ent, b: (lp.mean() * float("inf"), {}))
+    assert m["actor/skipped_step"] == 1.0
+
+
+def test_layout_errors():
+    with pytest.raises(ValueError, match="does not divide the world"):
+        par.build_mesh("cpu", tp=2, ep=1)
+    with pytest.raises(ValueError, match="ep must divide tp"):
+        par.build_mesh("cpu", tp=1, ep=2)
+
+
+def test_param_rules_follow_conventions():
+    r = par.param_rule
+    assert r("model.embed_tokens.weight") == "vocab" and par.tp_dim("model.embed_tokens.weight") == 0
+    assert r("lm_head.weight") == "col"
+    assert r("model.layers.0.self_attn.q_proj.bias") == "col"
+    assert r("model.layers.0.self_attn.kv_b_proj.weight") == "col"
+    assert r("model.layers.0.mlp.shared_experts.up_proj.weight") == "col"
+    assert par.tp_dim("model.layers.0.self_attn.o_proj.weight") == 1
+    assert par.tp_dim("model.layers.0.mlp.shared_experts.down_proj.weight") == 1
+    for name in ("model.norm.weight", "model.layers.0.self_attn.q_norm.weight", "model.layers.0.mlp.gate.weight",
+                 "model.layers.0.self_attn.kv_a_proj_with_mqa.weight", "model.layers.0.mlp.gate.e_score_correction_bias",
+                 "model.layers.0.self_attn.q_a_layernorm.weight"):
+        assert r(name) == "replicate", name
+    assert par.is_expert("model.layers.3.mlp.experts.down_proj")
+    full = torch.arange(8 * 6).reshape(8, 6)
+    assert torch.equal(par.convention_slice(full, "model.layers.0.mlp.experts.down_proj", 2, 1, 2, 1), full[4:])
+    assert torch.equal(par.convention_slice(full, "model.layers.0.self_attn.o_proj.weight", 2, 1, 1, 0), full[:, 3:])
+
+
+@pytest.mark.parametrize("family", list(SMOKE))
+def test_loader_roundtrip_and_export(tmp_path, family):
+    """save_pretrained folder -> real loading path -> TrainEngine -> export_hf -> from_pretrained -> generate."""
+    from transformers import AutoModelForCausalLM
+
+    from rlrecipes.engines.native.train import TrainEngine
+
+    src, _ = build_model(SMOKE[family], seed=3)
+    src.save_pretrained(tmp_path / "src", safe_serialization=True)
+    eng = TrainEngine(str(tmp_path / "src"), role="ref", layout=(1, 1), device="cpu")
+    assert eng.dims.family == family
+    for k, v in eng.full_state_dict().items():
+        assert torch.equal(v, src.state_dict()[k]), k
+    eng.export_hf(tmp_path / "out")
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "out", local_files_only=True)
+    for k, v in back.state_dict().items():
+        assert torch.equal(v, src.state_dict()[k]), k
+    gen = back.generate(input_ids=torch.tensor([[1, 2, 3]]), max_new_tokens=4, min_new_tokens=4, do_sample=False,
+                            pad_token_id=0)
+    assert gen.shape == (1, 7)
+    roll = RolloutEngine(str(tmp_path / "out"), device="cpu")
+    assert roll.dims.family == family
+
+
+def test_loader_refuses_missing_and_pickles(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        check_hf_folder(tmp_path / "nope")
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")
+    (tmp_path / "m" / "pytorch_model.bin").write_bytes(b"x")
+    with pytest.raises(FileNotFoundError, match="pickled weights are refused"):
+        check_hf_folder(tmp_path / "m")
