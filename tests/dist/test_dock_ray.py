@@ -1,0 +1,219 @@
+"""TransferDock, Ray backend on a 3-node Ray cluster simulated on one machine
+(``ray.cluster_utils.Cluster``, 1 CPU per node): semantics, warehouse placement, zero-copy reads,
+concurrent writer / reader actors on different nodes.
+
+One cluster and one dock per module: actor start-up costs seconds on a busy 2-core machine."""
+from __future__ import annotations
+
+import itertools
+import os
+import pickle
+
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+from ray.cluster_utils import Cluster  # noqa: E402
+
+from rlrecipes.core.dock import DockError, DockTimeout, RayDock, TransferDock  # noqa: E402
+
+pytestmark = pytest.mark.dist
+
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+_steps = itertools.count(100)
+
+
+@pytest.fixture(scope="module")
+def shared_dock():
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"node0": 1},
+                                                       "include_dashboard": False})
+    try:
+        c.add_node(num_cpus=1, resources={"node1": 1})
+        c.add_node(num_cpus=1, resources={"node2": 1})
+        c.wait_for_nodes()
+        # Workers import this module (actor classes below) and rlrecipes from the checkout.
+        ray.init(address=c.address, log_to_driver=False, configure_logging=False,
+                 runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([ROOT, HERE])}})
+        d = TransferDock.ray()
+        yield d
+        d.shutdown()
+    finally:
+        ray.shutdown()
+        c.shutdown()
+
+
+def _node_with(resource: str) -> str:
+    return next(n["NodeID"] for n in ray.nodes() if n["Alive"] and resource in n["Resources"])
+
+
+@pytest.fixture
+def dock(shared_dock):
+    shared_dock.reset(next(_steps))
+    return shared_dock
+
+
+def ids(row: int, n: int) -> torch.Tensor:
+    return torch.arange(n, dtype=torch.int64) + 1000 * row  # [n]
+
+
+def test_ray_semantics_match_local(dock):
+    rows = dock.add_groups(4, 2)
+    lens = [10, 10, 1, 1, 5, 5, 6, 4]
+    dock.put({"ids": [ids(r, n) for r, n in zip(rows, lens)]}, rows)
+    dock.put({"s": torch.arange(8.)}, rows, rank=3)
+    bins = [dock.get("adv", ["ids", "s"], None, dp_rank=r, dp_size=2, whole_groups=True, timeout=5)
+            for r in (1, 0)]
+    assert sorted(bins[0].rows + bins[1].rows) == rows
+    for b in bins:
+        assert all((x ^ 1) in b.rows for x in b.rows)
+        assert b["s"].tolist() == [float(x) for x in b.rows]
+        for r, t in zip(b.rows, b["ids"]):
+            assert torch.equal(t, ids(r, lens[r]))
+    # the same partition as the local backend computes
+    loc = TransferDock.local()
+    loc.add_groups(4, 2)
+    loc.put({"ids": [ids(r, n) for r, n in zip(rows, lens)], "s": torch.arange(8.)}, rows)
+    assert loc.get("adv", ["ids", "s"], None, dp_rank=1, dp_size=2, whole_groups=True).rows == bins[0].rows
+    assert dock.all_consumed("adv")
+    dock.drop_rows([0, 1])
+    st = dock.stats()
+    assert st["live_rows"] == 6 and sum(w["columns"]["ids"] for w in st["warehouses"]) == 6
+
+
+def test_ray_timeout_names_consumer_columns_and_counts(dock):
+    rows = dock.add_groups(1, 3)
+    dock.put({"a": torch.ones(2)}, rows[:2])
+    with pytest.raises(DockTimeout) as e:
+        dock.get("ref", ["a"], 3, timeout=0.3)
+    msg = str(e.value)
+    assert "'ref'" in msg and "['a']" in msg and "2 rows ready" in msg and "3 live rows" in msg
+    with pytest.raises(DockError, match="never allocated"):
+        dock.put({"a": torch.ones(1)}, [9])
+
+
+def test_ray_reset_and_mark_cached(dock):
+    dock.add_groups(1, 2)
+    dock.reset(5)
+    rows = dock.add_groups(1, 2)
+    assert rows == [0, 1] and dock.stats()["step"] == 5 and dock.stats()["rows"] == 2
+    dock.mark_cached({"logp": [3, 4]}, rows, rank=2)
+    assert dock.cached_on("logp", rows) == [2, 2]
+    b = dock.get("u", ["logp"], None, timeout=5)
+    assert b.holders == {"logp": [2, 2]} and b.columns == {}
+
+
+def _shared_mapping_of(ptr: int) -> str | None:
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split()
+            lo, hi = (int(v, 16) for v in parts[0].split("-"))
+            if lo <= ptr < hi:
+                return line.strip()
+    return None
+
+
+def test_large_reads_are_zero_copy_views_of_the_object_store(dock):
+    # Zero-copy holds when a column of a batch comes from one warehouse call (rows of several
+    # warehouses are concatenated: one copy). writer_node puts all rows on the driver's node.
+    dock = dock.with_placement("writer_node")
+    rows = dock.add_groups(8, 4)
+    x = torch.randn(32, 16384)  # [rows, L] 2 MiB: above Ray's inline threshold
+    dock.put({"x": x}, rows)
+    b = dock.get("c", ["x"], None, timeout=10)
+    assert torch.equal(b["x"], x)
+    where = _shared_mapping_of(b["x"].data_ptr())
+    assert where is not None and "plasma" in where and " rw-s " in f" {where.split()[1]} ", where
+    # copy=True gives private memory
+    dock.reset(1)
+    rows = dock.add_groups(8, 4)
+    dock.put({"x": x}, rows)
+    c = dock.get("c", ["x"], None, timeout=10, copy=True)
+    where = _shared_mapping_of(c["x"].data_ptr())
+    assert torch.equal(c["x"], x) and (where is None or "plasma" not in where)
+
+
+@ray.remote(num_cpus=0, max_concurrency=2)
+class Worker:
+    """Writes and reads at the same time (two threads), so two actors give 2 writers + 2 readers."""
+
+    def __init__(self, dock):
+        self.dock = dock
+
+    def node(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    def produce(self, n_groups: int, g: int, placement: str) -> list[int]:
+        d = self.dock.with_placement(placement)
+        rows = d.add_groups(n_groups, g)
+        d.put({"ids": [ids(r, 1 + r % 3) for r in rows]}, rows)
+        return rows
+
+    def consume(self, rank: int, size: int) -> list[tuple[int, list[int]]]:
+        b = self.dock.get("c", ["ids"], None, dp_rank=rank, dp_size=size, timeout=20)
+        return [(r, t.tolist()) for r, t in zip(b.rows, b["ids"])]
+
+    def write(self, n_groups: int, g: int) -> list[int]:
+        out = []
+        for _ in range(n_groups):
+            rows = self.dock.add_groups(1, g)
+            self.dock.put({"ids": [ids(r, 1 + r % 5) for r in rows]}, rows)
+            out += rows
+        return out
+
+    def read(self, rank: int, size: int) -> list[tuple[int, list[int]]]:
+        got = []
+        while True:
+            try:
+                b = self.dock.get("r", ["ids"], 2, dp_rank=rank, dp_size=size, timeout=2)
+            except DockTimeout:
+                return got
+            got += [(r, t.tolist()) for r, t in zip(b.rows, b["ids"])]
+
+
+@pytest.fixture(scope="module")
+def workers(shared_dock):
+    """Two worker actors, pinned to node1 and node2, each holding a pickled copy of the handle."""
+    ws = [Worker.options(resources={f"node{i}": 0.01}).remote(shared_dock) for i in (1, 2)]
+    yield ws
+    for w in ws:
+        ray.kill(w)
+
+
+def test_one_warehouse_per_node_and_placement(dock, workers):
+    nodes = [_node_with(f"node{i}") for i in range(3)]
+    st = dock.stats()
+    assert sorted(w["node_id"] for w in st["warehouses"]) == sorted(nodes)      # one per node
+    assert dock.warehouse_nodes == [w["node_id"] for w in st["warehouses"]]
+    assert ray.get([w.node.remote() for w in workers]) == nodes[1:]
+    # round robin by group: 6 groups of 2 over 3 warehouses
+    rows = ray.get(workers[0].produce.remote(3, 2, "round_robin"))
+    rows += ray.get(workers[1].produce.remote(3, 2, "round_robin"))
+    st = dock.stats()
+    assert st["rows_per_warehouse"] == [4, 4, 4]
+    assert [w["columns"]["ids"] for w in st["warehouses"]] == [4, 4, 4]
+    # writer_node: the rows of a writer on node2 stay in node2's warehouse
+    more = ray.get(workers[1].produce.remote(2, 2, "writer_node"))
+    st = dock.stats()
+    wh2 = dock.warehouse_nodes.index(nodes[2])
+    assert [w["columns"]["ids"] for w in st["warehouses"]] == [4 + 4 * (i == wh2) for i in range(3)]
+    # consumers on node1 and node2 read rows from all three nodes, exactly
+    got = ray.get([workers[0].consume.remote(0, 2), workers[1].consume.remote(1, 2)])
+    flat = sorted(x for g in got for x in g)
+    assert [r for r, _ in flat] == sorted(rows + more)
+    assert all(v == ids(r, 1 + r % 3).tolist() for r, v in flat)
+
+
+def test_concurrent_writer_and_reader_actors_share_one_picklable_handle(dock, workers):
+    assert isinstance(pickle.loads(pickle.dumps(dock)), RayDock)
+    r_refs = [w.read.remote(i, 2) for i, w in enumerate(workers)]
+    w_rows = ray.get([w.write.remote(6, 2) for w in workers])
+    got = [x for rs in ray.get(r_refs) for x in rs]
+    assert sorted(r for rs in w_rows for r in rs) == list(range(24))
+    assert sorted(r for r, _ in got) == list(range(24))             # each row exactly once
+    for r, v in got:
+        assert v == ids(r, 1 + r % 5).tolist()
+    # a copy of the handle cannot shut the dock down; the creator can
+    pickle.loads(pickle.dumps(dock)).shutdown()
+    assert dock.stats()["rows"] == 24
