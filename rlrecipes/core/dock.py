@@ -444,6 +444,7 @@ class _Meta:
         if count is not None and count < 1:
             raise DockError(f"get({consumer!r}): count must be >= 1 or None, got {count}")
         cs = self._consumer(consumer)
+        self.last_partition = None
         live = ~self.dropped
         untaken = live & ~cs.taken
         avail = untaken & self._ready_all(columns)
@@ -456,6 +457,7 @@ class _Meta:
             rnd = cs.cursor.get(dp_rank, 0)
             if rnd < len(cs.partitions):
                 cs.cursor[dp_rank] = rnd + 1
+                self.last_partition = cs.partitions[rnd]
                 return cs.partitions[rnd][dp_rank]
             # New round: everything not taken must be ready (so whole groups are complete).
             if not untaken.any() or (avail != untaken).any():
@@ -474,6 +476,7 @@ class _Meta:
             cs.partitions.append(part)
             cs.cursor[dp_rank] = rnd + 1
             self.version += 1
+            self.last_partition = part
             return part[dp_rank]
         # Streaming: the first `count` ready rows (or whole groups) nobody of this consumer took.
         if whole_groups:
@@ -536,7 +539,8 @@ class _Meta:
         for x in r.tolist():
             by_wh.setdefault(int(self.warehouse[x]), []).append(x)
         kinds = {c: self.kinds.get(c, ("float32", True)) for c in stored_cols}
-        return cached, {"columns": stored_cols, "by_warehouse": by_wh, "kinds": kinds}
+        return cached, {"columns": stored_cols, "by_warehouse": by_wh, "kinds": kinds,
+                        "partition": getattr(self, "last_partition", None)}
 
     def cached_on(self, column: str, rows: Sequence[int]) -> list[int | None]:
         r = self._check_rows(rows, "cached_on")
@@ -576,6 +580,9 @@ class Batch:
     rows: list[int]
     columns: dict[str, torch.Tensor | list[torch.Tensor]]
     holders: dict[str, list[int]] = field(default_factory=dict)
+    # count=None only: the rows of every dp rank in this round (entry r = rank r's rows), e.g. for
+    # TensorCache.exchange(columns, batch.partition) without gathering the wants first.
+    partition: list[list[int]] | None = None
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -672,7 +679,7 @@ def _empty_batch(stored: dict, cached: dict) -> Batch:
     for c in stored["columns"]:
         dtype, stacked = stored["kinds"][c]
         cols[c] = torch.empty(0, dtype=getattr(torch, dtype)) if stacked else []
-    return Batch([], cols, {c: [] for c in cached})
+    return Batch([], cols, {c: [] for c in cached}, stored["partition"])
 
 
 class LocalDock(DockClient):
@@ -728,7 +735,8 @@ class LocalDock(DockClient):
             if not rows:
                 return _empty_batch(stored, cached)
             data = {c: self._store.read(c, rows) for c in stored["columns"]}
-        return Batch(list(rows), {c: unpack(p, copy) for c, p in data.items()}, cached)
+        return Batch(list(rows), {c: unpack(p, copy) for c, p in data.items()}, cached,
+                     stored["partition"])
 
     def mark_cached(self, columns, rows, rank) -> None:
         with self._cond:
@@ -988,7 +996,7 @@ class RayDock(DockClient):
             for c in cols:
                 p = concat_packed(parts[c])
                 data[c] = unpack(p if idx == list(range(len(idx))) else slice_packed(p, idx), copy)
-        return Batch(list(rows), data, cached)
+        return Batch(list(rows), data, cached, stored["partition"])
 
     def mark_cached(self, columns, rows, rank) -> None:
         self._ray().get(self._controller.mark_ready.remote(

@@ -215,11 +215,15 @@ class EPExperts(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
-        x = _CopyToGroup.apply(hidden_states, self.group)  # [N, H]
-        w = _CopyToGroup.apply(top_k_weights, self.group)  # [N, k]
+        # One identity/all-reduce pair for hidden states and routing weights together: ranks whose
+        # graphs differ (data-dependent expert hits) still issue exactly one backward collective,
+        # in the same order; ``out`` always depends on it, even when no token hits a local expert.
+        H = hidden_states.shape[-1]
+        xw = _CopyToGroup.apply(torch.cat([hidden_states, top_k_weights.to(hidden_states.dtype)], -1), self.group)
+        x, w = xw[:, :H], xw[:, H:]  # [N, H], [N, k]
         gate_up = _local(self.gate_up_proj)  # [E_local, 2I, H]
         down = _local(self.down_proj)  # [E_local, H, I]
-        out = torch.zeros_like(x)  # [N, H]
+        out = torch.zeros_like(x) + 0.0 * xw.sum()  # [N, H]
         local_idx = top_k_index - self.first  # [N, k]
         hit = (local_idx >= 0) & (local_idx < self.num_local)  # [N, k]
         tok, slot = hit.nonzero(as_tuple=True)  # [M], [M]
