@@ -15,6 +15,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+pytestmark = pytest.mark.dist
+
 WORLD = 2
 # Adam's eps is raised so that fp32 reduction-order noise in near-zero grads is not amplified
 # into lr-sized update differences (update = lr * g / (sqrt(v) + eps)).
