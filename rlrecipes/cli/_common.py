@@ -7,6 +7,7 @@ from typing import Callable
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 console = Console()
 err_console = Console(stderr=True)
@@ -33,7 +34,7 @@ def user_errors(fn: Callable) -> Callable:
         except (RecipeError, PlanError, ClusterError, CLIError, FileNotFoundError, FileExistsError) as e:
             code = getattr(e, "code", 2)
             kind = type(e).__name__.replace("Error", " error").strip()
-            err_console.print(f"[bold red]{kind}:[/] {e}", highlight=False, soft_wrap=True)
+            err_console.print(f"[bold red]{kind}:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
             raise typer.Exit(code) from None
         except KeyboardInterrupt:
             err_console.print("[yellow]interrupted[/]")

@@ -5,6 +5,7 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.markup import escape
 
 from ._common import console, die, err_console, user_errors
 
@@ -30,6 +31,6 @@ def register(app: typer.Typer) -> None:
         except BaselineError as e:
             die(str(e))
         if res.regression:
-            err_console.print(f"[bold red]{res.message()}[/]", highlight=False)
+            err_console.print(f"[bold red]{escape(res.message())}[/]", highlight=False)
             raise typer.Exit(1)
         console.print(f"[bold {'yellow' if res.refresh else 'green'}]{res.message()}[/]", highlight=False)

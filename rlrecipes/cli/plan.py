@@ -5,6 +5,7 @@ import json
 from typing import List, Optional
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from ._common import console, user_errors
@@ -38,7 +39,7 @@ def render_plan(plan) -> None:
     if plan.ok:
         console.print("[bold green]plan OK[/]")
     else:
-        console.print(f"[bold red]{format_violations(plan)}[/]", highlight=False)
+        console.print(f"[bold red]{escape(format_violations(plan))}[/]", highlight=False)
 
 
 def register(app: typer.Typer) -> None:

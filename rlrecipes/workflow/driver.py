@@ -154,6 +154,8 @@ def run_recipe(recipe: Recipe, plan, out: Optional[Path] = None, resume: Optiona
                 opts["resources"] = {resource: 1}
             workers.append(RayWorker.options(**opts).remote(rank, world, recipe.model_dump(mode="json"),
                                                             str(run_dir.resolve()), dock, progress))
+        pids = ray.get([w.pid.remote() for w in workers])
+        (run_dir / "workers.json").write_text(json.dumps({"pids": pids}))
         addr = ray.get(workers[0].node_ip.remote())
         port = ray.get(workers[0].free_port.remote())
         info = _wait(workers, [w.setup.remote(addr, port, str(ckpt) if ckpt else None) for w in workers],
@@ -201,8 +203,33 @@ def _wait(workers, futures, progress, phase: str, poll_s: float = 0.5) -> list:
             try:
                 ray.get(f)
             except Exception as e:  # a worker raised or died: stop everything now
-                raise CLIError(_worker_error(workers, futures, f, e, progress, phase), code=1) from None
+                raise CLIError(_root_cause(workers, futures, f, e, progress, phase), code=1) from None
     return ray.get(futures)
+
+
+def _root_cause(workers, futures, f, e, progress, phase, grace_s: float = 3.0) -> str:
+    """The first failure seen is often a survivor's broken collective; a dead worker is the cause.
+
+    Waits up to ``grace_s`` for the other workers' outcomes and reports a dead worker first.
+    """
+    import ray
+
+    failures = [(f, e)]
+    others = [x for x in futures if x is not f]
+    if others:
+        done, _ = ray.wait(others, num_returns=len(others), timeout=grace_s)
+        for d in done:
+            try:
+                ray.get(d)
+            except Exception as e2:  # noqa: BLE001
+                failures.append((d, e2))
+    died = [(d, x) for d, x in failures if isinstance(x, (ray.exceptions.ActorDiedError, ray.exceptions.RayActorError))
+            and not isinstance(x, ray.exceptions.RayTaskError)]
+    f, e = died[0] if died else failures[0]
+    msg = _worker_error(workers, futures, f, e, progress, phase)
+    if len(failures) > 1:
+        msg += f" ({len(failures) - 1} other worker(s) stopped as a consequence)"
+    return msg
 
 
 def _worker_error(workers, futures, f, e, progress, phase) -> str:
@@ -253,7 +280,7 @@ def _watch(recipe, workers, futures, progress, writer, quiet, start, total, t0) 
                     ray.get(f)
                 except Exception as e:
                     drain()
-                    raise CLIError(_worker_error(workers, futures, f, e, progress, "run"), code=1) from None
+                    raise CLIError(_root_cause(workers, futures, f, e, progress, "run"), code=1) from None
             step, stage = drain()
             if live is not None:
                 live.update(_view(recipe, step, stage, rows, total, t0))

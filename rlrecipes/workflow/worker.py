@@ -436,14 +436,14 @@ class Worker:
             loss, m = ppo_clip_policy_loss(logp, old, adv, mask, clip_ratio_low=alg.clip_ratio_low,
                                            clip_ratio_high=alg.clip_ratio_high, dual_clip_c=alg.dual_clip_c,
                                            loss_agg_mode=alg.loss_agg_mode, **agg)
-            metrics = {"actor/pg_loss": float(loss), "actor/clipfrac": float(m["clipfrac"]),
+            metrics = {"actor/pg_loss": float(loss.detach()), "actor/clipfrac": float(m["clipfrac"]),
                        "actor/ppo_kl": float(m["ppo_kl"])}
             if self.use_ref:
                 kl_mat = kl_penalty(logp, mb["ref_log_probs"].to(logp.device), alg.kl_estimator)  # [b, R]
                 kl = aggregate_loss(kl_mat, mask, alg.loss_agg_mode, **agg)
                 if alg.use_kl_loss:
                     loss = loss + kl_coef * kl
-                metrics["actor/kl"] = float(kl) / max(self.adp, 1)
+                metrics["actor/kl"] = float(kl.detach()) / max(self.adp, 1)
             if alg.entropy_coef and entropy is not None:
                 ent = aggregate_loss(entropy, mask, alg.loss_agg_mode, **agg)
                 loss = loss - alg.entropy_coef * ent
