@@ -170,7 +170,7 @@ def make_worker_class(ray):
             cols = ["input_ids", "log_probs", "ref_log_probs", "advantages"]
             b = d.get("update", cols, None, dp_rank=me, dp_size=W)
             if use_cache:  # another DP layout: one all-to-all between the workers
-                got = self.cache.exchange_mine(cols, b.rows)
+                got = self.cache.exchange(cols, b.partition)    # every rank's rows, from the dock
                 arr = {c: torch.stack(got[c]).numpy() if got[c] else np.zeros((0, self.L))
                        for c in cols}
                 loss = update(arr["input_ids"], arr["log_probs"], arr["ref_log_probs"],

@@ -517,7 +517,9 @@ def registry() -> dict[str, Path]:
 def find_recipe(name_or_path: str) -> Path:
     """A recipe folder from a registered name or a path to a folder (or to a YAML file's folder)."""
     p = Path(name_or_path)
-    if p.is_dir():
+    if p.is_dir() and (p / "recipe.yaml").is_file():
+        return p.resolve()
+    if p.is_dir() and name_or_path not in registry():
         if not (p / "recipe.yaml").is_file():
             raise RecipeError(f"{p}: not a recipe folder (no recipe.yaml). Create one with `rlrecipes cp <recipe> {p}`")
         return p.resolve()

@@ -321,6 +321,7 @@ class _Meta:
         self.consumers: dict[str, _ConsumerState] = {}
         self.next_wh = 0
         self.version = 0                             # bumped on every change waiters care about
+        self.last_partition: list[list[int]] | None = None   # of the last count=None claim
 
     # -- allocation ----------------------------------------------------------------------------
     def _grow(self, n: int):
@@ -540,7 +541,7 @@ class _Meta:
             by_wh.setdefault(int(self.warehouse[x]), []).append(x)
         kinds = {c: self.kinds.get(c, ("float32", True)) for c in stored_cols}
         return cached, {"columns": stored_cols, "by_warehouse": by_wh, "kinds": kinds,
-                        "partition": getattr(self, "last_partition", None)}
+                        "partition": self.last_partition}
 
     def cached_on(self, column: str, rows: Sequence[int]) -> list[int | None]:
         r = self._check_rows(rows, "cached_on")
@@ -634,6 +635,9 @@ class DockClient:
 
     def put(self, columns: dict[str, torch.Tensor | list[torch.Tensor]], rows: Sequence[int], *,
             rank: int | None = None) -> None:
+        """Store ``columns`` for ``rows`` and mark them ready. ``rank`` (the writer's worker rank) is
+        accepted for symmetry with :meth:`mark_cached` but not used: stored data goes to the row's
+        warehouse whoever writes it."""
         raise NotImplementedError
 
     def get(self, consumer: str, columns: Sequence[str], count: int | None = None, *, dp_rank: int = 0,
@@ -843,33 +847,41 @@ class _Warehouse:
         self.index = index
         self.store = _ColumnStore()
         self.step = None
+        # Threaded actor (max_concurrency > 1): the store is guarded by a lock; serialising the
+        # answers into the object store happens outside it, so readers overlap.
+        self.lock = threading.Lock()
 
     def node_id(self) -> str:
         import ray
         return ray.get_runtime_context().get_node_id()
 
     def clear(self, step):
-        self.store.clear()
-        self.step = step
+        with self.lock:
+            self.store.clear()
+            self.step = step
 
     def write(self, step, rows, packed: dict):
         """None when stored; the current step when the writer's step is stale (nothing stored)."""
-        if step != self.step:
-            return self.step
-        for c, p in packed.items():
-            self.store.write(c, rows, p)
-        return None
+        with self.lock:
+            if step != self.step:
+                return self.step
+            for c, p in packed.items():
+                self.store.write(c, rows, p)
+            return None
 
     def read(self, step, columns, rows) -> dict:
-        if step != self.step:
-            raise DockError(f"warehouse {self.index}: read for step {step}, dock at step {self.step}")
-        return {c: self.store.read(c, rows) for c in columns}
+        with self.lock:
+            if step != self.step:
+                raise DockError(f"warehouse {self.index}: read for step {step}, dock at step {self.step}")
+            return {c: self.store.read(c, rows) for c in columns}
 
     def drop(self, rows):
-        self.store.drop(rows)
+        with self.lock:
+            self.store.drop(rows)
 
     def stats(self):
-        s = self.store.stats()
+        with self.lock:
+            s = self.store.stats()
         s["index"] = self.index
         s["node_id"] = self.node_id()
         return s
@@ -1044,12 +1056,15 @@ class TransferDock:
 
     @staticmethod
     def ray(*, name: str | None = None, nodes: Sequence[str] | None = None,
-            placement: str = "round_robin", equal_count: bool = True) -> RayDock:
+            placement: str = "round_robin", equal_count: bool = True,
+            warehouse_threads: int = 4) -> RayDock:
         """Start the controller and one warehouse per alive Ray node (or per id in ``nodes``).
 
         ``placement``: ``round_robin`` assigns prompt groups to warehouses in turn;
         ``writer_node`` puts the groups on the warehouse of the node that calls ``add_groups``.
         ``name``: a name prefix for the actors (findable with ``ray.get_actor``).
+        ``warehouse_threads``: concurrent calls a warehouse serves (reads overlap their
+        serialisation; the store itself is locked).
         Needs ``ray.init`` first. Call ``shutdown()`` on the returned client to stop the actors.
         """
         import ray
@@ -1072,7 +1087,8 @@ class TransferDock:
         controller = ray.remote(_Controller).options(**ctl_opts).remote(len(nodes), equal_count)
         warehouses = []
         for i, node in enumerate(nodes):
-            w_opts = dict(opts, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False))
+            w_opts = dict(opts, max_concurrency=warehouse_threads,
+                          scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False))
             if name:
                 w_opts["name"] = f"{name}:warehouse{i}"
             warehouses.append(ray.remote(_Warehouse).options(**w_opts).remote(i))

@@ -95,6 +95,11 @@ def run_recipe(recipe: Recipe, plan, out: Optional[Path] = None, resume: Optiona
     from ..core.dock import TransferDock
 
     smoke = recipe.model.smoke is not None
+    if recipe.actor.engine != "native" or recipe.rollout.engine != "native":
+        raise CLIError(f"actor.engine={recipe.actor.engine}, rollout.engine={recipe.rollout.engine}: this build "
+                       "ships the native engines only (HF + FSDP2 + DTensor TP/EP, batched KV-cache sampler); the "
+                       "megatron-core and vLLM / vllm-ascend adapters are not written yet. Run with "
+                       "actor.engine=native rollout.engine=native, or --dry-run to print the plan and launch commands.")
     recipe = _absolute_data(recipe)
     run_dir = _run_dir(recipe, out, resume, smoke)
     ckpt = None

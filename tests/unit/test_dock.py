@@ -107,6 +107,7 @@ def test_count_none_waits_for_everything_then_balances_by_tokens(dock):
     b1 = dock.get("train", ["ids"], None, dp_rank=1, dp_size=2, timeout=1)
     b0 = dock.get("train", ["ids"], None, dp_rank=0, dp_size=2, timeout=1)
     assert sorted(b0.rows + b1.rows) == rows and not set(b0.rows) & set(b1.rows)
+    assert b0.partition == b1.partition == [b0.rows, b1.rows]
     t0, t1 = (sum(lens[r] for r in b.rows) for b in (b0, b1))
     assert abs(t0 - t1) <= 2 and len(b0) == len(b1) == 4           # 201 vs 200
     # The partition is deterministic: a fresh dock with the same puts gives the same bins.
