@@ -85,6 +85,7 @@ class Plan:
     rollout_memory: Memory = field(default_factory=Memory)
     reshard_bytes_per_device: float = 0.0
     reshard_full_bytes: float = 0.0
+    reshard_method: str = "estimate"
     changes: list[str] = field(default_factory=list)
     violations: list[Violation] = field(default_factory=list)
     nearest_valid_nodes: list[int] = field(default_factory=list)
@@ -108,6 +109,7 @@ class Plan:
                            "device": self.device_memory_gb},
             "reshard_gib_per_device": round(self.reshard_bytes_per_device / GiB, 3),
             "reshard_full_model_gib": round(self.reshard_full_bytes / GiB, 3),
+            "reshard_method": self.reshard_method,
             "changes": self.changes, "violations": [asdict(v) for v in self.violations],
             "nearest_valid_nodes": self.nearest_valid_nodes,
         }
@@ -229,6 +231,19 @@ def _reshard_bytes(dims: ModelDims, train: RoleLayout, rollout: RoleLayout) -> f
     return max(0.0, need - held) * DTYPE_BYTES
 
 
+def _exact_reshard_bytes(dims: ModelDims, train: RoleLayout, rollout: RoleLayout) -> tuple[float, str]:
+    """Max bytes any device receives, from the resharder's own plan (aggregated by parameter class)."""
+    from .core.resharder import Layout, ReshardError, reshard_bytes_summary
+
+    try:
+        s = reshard_bytes_summary(
+            Layout(train.tp, train.pp, train.ep, train.dp, tuple(train.pp_layers) if train.pp_layers else None),
+            Layout(rollout.tp, 1, rollout.ep, rollout.dp), dims, train.pp_layers, dtype_bytes=DTYPE_BYTES)
+    except ReshardError:
+        return _reshard_bytes(dims, train, rollout), "estimate"
+    return float(s["max_min_recv_bytes"]), "resharder plan"
+
+
 def build_plan(recipe: Recipe, nodes: Optional[int] = None, devices_per_node: Optional[int] = None,
                keep_batch: bool = False, _search: bool = True) -> Plan:
     res = recipe.resources
@@ -316,6 +331,8 @@ def build_plan(recipe: Recipe, nodes: Optional[int] = None, devices_per_node: Op
             plan.reshard_bytes_per_device = _reshard_bytes(dims, actor, rollout)
             plan.reshard_full_bytes = dims.total_params() * DTYPE_BYTES
     plan.violations = violations
+    if _search and not violations:
+        plan.reshard_bytes_per_device, plan.reshard_method = _exact_reshard_bytes(dims, actor, rollout)
     if violations and _search:
         plan.nearest_valid_nodes = nearest_valid_nodes(recipe, nodes, dpn, keep_batch)
     return plan

@@ -33,7 +33,7 @@ def render_plan(plan) -> None:
         m.add_row(phase, *(f"{g[k]:.2f}" for k in ("weights", "grads", "optimizer", "activations", "kv_cache", "total")))
     console.print(m)
     console.print(f"reshard traffic per device per step: [bold]{plan.reshard_bytes_per_device / 2**30:.2f} GiB[/] "
-                  f"(full model in bf16: {plan.reshard_full_bytes / 2**30:.1f} GiB)")
+                  f"received at most ({plan.reshard_method}; full model in bf16: {plan.reshard_full_bytes / 2**30:.1f} GiB)")
     for c in plan.changes:
         console.print(f"[cyan]changed:[/] {c}")
     if plan.ok:
