@@ -75,6 +75,10 @@ class Worker:
             raise StageFailure(f"worker rank {self.rank} failed in stage 'setup': {type(e).__name__}: {e}") from e
 
     def _setup(self, master_addr: str, master_port: int, resume_from: str | None) -> dict:
+        import warnings
+
+        # torch's DeviceMesh deprecation notice for flattened dims is not actionable for users
+        warnings.filterwarnings("ignore", message="Slicing a flattened dim")
         r = self.recipe
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
                           WORLD_SIZE=str(self.world))
