@@ -334,6 +334,8 @@ class TrainerConfig(_Strict):
     """Save the train state every K steps (0: never)."""
     out_dir: str = "runs"
     """Where run folders are created."""
+    export_hf: bool = True
+    """At the end of the run, write the trained actor as an HF folder (<run>/actor_hf) that transformers loads."""
     dock_timeout_s: float = 600.0
     """A stage waiting longer than this on the TransferDock fails with a named error."""
 

@@ -240,14 +240,25 @@ class _ColumnStore:
     def clear(self):
         self.__init__()
 
-    def write(self, col: str, rows: Sequence[int], p: Packed):
+    def write(self, col: str, rows: Sequence[int], p: Packed) -> list:
+        """Store ``p`` (one row per entry of ``rows``); returns what :meth:`undo` needs."""
         chunks = self.chunks.setdefault(col, [])
         idx = self.index.setdefault(col, {})
         chunks.append(p)
         c = len(chunks) - 1
+        before = [(col, int(r), idx.get(int(r))) for r in rows]
         for j, r in enumerate(rows):
             idx[int(r)] = (c, j)
         self.live_bytes += p.nbytes
+        return before
+
+    def undo(self, before: list) -> None:
+        """Point the rows of a rejected write back at what they held before it."""
+        for col, r, old in reversed(before):
+            if old is None:
+                self.index[col].pop(r, None)
+            else:
+                self.index[col][r] = old
 
     def read(self, col: str, rows: Sequence[int]) -> Packed:
         idx = self.index.get(col, {})
@@ -802,6 +813,24 @@ class _Controller:
         self.meta.mark_ready(meta, rows, holder)
         self._notify()
 
+    async def commit(self, step, warehouse, meta, rows):
+        """A warehouse stored ``rows``: mark them ready. Called by the warehouse (not the client)
+        after the data is in place, so a reader that claims the rows finds them. Returns None,
+        ``("misplaced", step, warehouses)`` when the writer's row -> warehouse map was stale, or
+        ``("error", message)``; the warehouse then takes the write back."""
+        if step != self.meta.step:
+            return ("error", f"put: the dock moved to step {self.meta.step} while writing rows "
+                             f"{list(rows)[:8]} (written at step {step})")
+        try:
+            whs = self.meta.placement(rows)
+            if any(w != warehouse for w in whs):
+                return ("misplaced", self.meta.step, whs)
+            self.meta.mark_ready(meta, rows, -1)
+        except DockError as e:
+            return ("error", str(e))
+        self._notify()
+        return None
+
     async def claim(self, consumer, columns, count, dp_rank, dp_size, whole_groups, timeout):
         """("ok", rows, cached, stored) or ("timeout", diagnostics)."""
         deadline = time.monotonic() + timeout
@@ -841,47 +870,44 @@ class _Controller:
 
 
 class _Warehouse:
-    """Ray actor body: the tensors of the rows assigned to this warehouse (one per node)."""
+    """Ray actor body (async, one event loop: no locks): the tensors of the rows assigned to this
+    warehouse (one per node). A write stores the rows, then tells the controller they are ready
+    (``commit``) before answering the writer -- one client round trip per put and warehouse."""
 
-    def __init__(self, index: int):
+    def __init__(self, index: int, controller):
         self.index = index
+        self.controller = controller
         self.store = _ColumnStore()
         self.step = None
-        # Threaded actor (max_concurrency > 1): the store is guarded by a lock; serialising the
-        # answers into the object store happens outside it, so readers overlap.
-        self.lock = threading.Lock()
 
     def node_id(self) -> str:
         import ray
         return ray.get_runtime_context().get_node_id()
 
-    def clear(self, step):
-        with self.lock:
-            self.store.clear()
-            self.step = step
+    async def clear(self, step):
+        self.store.clear()
+        self.step = step
 
-    def write(self, step, rows, packed: dict):
-        """None when stored; the current step when the writer's step is stale (nothing stored)."""
-        with self.lock:
-            if step != self.step:
-                return self.step
-            for c, p in packed.items():
-                self.store.write(c, rows, p)
-            return None
+    async def write(self, rows, packed: dict, meta: dict):
+        """Store, then commit at the controller. None when done; else the controller's answer
+        (``("misplaced", step, warehouses)`` or ``("error", message)``), with nothing kept."""
+        step = self.step
+        undo = [u for c, p in packed.items() for u in self.store.write(c, rows, p)]
+        res = await self.controller.commit.remote(step, self.index, meta, rows)
+        if res is not None and self.step == step:
+            self.store.undo(undo)
+        return res
 
-    def read(self, step, columns, rows) -> dict:
-        with self.lock:
-            if step != self.step:
-                raise DockError(f"warehouse {self.index}: read for step {step}, dock at step {self.step}")
-            return {c: self.store.read(c, rows) for c in columns}
+    async def read(self, step, columns, rows) -> dict:
+        if step != self.step:
+            raise DockError(f"warehouse {self.index}: read for step {step}, dock at step {self.step}")
+        return {c: self.store.read(c, rows) for c in columns}
 
-    def drop(self, rows):
-        with self.lock:
-            self.store.drop(rows)
+    async def drop(self, rows):
+        self.store.drop(rows)
 
-    def stats(self):
-        with self.lock:
-            s = self.store.stats()
+    async def stats(self):
+        s = self.store.stats()
         s["index"] = self.index
         s["node_id"] = self.node_id()
         return s
@@ -896,21 +922,20 @@ class RayDock(DockClient):
         self._node_ids = list(node_ids)
         self._placement = placement
         self._owner = False
-        # Client-side cache of row -> warehouse for the step it was learnt in (from add_groups and
-        # get), so a put usually costs one warehouse call + one controller call.
-        self._wh_step: int | None = None
+        # Client-side cache of row -> warehouse (from add_groups, get and misplaced answers), so a
+        # put costs one warehouse call. A stale entry is caught by the controller's commit (the
+        # write is taken back and redone at the right warehouse). One warehouse: nothing to learn.
         self._wh_of: dict[int, int] = {}
 
     def __getstate__(self):
         d = dict(self.__dict__)
         d["_owner"] = False   # only the creator kills the actors
-        d["_wh_step"], d["_wh_of"] = None, {}
+        d["_wh_of"] = {}
         return d
 
-    def _learn(self, step: int, rows, whs) -> None:
-        if step != self._wh_step:
-            self._wh_step, self._wh_of = step, {}
-        self._wh_of.update(zip(rows, whs))
+    def _learn(self, rows, whs) -> None:
+        if len(self._warehouses) > 1:
+            self._wh_of.update(zip(rows, whs))
 
     def with_placement(self, placement: str) -> "RayDock":
         """A client on the same actors that allocates rows with another policy
@@ -930,9 +955,9 @@ class RayDock(DockClient):
 
     def reset(self, step: int) -> None:
         ray = self._ray()
-        ray.get([w.clear.remote(step) for w in self._warehouses])
-        ray.get(self._controller.reset.remote(step))
-        self._wh_step, self._wh_of = int(step), {}
+        # Warehouses and controller in parallel: one round trip of latency.
+        ray.get([w.clear.remote(step) for w in self._warehouses] + [self._controller.reset.remote(step)])
+        self._wh_of = {}
 
     def _local_warehouse(self) -> int | None:
         try:
@@ -944,29 +969,40 @@ class RayDock(DockClient):
     def add_groups(self, n_groups: int, group_size: int) -> list[int]:
         wh = self._local_warehouse() if self._placement == "writer_node" else None
         step, rows, whs = self._ray().get(self._controller.add_groups.remote(n_groups, group_size, wh))
-        self._learn(step, rows, whs)
+        self._learn(rows, whs)
         return rows
 
     def put(self, columns, rows, *, rank=None) -> None:
         ray = self._ray()
         rows = [int(r) for r in rows]
         meta, packed = _put_meta(columns, rows, own=False)
-        for attempt in range(2):
-            if self._wh_step is None or attempt or any(r not in self._wh_of for r in rows):
-                step, whs = ray.get(self._controller.placement.remote(rows))
-                self._learn(step, rows, whs)
+        todo = list(range(len(rows)))      # positions in `rows` still to write
+        for attempt in range(3):
+            if len(self._warehouses) == 1:
+                wh_of = [0] * len(todo)
+            else:
+                if any(rows[i] not in self._wh_of for i in todo):
+                    _, whs = ray.get(self._controller.placement.remote([rows[i] for i in todo]))
+                    self._learn([rows[i] for i in todo], whs)
+                wh_of = [self._wh_of[rows[i]] for i in todo]
             by_wh: dict[int, list[int]] = {}
-            for i, r in enumerate(rows):
-                by_wh.setdefault(self._wh_of[r], []).append(i)
-            writes = [self._warehouses[w].write.remote(
-                self._wh_step, [rows[i] for i in pos], {c: slice_packed(p, pos) for c, p in packed.items()})
+            for i, w in zip(todo, wh_of):
+                by_wh.setdefault(w, []).append(i)
+            writes = [(pos, self._warehouses[w].write.remote(
+                [rows[i] for i in pos], {c: slice_packed(p, pos) for c, p in packed.items()},
+                {c: (d, st, [ls[i] for i in pos]) for c, (d, st, ls) in meta.items()}))
                 for w, pos in by_wh.items()]
-            stale = [x for x in ray.get(writes) if x is not None]
-            if not stale:
-                break
-            if attempt:
-                raise DockError(f"put: the dock moved to step {stale[0]} while writing rows {rows[:8]}")
-        ray.get(self._controller.mark_ready.remote(meta, rows))
+            todo = []
+            for (pos, _), res in zip(writes, ray.get([r for _, r in writes])):
+                if res is None:
+                    continue
+                if res[0] == "error":
+                    raise DockError(res[1])
+                self._learn([rows[i] for i in pos], res[2])      # misplaced: learn and redo
+                todo += pos
+            if not todo:
+                return
+        raise DockError(f"put: rows {rows[:8]} kept moving between warehouses")
 
     def get(self, consumer, columns, count=None, *, dp_rank=0, dp_size=1, whole_groups=False,
             timeout=DEFAULT_TIMEOUT_S, copy=False) -> Batch:
@@ -985,7 +1021,7 @@ class RayDock(DockClient):
         _, rows, cached, stored = res
         step = stored["step"]
         for w, rs in stored["by_warehouse"].items():
-            self._learn(step, rs, [w] * len(rs))
+            self._learn(rs, [w] * len(rs))
         cols = stored["columns"]
         parts: dict[str, list[Packed]] = {c: [] for c in cols}
         pos: list[int] = []
@@ -1063,8 +1099,8 @@ class TransferDock:
         ``placement``: ``round_robin`` assigns prompt groups to warehouses in turn;
         ``writer_node`` puts the groups on the warehouse of the node that calls ``add_groups``.
         ``name``: a name prefix for the actors (findable with ``ray.get_actor``).
-        ``warehouse_threads``: concurrent calls a warehouse serves (reads overlap their
-        serialisation; the store itself is locked).
+        ``warehouse_threads``: kept for compatibility; ignored (warehouses are async actors:
+        one event loop, reads return gathered arrays without holding a lock).
         Needs ``ray.init`` first. Call ``shutdown()`` on the returned client to stop the actors.
         """
         import ray
@@ -1087,11 +1123,10 @@ class TransferDock:
         controller = ray.remote(_Controller).options(**ctl_opts).remote(len(nodes), equal_count)
         warehouses = []
         for i, node in enumerate(nodes):
-            w_opts = dict(opts, max_concurrency=warehouse_threads,
-                          scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False))
+            w_opts = dict(opts, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False))
             if name:
                 w_opts["name"] = f"{name}:warehouse{i}"
-            warehouses.append(ray.remote(_Warehouse).options(**w_opts).remote(i))
+            warehouses.append(ray.remote(_Warehouse).options(**w_opts).remote(i, controller))
         got = ray.get([w.node_id.remote() for w in warehouses])
         if got != nodes:  # NodeAffinity with soft=False guarantees this; check anyway
             raise DockError(f"warehouses landed on {got}, expected {nodes}")

@@ -494,8 +494,19 @@ class Worker:
             if k and (step + 1) % k == 0:
                 self._report("checkpoint")
                 self.save_checkpoint(step)
+        if self.recipe.trainer.export_hf and end_step > start_step:
+            self._report("export")
+            self.export_hf(self.run_dir / "actor_hf")
         self._report("done")
         return {"rank": self.rank, "last": last}
+
+    def export_hf(self, folder: Path) -> None:
+        """The trained actor as an HF folder (safetensors + config + tokenizer): collective."""
+        self.actor.onload()
+        self.actor.export_hf(folder)
+        if self.rank == 0:
+            self.tokenizer.save_pretrained(str(folder))
+        dist.barrier()
 
     def train_step(self, step: int) -> dict:
         r = self.recipe

@@ -53,6 +53,15 @@ def test_qwen25_smoke_metrics_check_and_report(tmp_path):
     assert bad.returncode == 1 and "REGRESSION" in bad.stderr
     rep = cli("report", str(run))
     assert (run / "report.png").stat().st_size > 10_000 and "reward" in rep.stdout
+    # the trained actor is exported as an HF folder that transformers loads and generates from
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(run / "actor_hf")
+    model = AutoModelForCausalLM.from_pretrained(run / "actor_hf")
+    ids = tok("123=", return_tensors="pt")["input_ids"]
+    out = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=tok.pad_token_id)
+    assert out.shape[1] > ids.shape[1] and torch.isfinite(model(ids).logits).all()
 
 
 @pytest.mark.parametrize("recipe, extra", [

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from rlrecipes import device as devmod
 from rlrecipes.engines.native import parallel as par
+from rlrecipes.engines.native.decode import FastDecoder, supports_fast_decode
 from rlrecipes.engines.native.loader import ModelSource, build_model
 from rlrecipes.engines.native.memory import SwappedStorages
 from rlrecipes.engines.native.train import _resolve_dtype, resolve_device
@@ -102,9 +103,11 @@ class RolloutEngine:
 
     def __init__(self, model: ModelSource, *, layout: tuple[int, int] = (1, 1),
                  device: torch.device | str | None = None, seed: int = 0, dtype: str | torch.dtype = "auto",
-                 cache: str = "static", attn_implementation: str = "sdpa"):
+                 cache: str = "static", attn_implementation: str = "sdpa", decode: str = "fast"):
         if cache not in ("static", "dynamic"):
             raise ValueError(f"cache={cache!r}: expected 'static' or 'dynamic'")
+        if decode not in ("fast", "hf"):
+            raise ValueError(f"decode={decode!r}: expected 'fast' or 'hf'")
         layout = tuple(layout)
         tp, ep = int(layout[0]), int(layout[1]) if len(layout) > 1 else 1
         self.device = resolve_device(device)
@@ -126,6 +129,8 @@ class RolloutEngine:
         self._sleeping_weights: SwappedStorages | None = None
         self._tp_group = self.mesh.tp_mesh.get_group() if self.mesh.tp > 1 else None
         self._tp_src = dist.get_global_rank(self._tp_group, 0) if self._tp_group is not None else None
+        self._fast = FastDecoder(self.model) if decode == "fast" and supports_fast_decode(self.model) else None
+        self.decode_path = "fast" if self._fast is not None else "hf"
 
     def _group_seed(self, seed: int) -> int:
         return int(seed) + 1_000_003 * self.mesh.dp_rank
@@ -165,6 +170,8 @@ class RolloutEngine:
     def sleep(self, *, weights: bool = False) -> None:
         """Release the KV cache (and, with ``weights=True``, swap the weights to host)."""
         self._cache, self._cache_key = None, None
+        if self._fast is not None:
+            self._fast.release()
         if weights and self._sleeping_weights is None:
             self._sleeping_weights = SwappedStorages((t for t in self._tensors().values()), self.device)
         devmod.empty_cache(self.device)
@@ -189,6 +196,36 @@ class RolloutEngine:
         self._cache_key = key
         return self._cache
 
+    def _prefill_fast(self, ids, pmask, pos, max_new_tokens):
+        """HF forward over the prompt into a DynamicCache, then :class:`FastDecoder` steps."""
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.config)
+        logits = self.model(input_ids=ids, attention_mask=pmask, position_ids=pos, past_key_values=cache,
+                            use_cache=True, logits_to_keep=1).logits[:, -1]  # [B, V]
+        self._fast.begin(cache, capacity=ids.shape[1] + max_new_tokens, first_pos=pos[:, -1:] + 1,
+                         steps=max_new_tokens, prompt_mask=pmask, like=logits)
+        return logits, self._fast.step
+
+    def _prefill_hf(self, ids, pmask, pos, max_new_tokens):
+        """Reference path: every step is a ``model.forward`` on an HF Static/DynamicCache."""
+        B, P = ids.shape
+        L = P + max_new_tokens
+        static = self.cache_kind == "static"
+        cache = self._new_cache(B, L)
+        mask = torch.zeros((B, L), dtype=torch.long, device=ids.device)  # [B, L]
+        mask[:, :P] = pmask
+        logits = self.model(input_ids=ids, attention_mask=mask if static else pmask, position_ids=pos,
+                            past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]  # [B, V]
+        first = pos[:, -1:] + 1  # [B, 1]
+
+        def step(tok, t):
+            mask[:, P + t] = 1
+            return self.model(input_ids=tok[:, None], attention_mask=mask if static else mask[:, :P + t + 1],
+                              position_ids=first + t, past_key_values=cache, use_cache=True).logits[:, -1]
+
+        return logits, step
+
     @torch.no_grad()
     def generate(self, prompts: Sequence[torch.Tensor], *, max_new_tokens: int, temperature: float = 1.0,
                  top_p: float = 1.0, top_k: int = 0, eos_token_id: int | Sequence[int] | None = None,
@@ -211,42 +248,40 @@ class RolloutEngine:
         L = P + max_new_tokens
         eos = torch.tensor(sorted({eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or [])),
                            dtype=torch.long, device=dev)  # [n_eos]
-        cache = self._new_cache(B, L)
-        mask = torch.zeros((B, L), dtype=torch.long, device=dev)  # [B, L]
-        mask[:, :P] = pmask
         pos = (pmask.cumsum(-1) - 1).clamp_(min=0)  # [B, P]
-        static = self.cache_kind == "static"
         out_tok = torch.full((B, max_new_tokens), pad_token_id, dtype=torch.long, device=dev)  # [B, N]
         out_lp = torch.zeros((B, max_new_tokens), dtype=torch.float32, device=dev)  # [B, N]
         finished = torch.zeros(B, dtype=torch.bool, device=dev)  # [B]
         lengths = torch.full((B,), max_new_tokens, dtype=torch.long, device=dev)  # [B]
         check_every = 8 if devmod.is_accelerator(dev.type) else 1
+        has_eos = bool(eos.numel())
         t0 = time.perf_counter()
-        logits = self.model(input_ids=ids, attention_mask=mask if static else pmask, position_ids=pos,
-                            past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]  # [B, V]
-        next_pos = pos[:, -1:] + 1  # [B, 1]
+        prefill = self._prefill_fast if self._fast is not None else self._prefill_hf
+        logits, step = prefill(ids, pmask, pos, max_new_tokens)  # [B, V], step(tok [B], t) -> [B, V]
         steps = 0
         for t in range(max_new_tokens):
             tok, lp = sample_next(logits, temperature=temperature, top_k=top_k, top_p=top_p,
                                   generator=self.generator)  # [B], [B]
             if self._tp_group is not None:
                 dist.broadcast(tok, src=self._tp_src, group=self._tp_group)
-            tok = tok.masked_fill(finished, pad_token_id)
-            out_tok[:, t] = tok
-            out_lp[:, t] = lp.masked_fill(finished, 0.0)
             steps = t + 1
-            if eos.numel():
+            if has_eos:
+                tok = tok.masked_fill(finished, pad_token_id)
+                out_tok[:, t] = tok
+                out_lp[:, t] = lp.masked_fill(finished, 0.0)
                 hit = torch.isin(tok, eos) & ~finished  # [B]
                 lengths = torch.where(hit, torch.full_like(lengths, t + 1), lengths)
                 finished |= hit
                 if (t + 1) % check_every == 0 and bool(finished.all()):
                     break
+            else:
+                out_tok[:, t] = tok
+                out_lp[:, t] = lp
             if t + 1 == max_new_tokens:
                 break
-            mask[:, P + t] = 1
-            logits = self.model(input_ids=tok[:, None], attention_mask=mask if static else mask[:, :P + t + 1],
-                                position_ids=next_pos, past_key_values=cache, use_cache=True).logits[:, -1]
-            next_pos = next_pos + 1
+            logits = step(tok, t)
+        if self._fast is not None and self.cache_kind == "dynamic":
+            self._fast.release()
         devmod.synchronize(dev)
         dt = time.perf_counter() - t0
         lengths = torch.minimum(lengths, torch.full_like(lengths, steps)).cpu()
