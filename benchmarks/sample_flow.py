@@ -20,7 +20,19 @@ Prints one JSON line per (mode, W): mode, workers, rows, seq_len, seconds_per_st
 driver_bytes (sample bytes that passed through the driver process, counted where the driver
 receives or sends arrays), skew_p50_s / skew_p99_s (last minus first worker start of a stage,
 over all stages and measured steps), plus moved_bytes (sample bytes moved between processes by
-the mode's data path, for context).
+the mode's data path, for context), and cpu_s_per_step: CPU seconds used per measured step by
+every process of the local Ray session (driver, raylet, GCS, workers, dock actors; warm-up step
+excluded). On a shared 2-core machine the wall time mostly measures how much CPU a mode burns, and
+the CPU figure is the steadier of the two.
+
+What is timed, per mode (the same things a real step pays):
+  centralised  per stage: one call per worker whose input chunks the driver pickled into the object
+               store, results gathered (ray.get) and concatenated in the driver, then split again
+               for the next stage -- "the driver splits it, pickles it, sends it, gathers it and
+               concatenates it". Row ids are made by the driver itself (no allocation call).
+  dock / dock+cache  the driver's ``dock.reset(step)`` (controller and warehouses cleared in
+               parallel: one round trip) and ``dock.add_groups`` (one round trip) are inside the
+               timed step: the workflow pays them every step too (on worker rank 0).
 
     python benchmarks/sample_flow.py                       # W = 2, 4, 8, 16; L = 1024; 64 rows/worker
     python benchmarks/sample_flow.py --workers 8 --seq-len 512 --rows-per-worker 32 --steps 5
@@ -186,6 +198,23 @@ def make_worker_class(ray):
     return Worker
 
 
+def _session_cpu() -> float:
+    """CPU seconds (user + system) of this process and all its descendants (the local Ray)."""
+    try:
+        import psutil
+    except ImportError:
+        return float("nan")
+    me = psutil.Process()
+    total = 0.0
+    for p in [me] + me.children(recursive=True):
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            pass
+    return total
+
+
 def run_centralised(ray, workers, W, R, L, steps):
     rows_all = np.arange(W * R, dtype=np.int64)
     step_times, skews, driver_bytes = [], [], 0
@@ -266,14 +295,19 @@ def main(argv=None):
             ray.get([w.set_dock.remote(dock) for w in workers])
             try:
                 for mode in args.modes:
+                    # warm-up step 0 is inside run_*; CPU is counted over all steps + 1 and
+                    # scaled to the measured ones (the warm-up step costs about the same)
+                    cpu0 = _session_cpu()
                     if mode == "centralised":
                         st, sk, db, moved = run_centralised(ray, workers, W, R, L, args.steps)
                     else:
                         st, sk, db, moved = run_dock(ray, workers, dock, W, R, L, args.steps,
                                                      mode == "dock+cache")
+                    cpu = (_session_cpu() - cpu0) / (args.steps + 1)
                     print(json.dumps({
                         "mode": mode, "workers": W, "rows": W * R, "seq_len": L,
                         "seconds_per_step": round(float(np.median(st)), 4),
+                        "cpu_s_per_step": round(float(cpu), 4),
                         "driver_bytes": int(db),
                         "skew_p50_s": round(float(np.percentile(sk, 50)), 4),
                         "skew_p99_s": round(float(np.percentile(sk, 99)), 4),

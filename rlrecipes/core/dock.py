@@ -12,7 +12,9 @@ Two backends, one API (:class:`DockClient`):
   one *warehouse* actor per Ray node, pinned there with ``NodeAffinitySchedulingStrategy``, that
   holds the tensors of the rows assigned to it. Clients (worker actors, each with the same
   picklable handle) ask the controller *which* rows and *where*, then write to / read from the
-  warehouses directly. The driver never touches sample data.
+  warehouses directly. The driver never touches sample data. A put is one client round trip per
+  warehouse: the warehouse stores the rows and commits them (marks them ready) at the controller
+  before answering, so readiness never runs ahead of the data.
 
 Data travels as flat numpy arrays (one per column and warehouse call); arrays above Ray's inline
 threshold go through the shared-memory object store and are read back zero-copy, so the tensors of

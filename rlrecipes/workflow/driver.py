@@ -162,7 +162,7 @@ def run_recipe(recipe: Recipe, plan, out: Optional[Path] = None, resume: Optiona
         pids = ray.get([w.pid.remote() for w in workers])
         (run_dir / "workers.json").write_text(json.dumps({"pids": pids}))
         addr = ray.get(workers[0].node_ip.remote())
-        port = ray.get(workers[0].free_port.remote())
+        port = ray.get(workers[0].open_store.remote())
         info = _wait(workers, [w.setup.remote(addr, port, str(ckpt) if ckpt else None) for w in workers],
                      progress, "setup")
         start = info[0]["start_step"]

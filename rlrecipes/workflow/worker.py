@@ -17,7 +17,6 @@ import hashlib
 import json
 import math
 import os
-import socket
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -60,10 +59,11 @@ class Worker:
 
         return ray.util.get_node_ip_address()
 
-    def free_port(self) -> int:
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return s.getsockname()[1]
+    def open_store(self) -> int:
+        """Rank 0 hosts the rendezvous store on a port the OS picks atomically (no bind race)."""
+        self._store = dist.TCPStore("0.0.0.0", 0, self.world, is_master=True, wait_for_workers=False,
+                                    timeout=timedelta(seconds=max(60.0, self.recipe.trainer.dock_timeout_s)))
+        return self._store.port
 
     def pid(self) -> int:
         return os.getpid()
@@ -88,8 +88,11 @@ class Worker:
         torch.set_num_threads(max(1, int(r.resources.cpus_per_worker)))
         self.device = dev.torch_device(dtype_name, local_rank)
         dev.set_device(self.device)
-        dist.init_process_group(dev.comm_backend(dtype_name), rank=self.rank, world_size=self.world,
-                                timeout=timedelta(seconds=max(60.0, r.trainer.dock_timeout_s)))
+        timeout = timedelta(seconds=max(60.0, r.trainer.dock_timeout_s))
+        store = getattr(self, "_store", None) or dist.TCPStore(master_addr, master_port, self.world, is_master=False,
+                                                               timeout=timeout)
+        dist.init_process_group(dev.comm_backend(dtype_name), store=store, rank=self.rank, world_size=self.world,
+                                timeout=timeout)
         dev.manual_seed_all(r.trainer.seed)
 
         from transformers import AutoTokenizer

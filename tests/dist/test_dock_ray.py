@@ -104,6 +104,22 @@ def test_ray_reset_and_mark_cached(dock):
     assert b.holders == {"logp": [2, 2]} and b.columns == {}
 
 
+def test_rejected_put_keeps_data_and_a_stale_row_map_is_corrected(dock):
+    rows = dock.add_groups(3, 2)                      # round robin: one group per warehouse
+    dock.put({"a": torch.arange(6.)}, rows)
+    with pytest.raises(DockError, match="already has it"):
+        dock.put({"a": [torch.ones(2)] * 6}, rows)    # rejected by the controller: taken back
+    # a client whose cached row -> warehouse map is wrong: the commit says "misplaced", the
+    # write is taken back and redone at the right warehouses
+    d2 = pickle.loads(pickle.dumps(dock))
+    d2._wh_of = {r: 0 for r in rows}
+    d2.put({"b": torch.arange(6.) * 2}, rows)
+    b = dock.get("x", ["a", "b"], None, timeout=5)
+    assert b["a"].tolist() == list(range(6)) and b["b"].tolist() == [2.0 * i for i in range(6)]
+    assert [w["columns"]["b"] for w in dock.stats()["warehouses"]] == [2, 2, 2]
+    assert [w["columns"]["a"] for w in dock.stats()["warehouses"]] == [2, 2, 2]
+
+
 def _shared_mapping_of(ptr: int) -> str | None:
     with open("/proc/self/maps") as f:
         for line in f:

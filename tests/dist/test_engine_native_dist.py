@@ -174,6 +174,8 @@ def case_rollout_ckpt(rank, tmp):
                                  for k, v in full.items())
             assert n == len(full)
             eng = eng2
+        if eng.decode_path != "fast":
+            raise AssertionError(f"{fam}: rollout decode path {eng.decode_path!r}, expected the fast path")
         out = eng.generate(prompts, max_new_tokens=8, temperature=0)
         for i in range(len(prompts)):
             if not torch.equal(out.responses[i], want[i]):

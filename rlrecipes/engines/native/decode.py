@@ -26,8 +26,12 @@ qualifies; the engine falls back to ``model.forward`` otherwise.
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 
 class KVBuffers:
@@ -111,15 +115,95 @@ def supports_fast_decode(model: nn.Module) -> bool:
     return True
 
 
+def _has_hooks(mod: nn.Module) -> bool:
+    from torch.nn.modules import module as _m
+
+    return bool(mod._forward_hooks or mod._forward_pre_hooks or _m._global_forward_hooks
+                or _m._global_forward_pre_hooks)
+
+
+_RMS_PROBED: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
+
+
+def _fused_rms_norm_matches(mod: nn.Module, w: torch.Tensor, eps: float) -> bool:
+    """Whether ``F.rms_norm`` reproduces this RMSNorm module bitwise (probed once per module)."""
+    seen = _RMS_PROBED.setdefault(mod, {})
+    key = (w.dtype, str(w.device), eps)
+    if key not in seen:
+        probe = torch.randn((8, w.shape[0]), generator=torch.Generator().manual_seed(0)).to(w.device)
+        seen[key] = bool(torch.equal(F.rms_norm(probe, (w.shape[0],), w, eps), mod.forward(probe)))
+    return seen[key]
+
+
+def _fast_call(mod: nn.Module):
+    """A callable computing exactly ``mod(x)`` with less per-call Python.
+
+    Hooked modules (DTensor TP plans install their layout conversions as hooks) are returned as
+    is; a plain ``nn.Linear`` becomes ``F.linear`` on its current weight/bias objects; an fp32
+    RMSNorm becomes ``F.rms_norm`` when that is bitwise equal on a probe; anything else runs its
+    ``forward`` without ``nn.Module.__call__``.
+    """
+    if _has_hooks(mod):
+        return mod
+    if type(mod) is nn.Linear and not isinstance(mod.weight, DTensor):
+        w, b = mod.weight, mod.bias
+        return lambda x: F.linear(x, w, b)
+    if type(mod).__name__.endswith("RMSNorm") and hasattr(mod, "variance_epsilon"):
+        w, eps = mod.weight, mod.variance_epsilon
+        if not isinstance(w, DTensor) and w.dtype == torch.float32 and w.dim() == 1:
+            shape = (w.shape[0],)
+            if _fused_rms_norm_matches(mod, w, eps):
+                return lambda x: F.rms_norm(x, shape, w, eps)
+    return mod.forward
+
+
+def _mlp_call(mlp: nn.Module):
+    """``down(act(gate(x)) * up(x))`` with fast calls for gated dense MLPs; the module itself otherwise."""
+    parts = ("gate_proj", "up_proj", "down_proj", "act_fn")
+    if _has_hooks(mlp) or not type(mlp).__name__.endswith("MLP") or not all(hasattr(mlp, a) for a in parts):
+        return _fast_call(mlp)
+    gate, up, down, act = (_fast_call(getattr(mlp, a)) for a in parts)
+    return lambda x: down(act(gate(x)) * up(x))
+
+
+_GQA_ATTENTION = ("Qwen2Attention", "Qwen3MoeAttention", "Qwen3Attention")
+_MLA_ATTENTION = ("DeepseekV3Attention",)
+_LAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+
+
+def _attention_kind(layer: nn.Module) -> str:
+    """``gqa`` / ``mla``: a hand-written decode step exists; ``layer``: call the HF decoder layer."""
+    if not all(hasattr(layer, a) for a in _LAYER_PARTS):
+        return "layer"
+    name = type(layer.self_attn).__name__
+    if name in _GQA_ATTENTION and getattr(layer.self_attn, "sliding_window", None) is None:
+        return "gqa"
+    if name in _MLA_ATTENTION:
+        return "mla"
+    return "layer"
+
+
 class FastDecoder:
-    """Runs 1-token decode steps of an HF causal LM on :class:`KVBuffers` (see module docstring).
+    """Runs 1-token decode steps of an HF causal LM on its own KV buffers (see module docstring).
 
     One ``generate`` call: :meth:`begin` (after the HF prefill), then :meth:`step` per token.
+
+    ``mode="fast"`` (default): hand-written attention decode steps for GQA attention (Qwen2,
+    Qwen3/Qwen3-MoE) and DeepSeek MLA, calling the attention's own projection / norm modules
+    (so DTensor TP linears and the MLA rope-key hook run as in ``forward``) and doing only rope,
+    the cache write and ``scaled_dot_product_attention`` by hand; MLP / MoE blocks and norms are
+    the layer's modules. MLA keeps *expanded* per-head K/V (``kv_b_proj`` is applied to the new
+    position only, instead of re-expanding the whole latent cache every step as HF does): O(1)
+    instead of O(length) work per step, for ``heads * (qk_head_dim + v_head_dim)`` instead of
+    ``kv_lora_rank + qk_rope_head_dim`` cache elements per position. Any other layer, or
+    ``mode="layers"``, calls the HF decoder layer itself with :class:`KVBuffers` as its cache.
     """
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, mode: str = "fast"):
         if not supports_fast_decode(model):
             raise ValueError(f"{type(model).__name__}: no fast decode path")
+        if mode not in ("fast", "layers"):
+            raise ValueError(f"mode={mode!r}: expected 'fast' or 'layers'")
         self.model = model
         backbone = model.model
         self.embed = backbone.embed_tokens
@@ -127,10 +211,14 @@ class FastDecoder:
         self.norm = backbone.norm
         self.rotary = backbone.rotary_emb
         self.lm_head = model.lm_head
+        self.kinds = [_attention_kind(layer) if mode == "fast" else "layer" for layer in self.layers]
+        self.rope_interleave = bool(getattr(model.config, "rope_interleave", False))
         self.buffers = KVBuffers(len(self.layers))
-        self._cos = self._sin = None
+        self._cos = self._sin = self._sin_signed = None
         self._mask = None
+        self._plan: list[dict | None] = []
 
+    # ------------------------------------------------------------------------------- setup
     def begin(self, prefill_cache, *, capacity: int, first_pos: torch.Tensor, steps: int,
               prompt_mask: torch.Tensor, like: torch.Tensor) -> None:
         """Take over a prefilled ``DynamicCache``; precompute rotary and mask for ``steps`` decode steps.
@@ -138,10 +226,21 @@ class FastDecoder:
         ``first_pos [B, 1]``: position id of the first decoded token; ``prompt_mask [B, P]`` (1 = real
         token); ``like``: a tensor in the compute dtype/device (the prefill logits; rotary only reads those).
         """
+        self._plan = [self._layer_plan(kind, layer) for kind, layer in zip(self.kinds, self.layers)]
+        self._embed, self._final_norm, self._head = (_fast_call(self.embed), _fast_call(self.norm),
+                                                     _fast_call(self.lm_head))
+        if "mla" in self.kinds:
+            prefill_cache = self._expand_mla_prefill(prefill_cache)
         self.buffers.load_prefill(prefill_cache, capacity)
         B, P = prompt_mask.shape
         pos = first_pos + torch.arange(max(steps, 1), device=first_pos.device)  # [B, S]
-        self._cos, self._sin = self.rotary(like, pos)  # [B, S, D] each, in like's dtype
+        cos, sin = self.rotary(like, pos)  # [B, S, D] each, in like's dtype
+        if self.rope_interleave:  # cos/sin are cat(freqs, freqs): keep the per-pair half
+            cos, sin = cos[..., : cos.shape[-1] // 2], sin[..., : sin.shape[-1] // 2]
+        self._cos, self._sin = cos[:, :, None], sin[:, :, None]  # [B, S, 1, D]: broadcast over heads
+        half = sin.shape[-1] // 2
+        # rotate_half(x) * sin == roll(x, half) * cat(-sin[:half], sin[half:]) exactly (sign flips are exact)
+        self._sin_signed = torch.cat([-sin[..., :half], sin[..., half:]], -1)[:, :, None]  # [B, S, 1, D]
         if bool(prompt_mask.all()):
             self._mask = None
         else:
@@ -149,21 +248,140 @@ class FastDecoder:
             keep[:, 0, 0, :P] = prompt_mask.bool()
             self._mask = keep
 
+    @staticmethod
+    def _layer_plan(kind: str, layer: nn.Module) -> dict | None:
+        """The per-call callables of one layer (rebuilt every ``generate``: weights may be swapped)."""
+        if kind == "layer":
+            return None
+        attn = layer.self_attn
+        plan = {"in_norm": _fast_call(layer.input_layernorm), "post_norm": _fast_call(layer.post_attention_layernorm),
+                "mlp": _mlp_call(layer.mlp), "o": _fast_call(attn.o_proj)}
+        if kind == "gqa":
+            plan.update(q=_fast_call(attn.q_proj), k=_fast_call(attn.k_proj), v=_fast_call(attn.v_proj),
+                        head_dim=attn.head_dim, scale=attn.scaling)
+            qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+            plan.update(q_norm=_fast_call(qn) if qn is not None else None,
+                        k_norm=_fast_call(kn) if kn is not None else None)
+        if kind == "mla":
+            plan.update({name: _fast_call(getattr(attn, name)) for name in (
+                "q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm")
+                if getattr(attn, name, None) is not None})
+        return plan
+
+    def _expand_mla_prefill(self, cache):
+        """Latent (kv_nope, k_rot) of the MLA layers -> their per-head (key, value) states."""
+
+        class _Layer:
+            def __init__(self, keys, values):
+                self.keys, self.values = keys, values
+
+        class _Cache:
+            layers = []
+
+        out = _Cache()
+        out.layers = []
+        for kind, layer, cl in zip(self.kinds, self.layers, cache.layers):
+            if kind == "mla":
+                out.layers.append(_Layer(*layer.self_attn.expand_kv(cl.keys, cl.values)))
+            else:
+                out.layers.append(cl)
+        return out
+
+    # ------------------------------------------------------------------------------- steps
     @torch.no_grad()
     def step(self, tokens: torch.Tensor, t: int) -> torch.Tensor:
         """Feed ``tokens [B]`` as decode step ``t`` (0-based); returns next-token logits ``[B, V]``."""
         buf = self.buffers
-        h = self.embed(tokens[:, None])  # [B, 1, H]
-        pe = (self._cos[:, t:t + 1], self._sin[:, t:t + 1])  # [B, 1, D] each
-        mask = None if self._mask is None else self._mask[..., :buf.length + 1]  # [B, 1, 1, n + 1]
-        for layer in self.layers:
-            h = layer(h, attention_mask=mask, position_embeddings=pe, past_key_values=buf, use_cache=True)
+        n = buf.length
+        h = self._embed(tokens[:, None])  # [B, 1, H]
+        mask = None if self._mask is None else self._mask[..., :n + 1]  # [B, 1, 1, n + 1]
+        cos, sin = self._cos[:, t], self._sin[:, t]  # [B, 1, D]
+        sin_signed = self._sin_signed[:, t]
+        pe = None
+        for i, (kind, layer, plan) in enumerate(zip(self.kinds, self.layers, self._plan)):
+            if kind == "layer":
+                if pe is None:
+                    pe = self._hf_position_embeddings(t)
+                h = layer(h, attention_mask=mask, position_embeddings=pe, past_key_values=buf, use_cache=True)
+                continue
+            a = plan["in_norm"](h)
+            if kind == "gqa":
+                a = self._gqa(plan, a, i, n, cos, sin_signed, mask)
+            else:
+                a = self._mla(layer.self_attn, plan, a, i, n, cos, sin, mask)
+            h = h + a
+            h = h + plan["mlp"](plan["post_norm"](h))
         buf.advance(1)
-        return self.lm_head(self.norm(h))[:, -1]  # [B, V]
+        return self._head(self._final_norm(h))[:, -1]  # [B, V]
+
+    def _hf_position_embeddings(self, t: int):
+        """(cos, sin) ``[B, 1, D]`` in the rotary module's own layout, for the HF layer path."""
+        if self.rope_interleave:
+            cos, sin = self._cos[:, t], self._sin[:, t]
+            return torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
+        return self._cos[:, t], self._sin[:, t]
+
+    def _gqa(self, plan, x, li, n, cos, sin_signed, mask):
+        """Qwen-style attention of one new position: q/k/v modules, (q/k norm), rope, SDPA, o_proj."""
+        B = x.shape[0]
+        D = plan["head_dim"]
+        q = plan["q"](x).view(B, -1, D)  # [B, Hq, D] (local heads under TP)
+        k = plan["k"](x).view(B, -1, D)  # [B, Hk, D]
+        v = plan["v"](x).view(B, -1, D)  # [B, Hk, D]
+        if plan["q_norm"] is not None:
+            q, k = plan["q_norm"](q), plan["k_norm"](k)
+        Hq, Hk = q.shape[1], k.shape[1]
+        qk = torch.cat([q, k], 1)  # [B, Hq + Hk, D]: one rope for both
+        qk = qk * cos + qk.roll(D // 2, -1) * sin_signed
+        K, V = self.buffers.keys[li], self.buffers.values[li]  # [B, Hk, L, D]
+        K[:, :, n].copy_(qk[:, Hq:])
+        V[:, :, n].copy_(v)
+        # GQA without repeating K/V: the Hq // Hk query heads of a KV head act as its query rows
+        qg = qk[:, :Hq].reshape(B, Hk, Hq // Hk, D)  # [B, Hk, rep, D]
+        o = F.scaled_dot_product_attention(qg, K[:, :, :n + 1], V[:, :, :n + 1], attn_mask=mask,
+                                           scale=plan["scale"])  # [B, Hk, rep, D]
+        return plan["o"](o.reshape(B, 1, Hq * D))  # [B, 1, H]
+
+    def _mla(self, attn, plan, x, li, n, cos, sin, mask):
+        """DeepSeek MLA of one new position, with expanded per-head K/V buffers."""
+        B = x.shape[0]
+        if attn.q_lora_rank is None:
+            q = plan["q_proj"](x)
+        else:
+            q = plan["q_b_proj"](plan["q_a_layernorm"](plan["q_a_proj"](x)))
+        q = q.view(B, -1, 1, attn.qk_head_dim)  # [B, H, 1, qk]
+        q_pass, q_rot = torch.split(q, [attn.qk_nope_head_dim, attn.qk_rope_head_dim], dim=-1)
+        ckv = plan["kv_a_proj_with_mqa"](x)  # [B, 1, r + rope] (TP: its rope-key grad hook runs)
+        kv_nope, k_rot = torch.split(ckv, [attn.kv_lora_rank, attn.qk_rope_head_dim], dim=-1)
+        kv_nope = plan["kv_a_layernorm"](kv_nope).view(B, 1, 1, attn.kv_lora_rank)  # [B, 1, 1, r]
+        k_rot = k_rot.view(B, 1, 1, attn.qk_rope_head_dim)  # [B, 1, 1, rope]
+        c, s = cos[:, None], sin[:, None]  # [B, 1, 1, D or D/2]
+        if self.rope_interleave:
+            q1, q2 = q_rot[..., 0::2], q_rot[..., 1::2]
+            k1, k2 = k_rot[..., 0::2], k_rot[..., 1::2]
+            q_rot = torch.cat([q1 * c - q2 * s, q2 * c + q1 * s], dim=-1)
+            k_rot = torch.cat([k1 * c - k2 * s, k2 * c + k1 * s], dim=-1)
+        else:
+            q_rot = q_rot * c + _rotate_half(q_rot) * s
+            k_rot = k_rot * c + _rotate_half(k_rot) * s
+        query = torch.cat((q_pass, q_rot), dim=-1)  # [B, H, 1, qk]
+        key, value = attn.expand_kv(kv_nope, k_rot)  # [B, H, 1, qk], [B, H, 1, v]
+        K, V = self.buffers.keys[li], self.buffers.values[li]
+        K[:, :, n:n + 1].copy_(key)
+        V[:, :, n:n + 1].copy_(value)
+        o = F.scaled_dot_product_attention(query, K[:, :, :n + 1], V[:, :, :n + 1], attn_mask=mask,
+                                           scale=attn.scaling)  # [B, H, 1, v]
+        return plan["o"](o.transpose(1, 2).reshape(B, 1, -1))  # [B, 1, H]
 
     def release(self) -> None:
         self.buffers = KVBuffers(len(self.layers))
-        self._cos = self._sin = self._mask = None
+        self._cos = self._sin = self._sin_signed = self._mask = None
+        self._plan = []
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 __all__ = ["FastDecoder", "KVBuffers", "supports_fast_decode"]

@@ -1,9 +1,20 @@
 """Native rollout engine: a lean batched sampler over an HF model with a pre-allocated KV cache.
 
-The loop is one model forward per generated token (prefill once, then 1-token decode steps into
-a static KV cache, ``transformers.StaticCache``, allocated once per batch shape and reused), plus
-the sampling arithmetic; none of ``generate()``'s logits processors, stopping criteria or
-per-step input preparation.
+The loop is one HF ``model.forward`` prefill, then one 1-token decode step per generated token,
+plus the sampling arithmetic; none of ``generate()``'s logits processors, stopping criteria or
+per-step input preparation. Decode steps (``decode=``):
+
+* ``"fast"`` (default): :class:`~rlrecipes.engines.native.decode.FastDecoder` -- hand-written
+  attention steps for GQA (Qwen2, Qwen3-MoE) and MLA (DeepSeek-V3) layers over the engine's own
+  pre-allocated K/V tensors, calling the layers' projection / norm / MLP / MoE modules (so TP
+  DTensor linears and ``EPExperts`` run as in ``forward``), rotary computed once per call, no
+  per-step mask construction or cache bookkeeping; other layer types use ``"layers"``;
+* ``"layers"``: the HF decoder layers called directly on the same K/V tensors (generic fallback);
+* ``"hf"``: ``model.forward`` on an HF ``StaticCache`` / ``DynamicCache`` (the reference path).
+
+Tokens are drawn by the exponential race ``argmax(p / Exp(1))``, which is what
+``torch.multinomial(p, 1)`` computes (same tokens for the same generator state) without its
+per-call validity check and host sync; with no EOS ids the loop has no host sync at all.
 
 Sampling and log-probs: the log-prob returned for a token is
 ``log_softmax(logits / temperature)[token]``, the *temperature-scaled, untruncated* distribution
@@ -51,12 +62,24 @@ def left_pad(prompts: Sequence[torch.Tensor], pad_token_id: int) -> tuple[torch.
     if min(lens) == 0:
         raise ValueError("generate: empty prompt at index %d" % lens.index(0))
     P = max(lens)
-    ids = torch.full((len(prompts), P), pad_token_id, dtype=torch.long)  # [B, P]
-    mask = torch.zeros((len(prompts), P), dtype=torch.long)  # [B, P]
-    for i, p in enumerate(prompts):
-        ids[i, P - lens[i]:] = p.reshape(-1).long()
-        mask[i, P - lens[i]:] = 1
+    flat = [p.reshape(-1).long() for p in prompts]
+    if min(lens) == P:  # nothing to pad
+        ids = torch.stack(flat)  # [B, P]
+        return ids, torch.ones_like(ids)
+    ids = torch.nn.utils.rnn.pad_sequence(flat, batch_first=True, padding_value=pad_token_id,
+                                          padding_side="left")  # [B, P]
+    mask = (torch.arange(P) >= P - torch.tensor(lens)[:, None]).long()  # [B, P]
     return ids, mask
+
+
+def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One draw per row of ``probs [B, V]``: ``argmax(probs / Exp(1) noise)`` (exponential race).
+
+    This is what ``torch.multinomial(probs, 1, generator=g)`` computes internally (same tokens for
+    the same generator state), minus its validity checks, which cost a host sync every step.
+    """
+    q = torch.empty_like(probs).exponential_(1, generator=generator)  # [B, V]
+    return (probs / q).argmax(-1)
 
 
 def sample_next(logits: torch.Tensor, *, temperature: float, top_k: int, top_p: float,
@@ -80,7 +103,7 @@ def sample_next(logits: torch.Tensor, *, temperature: float, top_k: int, top_p: 
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         filtered = torch.empty_like(filtered).scatter_(-1, order, sorted_logits)
     probs = filtered.softmax(-1)  # [B, V]
-    tok = torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # [B]
+    tok = _draw(probs, generator)  # [B]
     return tok, logp_all.gather(-1, tok[:, None]).squeeze(-1)
 
 
@@ -93,9 +116,13 @@ class RolloutEngine:
         device: ``torch.device``, a type name or None (auto, ``LOCAL_RANK``-indexed).
         seed: sampling seed; TP ranks of one rollout group share it, DP groups offset it.
         dtype: ``"auto"`` (bf16 on accelerators, fp32 on CPU), ``"bf16"``, ``"fp32"``... or a dtype.
-        cache: ``"static"`` (pre-allocated, reused across calls of the same batch shape) or
-            ``"dynamic"`` (HF DynamicCache, grows by concatenation).
-        attn_implementation: HF attention backend.
+        cache: ``"static"`` (K/V pre-allocated and kept across calls of the same batch shape) or
+            ``"dynamic"`` (allocated per call and released at its end; with ``decode="hf"``: HF
+            DynamicCache, grows by concatenation).
+        attn_implementation: HF attention backend (prefill and ``decode="hf"``/``"layers"``).
+        decode: ``"fast"`` (default), ``"layers"`` or ``"hf"``; see the module docstring.
+            ``self.decode_path`` says which one runs (models without ``model.model.layers`` /
+            ``rotary_emb`` or with sliding-window layers always run ``"hf"``).
 
     Weights arrive from the resharder through :meth:`load_shards` in the ROLLOUT layout
     (docs/conventions.md slices for this rank); :meth:`shard_shapes` says what each rank expects.
@@ -106,8 +133,8 @@ class RolloutEngine:
                  cache: str = "static", attn_implementation: str = "sdpa", decode: str = "fast"):
         if cache not in ("static", "dynamic"):
             raise ValueError(f"cache={cache!r}: expected 'static' or 'dynamic'")
-        if decode not in ("fast", "hf"):
-            raise ValueError(f"decode={decode!r}: expected 'fast' or 'hf'")
+        if decode not in ("fast", "layers", "hf"):
+            raise ValueError(f"decode={decode!r}: expected 'fast', 'layers' or 'hf'")
         layout = tuple(layout)
         tp, ep = int(layout[0]), int(layout[1]) if len(layout) > 1 else 1
         self.device = resolve_device(device)
@@ -129,8 +156,9 @@ class RolloutEngine:
         self._sleeping_weights: SwappedStorages | None = None
         self._tp_group = self.mesh.tp_mesh.get_group() if self.mesh.tp > 1 else None
         self._tp_src = dist.get_global_rank(self._tp_group, 0) if self._tp_group is not None else None
-        self._fast = FastDecoder(self.model) if decode == "fast" and supports_fast_decode(self.model) else None
-        self.decode_path = "fast" if self._fast is not None else "hf"
+        self._fast = (FastDecoder(self.model, mode=decode)
+                      if decode != "hf" and supports_fast_decode(self.model) else None)
+        self.decode_path = decode if self._fast is not None else "hf"
 
     def _group_seed(self, seed: int) -> int:
         return int(seed) + 1_000_003 * self.mesh.dp_rank
@@ -203,6 +231,8 @@ class RolloutEngine:
         cache = DynamicCache(config=self.config)
         logits = self.model(input_ids=ids, attention_mask=pmask, position_ids=pos, past_key_values=cache,
                             use_cache=True, logits_to_keep=1).logits[:, -1]  # [B, V]
+        if max_new_tokens == 1:  # the prefill's logits give the only token: no decode step
+            return logits, None
         self._fast.begin(cache, capacity=ids.shape[1] + max_new_tokens, first_pos=pos[:, -1:] + 1,
                          steps=max_new_tokens, prompt_mask=pmask, like=logits)
         return logits, self._fast.step
@@ -259,6 +289,8 @@ class RolloutEngine:
         prefill = self._prefill_fast if self._fast is not None else self._prefill_hf
         logits, step = prefill(ids, pmask, pos, max_new_tokens)  # [B, V], step(tok [B], t) -> [B, V]
         steps = 0
+        toks: list[torch.Tensor] = []
+        lps: list[torch.Tensor] = []
         for t in range(max_new_tokens):
             tok, lp = sample_next(logits, temperature=temperature, top_k=top_k, top_p=top_p,
                                   generator=self.generator)  # [B], [B]
@@ -274,20 +306,25 @@ class RolloutEngine:
                 finished |= hit
                 if (t + 1) % check_every == 0 and bool(finished.all()):
                     break
-            else:
-                out_tok[:, t] = tok
-                out_lp[:, t] = lp
+            else:  # no EOS: nothing to mask, stack once at the end
+                toks.append(tok)
+                lps.append(lp)
             if t + 1 == max_new_tokens:
                 break
             logits = step(tok, t)
         if self._fast is not None and self.cache_kind == "dynamic":
             self._fast.release()
+        if toks:
+            out_tok[:, :len(toks)] = torch.stack(toks, 1)
+            out_lp[:, :len(lps)] = torch.stack(lps, 1)
         devmod.synchronize(dev)
         dt = time.perf_counter() - t0
         lengths = torch.minimum(lengths, torch.full_like(lengths, steps)).cpu()
         out_tok, out_lp = out_tok.cpu(), out_lp.cpu()
-        responses = [out_tok[i, :lengths[i]].clone() for i in range(B)]
-        logps = [out_lp[i, :lengths[i]].clone() for i in range(B)]
+        # per-row views of the two fresh [B, N] tensors (no per-row copies)
+        n_of = lengths.tolist()
+        responses = [row[:n] for row, n in zip(out_tok.unbind(0), n_of)]
+        logps = [row[:n] for row, n in zip(out_lp.unbind(0), n_of)]
         gen = int(lengths.sum())
         return RolloutOutput(responses, logps, {"rollout/tokens": gen, "rollout/seconds": dt,
                                                 "rollout/tokens_per_s": gen / max(dt, 1e-9),
@@ -315,10 +352,22 @@ def bench_vs_generate(model: ModelSource, *, batch: int = 16, prompt_len: int = 
                       cache: str = "static", seed: int = 0, repeats: int = 2, warmup: bool = True) -> dict:
     """Tokens/s of :class:`RolloutEngine` vs ``transformers`` ``model.generate`` on the same model and batch.
 
-    Both sample at temperature 1 (no top-k/top-p), generate exactly ``max_new_tokens`` tokens for
-    each of ``batch`` random prompts of ``prompt_len`` tokens (no EOS), use a KV cache, and are
-    timed as the best of ``repeats`` interleaved runs after a warm-up. Single process (tp=1); initialises a 1-process
-    group if needed. Returns ``{"native_tokens_per_s", "hf_generate_tokens_per_s", "speedup", ...}``.
+    Method (fair by construction):
+
+    * the same model object (``eng.model``: same weights, dtype, device, attention backend) and
+      the same ``batch`` random prompts of ``prompt_len`` tokens, no padding;
+    * the same sampling: temperature 1, no top-k / top-p, no EOS (HF: ``eos_token_id=None`` and
+      ``min_new_tokens = max_new_tokens``), so both produce exactly ``batch * max_new_tokens``
+      tokens; both use a KV cache (native: its ``cache`` kind; HF: ``generate``'s default);
+    * the timed region is the whole call (prefill + decode + sampling + output assembly), with a
+      device synchronize on both sides; tokens/s = ``batch * max_new_tokens / seconds``;
+    * one warm-up call of each, then ``repeats`` rounds, each running native then HF back to back
+      (interleaved, so a noisy shared host slows both alike); the best (minimum) time of each
+      side is reported and ``speedup = t_hf / t_native``.
+
+    Single process (tp=1); initialises a 1-process group if needed. For stable numbers on CPU run
+    with one thread (``OMP_NUM_THREADS=1``, ``torch.set_num_threads(1)``) on a quiet machine.
+    Returns ``{"native_tokens_per_s", "hf_generate_tokens_per_s", "speedup", ...}``.
     """
     created = ensure_process_group(None if device is None else resolve_device(device).type)
     try:
@@ -357,7 +406,8 @@ def bench_vs_generate(model: ModelSource, *, batch: int = 16, prompt_len: int = 
         return {"native_tokens_per_s": n_tok / t_native, "hf_generate_tokens_per_s": n_tok / t_hf,
                 "speedup": t_hf / t_native, "batch": batch, "prompt_len": prompt_len,
                 "max_new_tokens": max_new_tokens, "cache": cache, "device": str(eng.device),
-                "dtype": str(eng.dtype).replace("torch.", ""), "family": eng.dims.family}
+                "dtype": str(eng.dtype).replace("torch.", ""), "family": eng.dims.family,
+                "decode": eng.decode_path, "repeats": repeats}
     finally:
         if created:
             dist.destroy_process_group()
