@@ -264,6 +264,13 @@ def build_plan(recipe: Recipe, nodes: Optional[int] = None, devices_per_node: Op
     roles["rollout"] = RoleLayout("rollout", ro.tp, ro.pp, ro.ep, None, world)
 
     violations: list[Violation] = []
+    if recipe.actor.engine == "native":
+        for role in ("ref", "critic"):
+            lay = getattr(recipe, role).layout
+            if role in roles and lay is not None and (lay.tp, lay.pp, lay.ep) != (a.tp, a.pp, a.ep):
+                violations.append(Violation("native engine colocates ref/critic on the actor layout",
+                                            f"{role}.layout TP{lay.tp} PP{lay.pp} EP{lay.ep} differs from the actor's "
+                                            f"TP{a.tp} PP{a.pp} EP{a.ep}; set {role}.layout: null"))
     if ro.pp != 1:
         violations.append(Violation("rollout PP = 1", f"rollout.layout.pp is {ro.pp}; the rollout runs without pipeline stages"))
     for role in roles.values():

@@ -226,9 +226,9 @@ class ActorConfig(_Strict):
     grad_clip: float = 1.0
     """Global gradient-norm clip."""
     offload_optimizer: bool = False
-    """Keep optimizer state on host during training (swap-optimizer); the planner counts it off-device."""
+    """Keep optimizer state on host during training (megatron swap-optimizer); the planner counts it off-device."""
     recompute: bool = True
-    """Activation recomputation (counted in the planner's activation estimate)."""
+    """Activation recomputation (megatron engine; the planner's activation estimate uses it)."""
 
 
 class RefConfig(_Strict):
@@ -293,9 +293,9 @@ class ReshardConfig(_Strict):
     bucket_mb: int = Field(512, ge=1)
     """Bucket size of the bucketed strategies."""
     swap_grads: bool = False
-    """Also swap gradients to host during rollout."""
+    """Also swap gradients to host during rollout (the native engine swaps params, grads and optimizer together)."""
     swap_optimizer: bool = True
-    """Also swap optimizer state to host during rollout."""
+    """Swap training state to host during rollout so the KV cache gets the room (no-op on CPU)."""
 
 
 class ResourcesConfig(_Strict):
@@ -367,6 +367,9 @@ class Recipe(_Strict):
     def _cross(self) -> "Recipe":
         if self.algorithm.name == "ppo" and self.algorithm.adv_estimator != "gae":
             raise ValueError("algorithm.name=ppo needs algorithm.adv_estimator=gae")
+        if self.algorithm.use_kl_in_reward and self.algorithm.name != "ppo":
+            raise ValueError(f"algorithm.use_kl_in_reward penalises token rewards, which only GAE (ppo) uses; for "
+                             f"{self.algorithm.name} set algorithm.use_kl_loss=true instead")
         if self.algorithm.name != "ppo" and self.algorithm.adv_estimator == "gae":
             raise ValueError(f"algorithm.adv_estimator=gae needs a critic: set algorithm.name=ppo (got {self.algorithm.name})")
         return self

@@ -429,44 +429,60 @@ class Worker:
         cached = (["ref_log_probs"] if self.use_ref else []) + ([] if self.skip_old else ["old_log_probs"])
         data = self._train_rows("update", ["prompt_ids", "response_ids", "advantages"], cached)
         R = r.rollout.sampling.max_new_tokens
-        micro, g_tokens, g_seqs = self._micro_batches(data, cached)
-        g_prompt_tokens = self._g_prompt_tokens
-        if not micro:
-            return {"actor/skipped_step": 1.0, "tokens": 0}
         kl_coef = self.kl_ctl.value if hasattr(self.kl_ctl, "value") else alg.kl_coef
-        agg = dict(global_tokens=g_tokens, global_seqs=g_seqs, norm_len=R, dp_size=self.adp)
 
-        def loss_fn(logp, entropy, mb):
-            mask = mb["response_mask"].to(logp.device)  # [b, R]
-            adv = mb["advantages"].to(logp.device) * mask  # [b, R]
-            old = mb["old_log_probs"].to(logp.device) if "old_log_probs" in mb else logp.detach()
-            loss, m = ppo_clip_policy_loss(logp, old, adv, mask, clip_ratio_low=alg.clip_ratio_low,
-                                           clip_ratio_high=alg.clip_ratio_high, dual_clip_c=alg.dual_clip_c,
-                                           loss_agg_mode=alg.loss_agg_mode, **agg)
-            metrics = {"actor/pg_loss": float(loss.detach()), "actor/clipfrac": float(m["clipfrac"]),
-                       "actor/ppo_kl": float(m["ppo_kl"])}
-            if self.use_ref:
-                kl_mat = kl_penalty(logp, mb["ref_log_probs"].to(logp.device), alg.kl_estimator)  # [b, R]
-                kl = aggregate_loss(kl_mat, mask, alg.loss_agg_mode, **agg)
-                if alg.use_kl_loss:
-                    loss = loss + kl_coef * kl
-                metrics["actor/kl"] = float(kl.detach()) / max(self.adp, 1)
-            if alg.entropy_coef and entropy is not None:
-                ent = aggregate_loss(entropy, mask, alg.loss_agg_mode, **agg)
-                loss = loss - alg.entropy_coef * ent
-            return loss, metrics
+        def make_loss(agg: dict):
+            def loss_fn(logp, entropy, mb):
+                mask = mb["response_mask"].to(logp.device)  # [b, R]
+                adv = mb["advantages"].to(logp.device) * mask  # [b, R]
+                old = mb["old_log_probs"].to(logp.device) if "old_log_probs" in mb else logp.detach()
+                loss, m = ppo_clip_policy_loss(logp, old, adv, mask, clip_ratio_low=alg.clip_ratio_low,
+                                               clip_ratio_high=alg.clip_ratio_high, dual_clip_c=alg.dual_clip_c,
+                                               loss_agg_mode=alg.loss_agg_mode, **agg)
+                metrics = {"actor/pg_loss": float(loss.detach()), "actor/clipfrac": float(m["clipfrac"]),
+                           "actor/ppo_kl": float(m["ppo_kl"])}
+                if self.use_ref:
+                    kl_mat = kl_penalty(logp, mb["ref_log_probs"].to(logp.device), alg.kl_estimator)  # [b, R]
+                    kl = aggregate_loss(kl_mat, mask, alg.loss_agg_mode, **agg)
+                    if alg.use_kl_loss:
+                        loss = loss + kl_coef * kl
+                    metrics["actor/kl"] = float(kl.detach()) / max(self.adp, 1)
+                if alg.entropy_coef and entropy is not None:
+                    ent = aggregate_loss(entropy, mask, alg.loss_agg_mode, **agg)
+                    loss = loss - alg.entropy_coef * ent
+                return loss, metrics
+            return loss_fn
 
+        # LR warm-up, then one optimizer step per mini-batch, ppo_epochs passes over the batch
+        if r.trainer.warmup_steps:
+            self.actor.set_lr(r.trainer.lr * min(1.0, (self.step + 1) / r.trainer.warmup_steps))
+        n_local = len(data["rows"])
+        chunks = [list(range(n_local))[m::self.n_mini] for m in range(self.n_mini)]
         t0 = time.perf_counter()
-        out = {}
-        for _epoch in range(alg.ppo_epochs):
-            out = self.actor.train_step(micro, loss_fn, loss_scale="sum", with_entropy=bool(alg.entropy_coef))
+        out: dict = {}
+        totals = [0.0, 0.0, 0.0]
+        for epoch in range(alg.ppo_epochs):
+            for idx in chunks:
+                micro, g_tokens, g_seqs = self._micro_batches(self._subset(data, idx), cached)
+                if epoch == 0:
+                    totals = [totals[0] + g_tokens, totals[1] + g_seqs, totals[2] + self._g_prompt_tokens]
+                if not micro:
+                    continue
+                agg = dict(global_tokens=g_tokens, global_seqs=g_seqs, norm_len=R, dp_size=self.adp)
+                out = self.actor.train_step(micro, make_loss(agg), loss_scale="sum",
+                                            with_entropy=bool(alg.entropy_coef))
+                out["_n_micro"] = len(micro)
         self.timer.add_compute("update", time.perf_counter() - t0)
+        if not out:
+            return {"actor/skipped_step": 1.0, "tokens": 0}
         # closure metrics are per-rank means of per-micro-batch contributions: sum them over DP
         for key in ("actor/kl", "actor/pg_loss"):
             if key in out:
-                t = torch.tensor([out[key] * len(micro) if self.a_tp_rank == 0 else 0.0])
+                t = torch.tensor([out[key] * out["_n_micro"] if self.a_tp_rank == 0 else 0.0])
                 dist.all_reduce(t)
                 out[key] = float(t)
+        out.pop("_n_micro", None)
+        g_tokens, g_seqs, g_prompt_tokens = totals
         out["tokens"] = g_tokens + g_prompt_tokens
         out["response_tokens"] = g_tokens
         out["samples"] = g_seqs
@@ -474,12 +490,22 @@ class Worker:
             self.kl_ctl.update(out["actor/kl"], int(g_seqs))
         return out
 
+    @staticmethod
+    def _subset(data: dict, idx: list[int]) -> dict:
+        out = {}
+        for k, v in data.items():
+            if isinstance(v, torch.Tensor):
+                out[k] = v[torch.tensor(idx, dtype=torch.long)] if idx else v[:0]
+            else:
+                out[k] = [v[i] for i in idx]
+        return out
+
     def _reshard(self) -> None:
         t0 = time.perf_counter()
         self.actor.onload()
         for bucket in self.resharder.reshard(self.actor.local_shards()):
             self.rollout.load_shards(bucket)
-        if self.recipe.resharding.swap_optimizer:
+        if self.recipe.resharding.swap_optimizer or self.recipe.resharding.swap_grads:
             self.actor.offload()  # no-op on CPU; on accelerators frees the device for the KV cache
         self._last_reshard_s = time.perf_counter() - t0
 

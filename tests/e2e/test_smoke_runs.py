@@ -152,3 +152,12 @@ def test_too_many_workers_refused_before_placement(tmp_path):
     assert out.returncode == 2
     assert "too small" in out.stderr and "8" in out.stderr
     assert not (tmp_path / "big" / "metrics.jsonl").exists()
+
+
+def test_off_policy_minibatches_compute_old_log_probs(tmp_path):
+    """Two mini-batches per rollout batch is off-policy: the old-log-prob stage runs."""
+    run = tmp_path / "offpolicy"
+    cli("run", "qwen25_7b", "--smoke", "--steps", "2", "--out", str(run), "--quiet",
+        "trainer.mini_batch=8", "trainer.warmup_steps=2")
+    rows = metrics(run)
+    assert all("timing_s/old" in r and r["samples"] == 16 * 8 for r in rows)

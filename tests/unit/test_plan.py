@@ -75,3 +75,9 @@ def test_property_random_node_counts(name):
 def test_smoke_plans_pass(name):
     p = build_plan(load_recipe(name, smoke=True))
     assert p.ok, format_violations(p)
+
+
+def test_native_engine_keeps_ref_on_actor_layout():
+    r = load_recipe("qwen25_7b", smoke=True, overrides=["ref.layout={tp: 1, pp: 1, ep: 1}"])
+    rules = {v.rule for v in build_plan(r).violations}
+    assert "native engine colocates ref/critic on the actor layout" in rules

@@ -107,3 +107,11 @@ def test_parse_override():
     assert parse_override("a.b=1") == (["a", "b"], 1)
     assert parse_override("a=true") == (["a"], True)
     assert parse_override("a=x=y") == (["a"], "x=y")
+
+
+def test_kl_in_reward_needs_token_rewards():
+    with pytest.raises(RecipeError, match="use_kl_in_reward"):
+        load_recipe("qwen25_7b", overrides=["algorithm.use_kl_in_reward=true"])
+    r = load_recipe("qwen25_7b", overrides=["algorithm.use_kl_in_reward=true", "algorithm.name=ppo",
+                                            "algorithm.adv_estimator=gae"])
+    assert r.algorithm.use_kl_in_reward
