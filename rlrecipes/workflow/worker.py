@@ -18,6 +18,7 @@ import json
 import math
 import os
 import time
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,26 @@ CKPT_LATEST = "latest"
 def _seed_of(*parts: Any) -> int:
     h = hashlib.sha256("/".join(map(str, parts)).encode()).digest()
     return int.from_bytes(h[:7], "little")
+
+
+@dataclass
+class StepState:
+    """What the stages of one step share on one worker."""
+
+    step: int
+    target: int
+    round: int = 0
+    more: bool = False
+    kept_rows: list = field(default_factory=list)
+    gen_groups: int = 0
+    ds_kept: int = 0
+    ds_dropped: int = 0
+    reward_sum: float = 0.0
+    reward_n: int = 0
+    errors: int = 0
+    first_error: str | None = None
+    update: dict = field(default_factory=dict)
+    critic: dict = field(default_factory=dict)
 
 
 class StageFailure(RuntimeError):
@@ -537,7 +558,53 @@ class Worker:
             self.tokenizer.save_pretrained(str(folder))
         dist.barrier()
 
+    # ------------------------------------------------------------------ stage runners (one per DAG node)
+    def _run_rollout(self, st: "StepState") -> None:
+        self._stage_rollout(st.step, st.round, st.target)
+        st.gen_groups += st.target
+
+    def _run_reward(self, st: "StepState") -> None:
+        rs = self._stage_reward()
+        st.reward_sum += rs["reward_sum"]
+        st.reward_n += rs["reward_n"]
+        st.errors += rs["reward_errors"]
+        st.first_error = st.first_error or rs["reward_error"]
+        st.round += 1
+
+    def _run_dynamic_sampling(self, st: "StepState") -> None:
+        d = self._stage_dynamic_sampling(st.kept_rows)
+        st.kept_rows, st.ds_kept, st.ds_dropped = d["kept_rows"], st.ds_kept + d["kept"], st.ds_dropped + d["dropped"]
+        cap = self.recipe.algorithm.dynamic_sampling.max_gen_batches
+        st.more = len(st.kept_rows) < st.target and st.round < cap
+        if not st.more:
+            if self.rank == 0 and len(st.kept_rows) > st.target:  # trim the surplus groups
+                self.dock.drop_rows([x for g in st.kept_rows[st.target:] for x in g])
+            dist.barrier()  # every rank sees the final batch before the next stage claims rows
+
+    def _run_ref(self, st: "StepState") -> None:
+        self._logprob_stage("ref", self.ref, "ref_log_probs")
+
+    def _run_old(self, st: "StepState") -> None:
+        self._logprob_stage("old", self.actor, "old_log_probs")
+
+    def _run_values(self, st: "StepState") -> None:
+        self._logprob_stage("values", self.critic, "values")
+
+    def _run_advantage(self, st: "StepState") -> None:
+        self._stage_advantage()
+
+    def _run_update(self, st: "StepState") -> None:
+        st.update = self._stage_update()
+
+    def _run_critic_update(self, st: "StepState") -> None:
+        st.critic = self._stage_critic_update()
+
+    def _run_reshard(self, st: "StepState") -> None:
+        self._reshard()
+
     def train_step(self, step: int) -> dict:
+        """One step: this worker's controller loop over the DAG (stages of a repeat group run again
+        while dynamic sampling asks for more groups)."""
         r = self.recipe
         self.timer = timer = StageTimer()
         t_step = time.time()
@@ -546,63 +613,26 @@ class Worker:
         self.cache.clear(step)
         dist.barrier()
         self.actor.onload()
-        target = r.trainer.global_batch
+        st = StepState(step=step, target=r.trainer.global_batch)
+        stages = self.dag.stages
+        i = 0
+        while i < len(stages):
+            group = stages[i].repeat_group
+            j = i + 1
+            while group and j < len(stages) and stages[j].repeat_group == group:
+                j += 1
+            while True:
+                for stage in stages[i:j]:
+                    self._report(stage.name)
+                    with timer.stage(stage.name):
+                        getattr(self, f"_run_{stage.name}")(st)
+                if not (group and st.more):
+                    break
+            i = j
+        upd, crit = st.update, st.critic
+        reward_sum, reward_n, errors, first_err = st.reward_sum, st.reward_n, st.errors, st.first_error
+        rnd, ds_kept, ds_dropped, gen_groups = st.round, st.ds_kept, st.ds_dropped, st.gen_groups
         ds = r.algorithm.dynamic_sampling
-        kept_rows: list[list[int]] = []
-        rnd, reward_sum, reward_n, errors, first_err, gen_groups = 0, 0.0, 0, 0, None, 0
-        ds_kept = ds_dropped = 0
-        while True:
-            self._report("rollout")
-            with timer.stage("rollout"):
-                self._stage_rollout(step, rnd, target)
-                gen_groups += target
-            self._report("reward")
-            with timer.stage("reward"):
-                rs = self._stage_reward()
-            reward_sum += rs["reward_sum"]
-            reward_n += rs["reward_n"]
-            errors += rs["reward_errors"]
-            first_err = first_err or rs["reward_error"]
-            rnd += 1
-            if not ds.enabled:
-                break
-            self._report("dynamic_sampling")
-            with timer.stage("dynamic_sampling"):
-                d = self._stage_dynamic_sampling(kept_rows)
-            kept_rows = d["kept_rows"]
-            ds_kept += d["kept"]
-            ds_dropped += d["dropped"]
-            if len(kept_rows) >= target or rnd >= ds.max_gen_batches:
-                break
-        if ds.enabled and self.rank == 0 and len(kept_rows) > target:
-            self.dock.drop_rows([x for g in kept_rows[target:] for x in g])
-        dist.barrier()
-        if self.use_ref:
-            self._report("ref")
-            with timer.stage("ref"):
-                self._logprob_stage("ref", self.ref, "ref_log_probs")
-        if not self.skip_old:
-            self._report("old")
-            with timer.stage("old"):
-                self._logprob_stage("old", self.actor, "old_log_probs")
-        if self.critic is not None:
-            self._report("values")
-            with timer.stage("values"):
-                self._logprob_stage("values", self.critic, "values")
-        self._report("advantage")
-        with timer.stage("advantage"):
-            self._stage_advantage()
-        self._report("update")
-        with timer.stage("update"):
-            upd = self._stage_update()
-        crit = {}
-        if self.critic is not None:
-            self._report("critic_update")
-            with timer.stage("critic_update"):
-                crit = self._stage_critic_update()
-        self._report("reshard")
-        with timer.stage("reshard"):
-            self._reshard()
         step_s = time.time() - t_step
 
         # ---- metrics: one all-gather of small per-rank facts; rank 0 assembles the row
