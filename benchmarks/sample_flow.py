@@ -13,8 +13,9 @@ Modes:
                "step s" and collects timings.
   dock+cache   like dock, but columns a worker produces and consumes itself (ids, log-probs,
                scores, ref log-probs, advantages) stay in its TensorCache and the dock records
-               only "held on rank r". The update stage uses the dock's balanced layout, so its
-               inputs move with one all-to-all (gloo) between the workers.
+               only "held on rank r" -- published in one controller call just before the first
+               stage that needs another rank's rows. The update stage uses the dock's balanced
+               layout, so its inputs move with one all-to-all (gloo) between the workers.
 
 Prints one JSON line per (mode, W): mode, workers, rows, seq_len, seconds_per_step,
 driver_bytes (sample bytes that passed through the driver process, counted where the driver
@@ -142,7 +143,9 @@ def make_worker_class(ray):
                 self.cache.clear(step)
                 self.cache.put("input_ids", rows, torch.from_numpy(ids))
                 self.cache.put("log_probs", rows, torch.from_numpy(logp))
-                d.mark_cached({"input_ids": [self.L] * len(rows), "log_probs": [self.L] * len(rows)}, rows, me)
+                # metadata is published in one call before the first stage that needs another rank's
+                # rows (update); the worker's own stages read its cache directly
+                pending = {"input_ids": [self.L] * len(rows), "log_probs": [self.L] * len(rows)}
             else:
                 d.put({"input_ids": torch.from_numpy(ids), "log_probs": torch.from_numpy(logp)}, rows)
 
@@ -156,7 +159,7 @@ def make_worker_class(ray):
             sc = reward(r_ids)
             if use_cache:
                 self.cache.put("scores", rows, torch.from_numpy(sc))
-                d.mark_cached(["scores"], rows, me)
+                pending["scores"] = None
             else:
                 d.put({"scores": torch.from_numpy(sc)}, r_rows)
 
@@ -164,7 +167,7 @@ def make_worker_class(ray):
             if use_cache:
                 rl = ref(self.cache.stacked("input_ids", rows).numpy())
                 self.cache.put("ref_log_probs", rows, torch.from_numpy(rl))
-                d.mark_cached({"ref_log_probs": [self.L] * len(rows)}, rows, me)
+                pending["ref_log_probs"] = [self.L] * len(rows)
             else:
                 b = d.get("ref", ["input_ids"], None, dp_rank=me, dp_size=W)
                 d.put({"ref_log_probs": torch.from_numpy(ref(b["input_ids"].numpy()))}, b.rows)
@@ -173,13 +176,15 @@ def make_worker_class(ray):
             if use_cache:  # this worker generated whole groups: its own scores are all it needs
                 adv = advantage(self.cache.stacked("scores", rows).numpy())
                 self.cache.put("advantages", rows, torch.from_numpy(adv)[:, None])
-                d.mark_cached(["advantages"], rows, me)
+                pending["advantages"] = None
             else:
                 b = d.get("advantage", ["scores"], None, dp_rank=me, dp_size=W, whole_groups=True)
                 d.put({"advantages": torch.from_numpy(advantage(b["scores"].numpy()))}, b.rows)
 
             starts["update"] = time.time()
             cols = ["input_ids", "log_probs", "ref_log_probs", "advantages"]
+            if use_cache:
+                d.mark_cached(pending, rows, me)
             b = d.get("update", cols, None, dp_rank=me, dp_size=W)
             if use_cache:  # another DP layout: one all-to-all between the workers
                 got = self.cache.exchange(cols, b.partition)    # every rank's rows, from the dock
