@@ -1,0 +1,29 @@
+"""The wheel carries recipes/ as rlrecipes/_recipes, so an installed package finds them."""
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.e2e
+def test_wheel_ships_recipes_and_registry_finds_them(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                          "-w", str(tmp_path / "whl"), str(ROOT)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    wheel = next((tmp_path / "whl").glob("rlrecipes-*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    for recipe in ("qwen25_7b", "qwen3_moe_30b", "deepseek_r1_671b"):
+        for f in ("recipe.yaml", "smoke.yaml", "launch.sh", "baseline.json", "README.md"):
+            assert f"rlrecipes/_recipes/{recipe}/{f}" in names
+    site = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(site)
+    code = ("import rlrecipes.recipe as r; reg = r.registry(); "
+            "print(sorted(reg)); print(all('_recipes' in str(p) for p in reg.values()))")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=120,
+                         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(site), "HOME": str(tmp_path)})
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "['deepseek_r1_671b', 'qwen25_7b', 'qwen3_moe_30b']" in res.stdout and "True" in res.stdout
