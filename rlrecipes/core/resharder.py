@@ -739,7 +739,14 @@ class Resharder:
 
     # ---- allgather_swap ---------------------------------------------------------------------
     def _run_allgather_swap(self, idx, local):
-        for bucket in self._buckets(idx, lambda i: self.plan.specs[i].numel * self._esize(i)):
+        # A bucket's budget counts the gather buffer of each parameter *and* the rollout slice it
+        # leaves behind until the bucket is consumed, so the peak (one bucket of slices plus one
+        # gather buffer) stays within bucket_mb.
+        def cost(i: int) -> int:
+            s = self.plan.specs[i]
+            return (s.numel + math.prod(local_shape(s, self.plan.rollout))) * self._esize(i)
+
+        for bucket in self._buckets(idx, cost):
             out = []
             for i in bucket:
                 buf = self._gather(i, local, pp_bcast=True)
