@@ -174,6 +174,9 @@ def run_recipe(recipe: Recipe, plan, out: Optional[Path] = None, resume: Optiona
             console.print(f"[bold]{recipe.name}[/] · {world} workers · actor "
                           f"{plan.roles['actor'].describe()} -> rollout {plan.roles['rollout'].describe()} · "
                           f"stages: {' -> '.join(info[0]['stages'])} · run folder {run_dir}")
+            d = info[0]["data"]
+            console.print(f"data: {d['prompts']} prompts ({d['dropped_too_long']} dropped as longer than "
+                          f"data.max_prompt_length, {d['skipped_malformed']} malformed rows skipped)")
         futures = [w.run.remote(start, total) for w in workers]
         rows = _watch(recipe, workers, futures, progress, writer, quiet, start, total, t0)
     except KeyboardInterrupt:

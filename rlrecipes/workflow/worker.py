@@ -131,9 +131,10 @@ class Worker:
         else:
             rows = []
             for f in r.data.train_files:
-                got, _skipped = load_prompt_rows(f, prompt_key=r.data.prompt_key, answer_key=r.data.answer_key,
-                                                 on_malformed=r.data.on_malformed)
+                got, skipped = load_prompt_rows(f, prompt_key=r.data.prompt_key, answer_key=r.data.answer_key,
+                                                on_malformed=r.data.on_malformed)
                 rows += got
+                self.data_skipped = getattr(self, "data_skipped", 0) + skipped
         # the driver made data paths absolute; the chat template is applied when the tokenizer has one
         if not r.data.apply_chat_template:
             self.tokenizer.chat_template = None
@@ -202,6 +203,8 @@ class Worker:
             start_step = self._load_checkpoint(Path(resume_from))
         self._reshard()  # rollout weights = actor weights before the first rollout
         return {"rank": self.rank, "device": str(self.device), "start_step": start_step,
+                "data": {"prompts": len(self.dataset), "dropped_too_long": self.dataset.n_dropped_too_long,
+                         "skipped_malformed": getattr(self, "data_skipped", 0)},
                 "skip_old_log_prob": self.skip_old, "stages": self.dag.names(),
                 "reshard_min_bytes": self.reshard_plan.min_bytes(self.rank)}
 
