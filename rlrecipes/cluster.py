@@ -47,6 +47,14 @@ def connect(address: Optional[str] = None, *, embedded: bool = False, num_cpus: 
                  configure_logging=False, namespace="rlrecipes")
         return "embedded"
     target = address or os.environ.get("RAY_ADDRESS") or "auto"
+    host, sep, port = target.rpartition(":")
+    if sep and port.isdigit() and "://" not in target:  # fail fast instead of Ray's minutes of retries
+        import socket
+
+        try:
+            socket.create_connection((host, int(port)), timeout=5).close()
+        except OSError as e:
+            raise ClusterError(f"no Ray cluster at {target!r}: cannot reach the head's GCS port ({e})") from None
     try:
         ray.init(address=target, include_dashboard=False, log_to_driver=True, namespace="rlrecipes")
     except (ConnectionError, RuntimeError, ValueError) as e:
@@ -74,16 +82,20 @@ def check_resources(found: ClusterResources, nodes: int, devices_per_node: int, 
     full = sum(1 for d in found.devices_per_node if d >= devices_per_node)
     if full >= nodes and found.cpus >= cpus_needed:
         return
-    launch = f"{recipe_dir}/launch.sh" if recipe_dir else "recipes/<recipe>/launch.sh"
     need = f"{nodes} node(s) x {devices_per_node} {found.resource} devices"
     if cpus_needed and found.cpus < cpus_needed:
         need += f" and {cpus_needed:g} CPUs"
-    raise ClusterError(
-        f"the Ray cluster is too small: found {found.describe()}; the plan needs {need}.\n"
-        f"Start a cluster by running on every node:\n"
-        f"  NNODES={nodes} NODE_RANK=<0..{nodes - 1}> MASTER_ADDR=<head node IP> bash {launch}\n"
-        f"(the head, NODE_RANK=0, runs the recipe once all nodes have joined), or try it on this "
-        f"machine with `rlrecipes run <recipe> --smoke`.")
+    raise ClusterError(f"the Ray cluster is too small: found {found.describe()}; the plan needs {need}.\n"
+                       + start_hint(nodes, recipe_dir))
+
+
+def start_hint(nodes: int, recipe_dir: Optional[Path] = None) -> str:
+    """How to bring up a cluster for a recipe with its launch.sh."""
+    launch = f"{recipe_dir}/launch.sh" if recipe_dir else "recipes/<recipe>/launch.sh"
+    return (f"Start a cluster by running on every node:\n"
+            f"  NNODES={nodes} NODE_RANK=<0..{nodes - 1}> MASTER_ADDR=<head node IP> bash {launch}\n"
+            f"(the head, NODE_RANK=0, runs the recipe once all nodes have joined), or try it on this "
+            f"machine with `rlrecipes run <recipe> --smoke`.")
 
 
 def placement_group(world: int, resource: str, cpus_per_worker: float = 1.0, timeout_s: float = 60.0):

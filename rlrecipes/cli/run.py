@@ -43,7 +43,7 @@ def register(app: typer.Typer) -> None:
             keep_batch: bool = typer.Option(False, "--keep-batch", help="Keep the global batch when scaling nodes."),
             address: Optional[str] = typer.Option(None, "--address", help="Ray address (default: RAY_ADDRESS or auto)."),
             quiet: bool = typer.Option(False, "--quiet", "-q", help="No live progress; one line per step.")) -> None:
-        from ..cluster import check_resources, cluster_resources, connect, device_resource
+        from ..cluster import ClusterError, check_resources, cluster_resources, connect, device_resource, start_hint
         from ..plan import PlanError, build_plan, format_violations
         from ..recipe import find_recipe, load_recipe
         from .plan import render_plan
@@ -76,7 +76,10 @@ def register(app: typer.Typer) -> None:
             from .. import device as dev
 
             dtype = dev.detect()
-        connect(address)
+        try:
+            connect(address)
+        except ClusterError as e:
+            raise ClusterError(f"{e}\n{start_hint(plan.nodes, find_recipe(recipe))}") from None
         found = cluster_resources(device_resource(dtype))
         check_resources(found, plan.nodes, plan.devices_per_node, find_recipe(recipe))
         from ..workflow.driver import run_recipe

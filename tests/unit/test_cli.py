@@ -81,3 +81,9 @@ def test_console_script_subprocess():
     assert "deepseek_r1_671b" in out.stdout
     bad = subprocess.run(["rlrecipes", "run", "qwen25_7b", "--smoke", "trainer.steps=-1"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "trainer.steps" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_run_without_cluster_says_how_to_start_one():
+    res = runner.invoke(app, ["run", "qwen25_7b"], env={"RAY_ADDRESS": "127.0.0.1:9"})
+    assert res.exit_code == 2, res.output
+    assert "no Ray cluster" in res.output and "launch.sh" in res.output and "NNODES=1" in res.output
