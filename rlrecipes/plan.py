@@ -19,6 +19,9 @@ from .models import ModelDims
 from .recipe import Recipe
 
 GiB = 1024 ** 3
+# Rules no node count can fix: the nearest-valid-node search is skipped when only these fail.
+NODE_INDEPENDENT_RULES = {"inference settings supported by vllm-ascend", "rollout PP = 1",
+                          "native engine colocates ref/critic on the actor layout"}
 DTYPE_BYTES = 2  # weights and activations in bf16 on accelerators
 
 
@@ -86,6 +89,7 @@ class Plan:
     reshard_bytes_per_device: float = 0.0
     reshard_full_bytes: float = 0.0
     reshard_method: str = "estimate"
+    inference: Optional[dict] = None
     changes: list[str] = field(default_factory=list)
     violations: list[Violation] = field(default_factory=list)
     nearest_valid_nodes: list[int] = field(default_factory=list)
@@ -110,6 +114,7 @@ class Plan:
             "reshard_gib_per_device": round(self.reshard_bytes_per_device / GiB, 3),
             "reshard_full_model_gib": round(self.reshard_full_bytes / GiB, 3),
             "reshard_method": self.reshard_method,
+            "inference": self.inference,
             "changes": self.changes, "violations": [asdict(v) for v in self.violations],
             "nearest_valid_nodes": self.nearest_valid_nodes,
         }
@@ -244,6 +249,21 @@ def _exact_reshard_bytes(dims: ModelDims, train: RoleLayout, rollout: RoleLayout
     return float(s["max_min_recv_bytes"]), "resharder plan"
 
 
+def _render_inference(recipe: Recipe, dims: ModelDims, violations: list) -> Optional[dict]:
+    """vllm-ascend settings for the pinned (or installed) version; an impossible combination is a violation."""
+    from .core.inference import InferenceConfigError, installed_vllm_ascend_version, render
+
+    version = recipe.rollout.inference.vllm_ascend_version or installed_vllm_ascend_version()
+    if version is None:
+        return None
+    try:
+        r = render(recipe.rollout.inference, version, is_mla=dims.is_mla)
+    except InferenceConfigError as e:
+        violations.append(Violation("inference settings supported by vllm-ascend", str(e)))
+        return None
+    return {"vllm_ascend": version, "additional_config": r.additional_config, "engine_kwargs": r.engine_kwargs}
+
+
 def build_plan(recipe: Recipe, nodes: Optional[int] = None, devices_per_node: Optional[int] = None,
                keep_batch: bool = False, _search: bool = True) -> Plan:
     res = recipe.resources
@@ -337,10 +357,12 @@ def build_plan(recipe: Recipe, nodes: Optional[int] = None, devices_per_node: Op
         if actor.dp is not None:
             plan.reshard_bytes_per_device = _reshard_bytes(dims, actor, rollout)
             plan.reshard_full_bytes = dims.total_params() * DTYPE_BYTES
+    if recipe.rollout.engine == "vllm":
+        plan.inference = _render_inference(recipe, dims, violations)
     plan.violations = violations
     if _search and not violations:
         plan.reshard_bytes_per_device, plan.reshard_method = _exact_reshard_bytes(dims, actor, rollout)
-    if violations and _search:
+    if _search and any(v.rule not in NODE_INDEPENDENT_RULES for v in violations):
         plan.nearest_valid_nodes = nearest_valid_nodes(recipe, nodes, dpn, keep_batch)
     return plan
 
@@ -365,6 +387,8 @@ def format_violations(plan: Plan) -> str:
     lines += [f"  - {v}" for v in plan.violations]
     if plan.nearest_valid_nodes:
         lines.append(f"  nearest valid node counts: {', '.join(map(str, plan.nearest_valid_nodes))}")
+    elif all(v.rule in NODE_INDEPENDENT_RULES for v in plan.violations):
+        lines.append("  no node count fixes these; change the recipe as each line says")
     else:
         lines.append("  no node count up to the search limit satisfies every rule; change the layout in the recipe")
     return "\n".join(lines)

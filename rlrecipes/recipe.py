@@ -266,6 +266,8 @@ class InferenceSettings(_Strict):
     """Chunked-prefill budget per scheduler step."""
     decode_only: bool = False
     """This instance serves decode only (disaggregated prefill/decode)."""
+    vllm_ascend_version: Optional[str] = None
+    """vllm-ascend release the settings are rendered and checked for; null: the installed one (if any)."""
 
 
 class SamplingConfig(_Strict):

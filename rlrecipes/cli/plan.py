@@ -34,6 +34,9 @@ def render_plan(plan) -> None:
     console.print(m)
     console.print(f"reshard traffic per device per step: [bold]{plan.reshard_bytes_per_device / 2**30:.2f} GiB[/] "
                   f"received at most ({plan.reshard_method}; full model in bf16: {plan.reshard_full_bytes / 2**30:.1f} GiB)")
+    if plan.inference:
+        console.print(f"vllm-ascend {plan.inference['vllm_ascend']} additional_config: "
+                      f"{plan.inference['additional_config']} · {plan.inference['engine_kwargs']}", highlight=False)
     for c in plan.changes:
         console.print(f"[cyan]changed:[/] {c}")
     if plan.ok:
