@@ -174,8 +174,9 @@ def case_rollout_ckpt(rank, tmp):
                                  for k, v in full.items())
             assert n == len(full)
             eng = eng2
-        if eng.decode_path != "fast":
-            raise AssertionError(f"{fam}: rollout decode path {eng.decode_path!r}, expected the fast path")
+        if eng.decode_path != "fast" or eng.prefill_path != "fast":
+            raise AssertionError(f"{fam}: rollout decode/prefill paths {eng.decode_path!r}/{eng.prefill_path!r}, "
+                                 f"expected the fast paths")
         out = eng.generate(prompts, max_new_tokens=8, temperature=0)
         for i in range(len(prompts)):
             if not torch.equal(out.responses[i], want[i]):
@@ -188,6 +189,15 @@ def case_rollout_ckpt(rank, tmp):
         dist.all_gather(other, flat)
         if not torch.equal(other[0], other[1]):
             raise AssertionError(f"{fam}: TP ranks sampled different tokens")
+        # the fast prefill (TP DTensor modules, K/V straight into the buffers) == HF forward prefill
+        hfp = RolloutEngine(dims, layout=layout, device="cpu", seed=0, prefill="hf")
+        hfp.load_shards(eng.local_shards().items())
+        s2 = hfp.generate(prompts, max_new_tokens=8, temperature=1.0, top_p=0.9, seed=3)
+        for a, b in zip(s.responses, s2.responses):
+            if not torch.equal(a, b):
+                raise AssertionError(f"{fam}: fast prefill {a.tolist()} != HF prefill {b.tolist()} under TP")
+        for a, b in zip(s.log_probs, s2.log_probs):
+            _close(a, b, f"{fam}: fast vs HF prefill log-probs under TP", atol=1e-5, rtol=1e-5)
 
     # checkpoint (DCP) + export under TP2 EP2
     dims = SMOKE["qwen3_moe"]

@@ -236,3 +236,49 @@ def test_draw_is_multinomial():
         got = _draw(probs.clone(), g2)
         assert torch.equal(got, want)
         assert bool((got >= 10).all())
+
+
+@pytest.mark.parametrize("family", list(SMOKE))
+@pytest.mark.parametrize("lens", [(2, 6, 4, 6), (5, 5, 5)])  # padded rows (causal + padding mask) / none
+def test_fast_prefill_matches_hf_prefill(family, lens):
+    """The hand-written prefill writes the K/V (and logits) of an HF forward + cache copy into the buffers."""
+    prompts = _prompts(6, lens=lens)
+    fast = RolloutEngine(SMOKE[family], device="cpu", prefill="fast")
+    ref = RolloutEngine(SMOKE[family], device="cpu", prefill="hf")
+    assert fast.prefill_path == "fast" and ref.prefill_path == "hf"
+    assert fast._fast.fast_prefill
+    ids, pmask = left_pad(prompts, 0)
+    pos = (pmask.cumsum(-1) - 1).clamp(min=0)
+    lf, _ = fast._prefill_fast(ids, pmask, pos, 4)
+    lr, _ = ref._prefill_fast(ids, pmask, pos, 4)
+    torch.testing.assert_close(lf, lr, atol=1e-5, rtol=1e-5)
+    bf, br = fast._fast.buffers, ref._fast.buffers
+    assert bf.length == br.length == ids.shape[1] and bf.capacity == br.capacity
+    real = pmask.bool()[:, None, :, None]  # padded positions' states are never attended to
+    n = ids.shape[1]
+    for kf, kr in zip(bf.keys + bf.values, br.keys + br.values):
+        # MLA values are stored zero-padded to the key width by the fast prefill
+        assert kf.shape[:3] == kr.shape[:3] and kf.shape[3] >= kr.shape[3]
+        dv = kr.shape[3]
+        torch.testing.assert_close(kf[:, :, :n, :dv] * real, kr[:, :, :n] * real, atol=1e-5, rtol=1e-5)
+        assert not kf[:, :, :n, dv:].any()
+    for kw in ({"temperature": 0}, {"temperature": 0.9, "top_k": 20, "seed": 4}):
+        for n_new in (1, 7):
+            a = fast.generate(prompts, max_new_tokens=n_new, **kw)
+            b = ref.generate(prompts, max_new_tokens=n_new, **kw)
+            for x, y in zip(a.responses, b.responses):
+                assert torch.equal(x, y), (kw, n_new, x, y)
+            for x, y in zip(a.log_probs, b.log_probs):
+                torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_path_fallbacks():
+    assert RolloutEngine(SMOKE["qwen2"], device="cpu").prefill_path == "fast"
+    layers = RolloutEngine(SMOKE["qwen2"], device="cpu", decode="layers")
+    assert layers.prefill_path == "hf" and not layers._fast.fast_prefill
+    with pytest.raises(RuntimeError, match="prefill"):
+        layers._fast.prefill(torch.ones(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.long),
+                             torch.arange(2)[None], capacity=3, steps=1)
+    assert RolloutEngine(SMOKE["qwen2"], device="cpu", decode="hf").prefill_path == "hf"
+    with pytest.raises(ValueError, match="prefill"):
+        RolloutEngine(SMOKE["qwen2"], device="cpu", prefill="nope")

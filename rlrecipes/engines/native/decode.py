@@ -17,8 +17,11 @@ drops the rest:
 The layers, attention modules and MoE blocks are HF's own (or the engine's TP/EP replacements:
 DTensor-parallel linears, ``EPExperts``), so the math -- Qwen3 ``q_norm``/``k_norm``, DeepSeek MLA
 latent expansion, routing -- and the TP/EP collectives are exactly those of ``model.forward``.
-Prefill stays a normal ``model.forward`` over a ``DynamicCache``, whose states are then copied
-into the buffers.
+Prefill (:meth:`FastDecoder.prefill`) runs the prompt through the same per-layer machinery with a
+causal (+ left-padding) mask, writing K/V straight into the buffers (no HF cache object, no copy);
+the last layer computes its query / MLP on the last position only. When a layer has no
+hand-written step (``mode="layers"``, other attention types), prefill falls back to a normal
+``model.forward`` over a ``DynamicCache``, whose states are then copied in (:meth:`FastDecoder.begin`).
 
 Supported: decoder stacks under ``model.model`` with ``embed_tokens``, ``layers``, ``norm``,
 ``rotary_emb`` and only full-attention layers. :func:`supports_fast_decode` says whether a model
@@ -77,6 +80,26 @@ class KVBuffers:
         for dst, src in zip(self.values, vs):
             dst[:, :, :n].copy_(src)
         self.length = n
+
+    def reserve(self, layer_idx: int, key_shape: tuple[int, ...], value_shape: tuple[int, ...], capacity: int,
+                like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer_idx``'s ``[B, H, capacity, D]`` buffers for these (B, H, *, D) shapes, kept if they fit.
+
+        The fast prefill's allocator: states are written straight into the returned tensors.
+        ``length`` is reset to 0 by :meth:`reset` (call once per prefill, before the layers).
+        """
+        k, v = self.keys[layer_idx], self.values[layer_idx]
+        kshape = (key_shape[0], key_shape[1], capacity, key_shape[3])
+        vshape = (value_shape[0], value_shape[1], capacity, value_shape[3])
+        if (k is None or tuple(k.shape) != kshape or k.dtype != like.dtype or k.device != like.device):
+            k = self.keys[layer_idx] = like.new_empty(kshape)  # [B, Hk, L, Dk]
+        if (v is None or tuple(v.shape) != vshape or v.dtype != like.dtype or v.device != like.device):
+            v = self.values[layer_idx] = like.new_zeros(vshape)  # [B, Hk, L, Dv] (zeros: padded columns)
+        return k, v
+
+    def reset(self, capacity: int) -> None:
+        self.length = 0
+        self.capacity = capacity
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         n = self.length
@@ -186,7 +209,7 @@ def _attention_kind(layer: nn.Module) -> str:
 class FastDecoder:
     """Runs 1-token decode steps of an HF causal LM on its own KV buffers (see module docstring).
 
-    One ``generate`` call: :meth:`begin` (after the HF prefill), then :meth:`step` per token.
+    One ``generate`` call: :meth:`prefill` (or :meth:`begin` after an HF prefill), then :meth:`step` per token.
 
     ``mode="fast"`` (default): hand-written attention decode steps for GQA attention (Qwen2,
     Qwen3/Qwen3-MoE) and DeepSeek MLA, calling the attention's own projection / norm modules
@@ -195,7 +218,8 @@ class FastDecoder:
     the layer's modules. MLA keeps *expanded* per-head K/V (``kv_b_proj`` is applied to the new
     position only, instead of re-expanding the whole latent cache every step as HF does): O(1)
     instead of O(length) work per step, for ``heads * (qk_head_dim + v_head_dim)`` instead of
-    ``kv_lora_rank + qk_rope_head_dim`` cache elements per position. Any other layer, or
+    ``kv_lora_rank + qk_rope_head_dim`` cache elements per position (after the fast prefill, V is
+    stored zero-padded to ``qk_head_dim`` so SDPA runs its fused kernel). Any other layer, or
     ``mode="layers"``, calls the HF decoder layer itself with :class:`KVBuffers` as its cache.
     """
 
@@ -219,34 +243,173 @@ class FastDecoder:
         self._plan: list[dict | None] = []
 
     # ------------------------------------------------------------------------------- setup
-    def begin(self, prefill_cache, *, capacity: int, first_pos: torch.Tensor, steps: int,
-              prompt_mask: torch.Tensor, like: torch.Tensor) -> None:
-        """Take over a prefilled ``DynamicCache``; precompute rotary and mask for ``steps`` decode steps.
+    @property
+    def fast_prefill(self) -> bool:
+        """Whether :meth:`prefill` applies: every layer has a hand-written (``gqa`` / ``mla``) step."""
+        return bool(self.kinds) and all(k in ("gqa", "mla") for k in self.kinds)
 
-        ``first_pos [B, 1]``: position id of the first decoded token; ``prompt_mask [B, P]`` (1 = real
-        token); ``like``: a tensor in the compute dtype/device (the prefill logits; rotary only reads those).
-        """
+    def _prepare(self) -> None:
+        """Per-call callables (rebuilt every ``generate``: weights may have been swapped / reloaded)."""
         self._plan = [self._layer_plan(kind, layer) for kind, layer in zip(self.kinds, self.layers)]
         self._embed, self._final_norm, self._head = (_fast_call(self.embed), _fast_call(self.norm),
                                                      _fast_call(self.lm_head))
-        if "mla" in self.kinds:
-            prefill_cache = self._expand_mla_prefill(prefill_cache)
-        self.buffers.load_prefill(prefill_cache, capacity)
-        B, P = prompt_mask.shape
-        pos = first_pos + torch.arange(max(steps, 1), device=first_pos.device)  # [B, S]
-        cos, sin = self.rotary(like, pos)  # [B, S, D] each, in like's dtype
+
+    def _set_rotary(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Store the decode steps' ``(cos, sin) [B, S, D]`` (rotary module layout) in the step layouts."""
         if self.rope_interleave:  # cos/sin are cat(freqs, freqs): keep the per-pair half
             cos, sin = cos[..., : cos.shape[-1] // 2], sin[..., : sin.shape[-1] // 2]
         self._cos, self._sin = cos[:, :, None], sin[:, :, None]  # [B, S, 1, D]: broadcast over heads
         half = sin.shape[-1] // 2
         # rotate_half(x) * sin == roll(x, half) * cat(-sin[:half], sin[half:]) exactly (sign flips are exact)
         self._sin_signed = torch.cat([-sin[..., :half], sin[..., half:]], -1)[:, :, None]  # [B, S, 1, D]
-        if bool(prompt_mask.all()):
+
+    def _set_decode_mask(self, prompt_mask: torch.Tensor, capacity: int, all_real: bool) -> None:
+        if all_real:
             self._mask = None
         else:
+            B, P = prompt_mask.shape
             keep = torch.ones((B, 1, 1, capacity), dtype=torch.bool, device=prompt_mask.device)  # [B, 1, 1, L]
             keep[:, 0, 0, :P] = prompt_mask.bool()
             self._mask = keep
+
+    def begin(self, prefill_cache, *, capacity: int, first_pos: torch.Tensor, steps: int,
+              prompt_mask: torch.Tensor, like: torch.Tensor) -> None:
+        """Take over a prefilled ``DynamicCache``; precompute rotary and mask for ``steps`` decode steps.
+
+        The fallback of :meth:`prefill` (after an HF ``model.forward`` prefill). ``first_pos [B, 1]``:
+        position id of the first decoded token; ``prompt_mask [B, P]`` (1 = real token); ``like``: a
+        tensor in the compute dtype/device (the prefill logits; rotary only reads those).
+        """
+        self._prepare()
+        if "mla" in self.kinds:
+            prefill_cache = self._expand_mla_prefill(prefill_cache)
+        self.buffers.load_prefill(prefill_cache, capacity)
+        pos = first_pos + torch.arange(max(steps, 1), device=first_pos.device)  # [B, S]
+        self._set_rotary(*self.rotary(like, pos))  # [B, S, D] each, in like's dtype
+        self._set_decode_mask(prompt_mask, capacity, bool(prompt_mask.all()))
+
+    @torch.no_grad()
+    def prefill(self, ids: torch.Tensor, prompt_mask: torch.Tensor, pos: torch.Tensor, *, capacity: int,
+                steps: int) -> torch.Tensor:
+        """Run the prompt through the layers, writing K/V straight into the buffers; next-token logits ``[B, V]``.
+
+        ``ids, prompt_mask, pos [B, P]`` (left-padded prompt, 1 = real token, position ids
+        ``cumsum(mask) - 1`` clamped at 0). Same per-layer machinery as :meth:`step`: the layers'
+        own q/k/v/o, norm, MLP / MoE modules; rope, the buffer write and causal (+ left-padding)
+        ``scaled_dot_product_attention`` by hand. Padded query rows also see themselves, so no
+        softmax row is empty (their outputs are never read). The last layer runs its query,
+        ``o_proj`` and MLP on the last position only (only that position's logits are returned).
+        Also sets up the rotary / mask of the ``steps`` decode steps that may follow.
+        Requires :attr:`fast_prefill`.
+        """
+        if not self.fast_prefill:
+            raise RuntimeError("prefill: some layers have no hand-written step; use model.forward + begin")
+        self._prepare()
+        B, P = ids.shape
+        dev = ids.device
+        all_real = bool(prompt_mask.all())
+        h = self._embed(ids)  # [B, P, H]
+        all_pos = torch.cat([pos, pos[:, -1:] + 1 + torch.arange(max(steps, 1), device=dev)], 1)  # [B, P + S]
+        cos, sin = self.rotary(h, all_pos)  # [B, P + S, D] each, in h's dtype
+        self._set_rotary(cos[:, P:], sin[:, P:])
+        self._set_decode_mask(prompt_mask, capacity, all_real)
+        if all_real:
+            mask = None  # plain causal
+        else:
+            ar = torch.arange(P, device=dev)
+            causal = ar[None, :] <= ar[:, None]  # [P(query), P(key)]
+            keep = prompt_mask.bool()[:, None, None, :] | torch.eye(P, dtype=torch.bool, device=dev)  # [B, 1, P, P]
+            mask = keep & causal
+        pcos, psin = cos[:, :P], sin[:, :P]  # [B, P, D]
+        if self.rope_interleave:
+            pcos, psin = pcos[..., : pcos.shape[-1] // 2], psin[..., : psin.shape[-1] // 2]
+        half = psin.shape[-1] // 2
+        psin_signed = torch.cat([-psin[..., :half], psin[..., half:]], -1)
+        buf = self.buffers
+        buf.reset(capacity)
+        last = len(self.layers) - 1
+        for i, (kind, layer, plan) in enumerate(zip(self.kinds, self.layers, self._plan)):
+            a = plan["in_norm"](h)
+            if kind == "gqa":
+                a = self._gqa_prefill(plan, a, i, capacity, pcos[:, :, None], psin_signed[:, :, None], mask,
+                                      last_only=i == last)
+            else:
+                a = self._mla_prefill(layer.self_attn, plan, a, i, capacity, pcos, psin, mask, last_only=i == last)
+            if i == last:
+                h = h[:, -1:]  # [B, 1, H]: only the last position's logits are needed
+            h = h + a
+            h = h + plan["mlp"](plan["post_norm"](h))
+        buf.advance(P)
+        return self._head(self._final_norm(h[:, -1:]))[:, -1]  # [B, V]
+
+    @staticmethod
+    def _causal_last(mask, last_only: bool):
+        """The attention mask of the query rows computed: all rows, or the last one (``[B, 1, 1, P]``)."""
+        if not last_only:
+            return mask, mask is None
+        return (None if mask is None else mask[:, :, -1:]), False  # the last row sees every real key
+
+    def _gqa_prefill(self, plan, x, li, capacity, cos, sin_signed, mask, last_only):
+        """Qwen-style attention over the prompt ``x [B, P, H]``; K/V go to the buffers' ``[:P]``."""
+        B, P = x.shape[:2]
+        D = plan["head_dim"]
+        xq = x[:, -1:] if last_only else x
+        q = plan["q"](xq).view(B, xq.shape[1], -1, D)  # [B, Pq, Hq, D]
+        k = plan["k"](x).view(B, P, -1, D)  # [B, P, Hk, D]
+        v = plan["v"](x).view(B, P, -1, D)  # [B, P, Hk, D]
+        if plan["q_norm"] is not None:
+            q, k = plan["q_norm"](q), plan["k_norm"](k)
+        Hq, Hk = q.shape[2], k.shape[2]
+        k = k * cos + k.roll(D // 2, -1) * sin_signed
+        if last_only:
+            q = q * cos[:, -1:] + q.roll(D // 2, -1) * sin_signed[:, -1:]
+        else:
+            q = q * cos + q.roll(D // 2, -1) * sin_signed
+        K, V = self.buffers.reserve(li, (B, Hk, P, D), (B, Hk, P, D), capacity, x)  # [B, Hk, L, D]
+        K[:, :, :P].copy_(k.transpose(1, 2))
+        V[:, :, :P].copy_(v.transpose(1, 2))
+        m, causal = self._causal_last(mask, last_only)
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), K[:, :, :P], V[:, :, :P], attn_mask=m,
+                                           is_causal=causal, scale=plan["scale"],
+                                           enable_gqa=Hq != Hk)  # [B, Hq, Pq, D]
+        return plan["o"](o.transpose(1, 2).reshape(B, -1, Hq * D))  # [B, Pq, H]
+
+    def _mla_prefill(self, attn, plan, x, li, capacity, cos, sin, mask, last_only):
+        """DeepSeek MLA over the prompt ``x [B, P, H]``, writing expanded per-head K/V to the buffers."""
+        B, P = x.shape[:2]
+        xq = x[:, -1:] if last_only else x
+        if attn.q_lora_rank is None:
+            q = plan["q_proj"](xq)
+        else:
+            q = plan["q_b_proj"](plan["q_a_layernorm"](plan["q_a_proj"](xq)))
+        q = q.view(B, xq.shape[1], -1, attn.qk_head_dim).transpose(1, 2)  # [B, H, Pq, qk]
+        q_pass, q_rot = torch.split(q, [attn.qk_nope_head_dim, attn.qk_rope_head_dim], dim=-1)
+        ckv = plan["kv_a_proj_with_mqa"](x)  # [B, P, r + rope]
+        kv_nope, k_rot = torch.split(ckv, [attn.kv_lora_rank, attn.qk_rope_head_dim], dim=-1)
+        kv_nope = plan["kv_a_layernorm"](kv_nope).view(B, 1, P, attn.kv_lora_rank)  # [B, 1, P, r]
+        k_rot = k_rot.view(B, 1, P, attn.qk_rope_head_dim)  # [B, 1, P, rope]
+        c, s = cos[:, None], sin[:, None]  # [B, 1, P, D or D/2]
+        cq, sq = (c[:, :, -1:], s[:, :, -1:]) if last_only else (c, s)
+        if self.rope_interleave:
+            q1, q2 = q_rot[..., 0::2], q_rot[..., 1::2]
+            k1, k2 = k_rot[..., 0::2], k_rot[..., 1::2]
+            q_rot = torch.cat([q1 * cq - q2 * sq, q2 * cq + q1 * sq], dim=-1)
+            k_rot = torch.cat([k1 * c - k2 * s, k2 * c + k1 * s], dim=-1)
+        else:
+            q_rot = q_rot * cq + _rotate_half(q_rot) * sq
+            k_rot = k_rot * c + _rotate_half(k_rot) * s
+        query = torch.cat((q_pass, q_rot), dim=-1)  # [B, H, Pq, qk]
+        key, value = attn.expand_kv(kv_nope, k_rot)  # [B, H, P, qk], [B, H, P, v]
+        dv = value.shape[-1]
+        # V is stored zero-padded to the key width: SDPA then takes its fused (flash) CPU kernel
+        # instead of the math fallback for qk != v head dims; the extra output columns are dropped
+        K, V = self.buffers.reserve(li, tuple(key.shape), tuple(key.shape), capacity, key)
+        K[:, :, :P].copy_(key)
+        V[:, :, :P, :dv].copy_(value)
+        m, causal = self._causal_last(mask, last_only)
+        o = F.scaled_dot_product_attention(query, key, V[:, :, :P], attn_mask=m, is_causal=causal,
+                                           scale=attn.scaling)[..., :dv]  # [B, H, Pq, v]
+        return plan["o"](o.transpose(1, 2).reshape(B, query.shape[2], -1))  # [B, Pq, H]
 
     @staticmethod
     def _layer_plan(kind: str, layer: nn.Module) -> dict | None:
@@ -367,10 +530,11 @@ class FastDecoder:
         query = torch.cat((q_pass, q_rot), dim=-1)  # [B, H, 1, qk]
         key, value = attn.expand_kv(kv_nope, k_rot)  # [B, H, 1, qk], [B, H, 1, v]
         K, V = self.buffers.keys[li], self.buffers.values[li]
+        dv = value.shape[-1]  # V may be zero-padded to the key width (fast prefill): drop those columns
         K[:, :, n:n + 1].copy_(key)
-        V[:, :, n:n + 1].copy_(value)
+        V[:, :, n:n + 1, :dv].copy_(value)
         o = F.scaled_dot_product_attention(query, K[:, :, :n + 1], V[:, :, :n + 1], attn_mask=mask,
-                                           scale=attn.scaling)  # [B, H, 1, v]
+                                           scale=attn.scaling)[..., :dv]  # [B, H, 1, v]
         return plan["o"](o.transpose(1, 2).reshape(B, 1, -1))  # [B, 1, H]
 
     def release(self) -> None:

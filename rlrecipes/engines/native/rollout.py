@@ -1,7 +1,8 @@
 """Native rollout engine: a lean batched sampler over an HF model with a pre-allocated KV cache.
 
-The loop is one HF ``model.forward`` prefill, then one 1-token decode step per generated token,
-plus the sampling arithmetic; none of ``generate()``'s logits processors, stopping criteria or
+The loop is one prefill over the prompt (``prefill=``: the fast decoder's own layer loop writing
+straight into its K/V buffers, or HF ``model.forward``), then one 1-token decode step per generated
+token, plus the sampling arithmetic; none of ``generate()``'s logits processors, stopping criteria or
 per-step input preparation. Decode steps (``decode=``):
 
 * ``"fast"`` (default): :class:`~rlrecipes.engines.native.decode.FastDecoder` -- hand-written
@@ -123,6 +124,11 @@ class RolloutEngine:
         decode: ``"fast"`` (default), ``"layers"`` or ``"hf"``; see the module docstring.
             ``self.decode_path`` says which one runs (models without ``model.model.layers`` /
             ``rotary_emb`` or with sliding-window layers always run ``"hf"``).
+        prefill: ``"fast"`` (default): :meth:`FastDecoder.prefill` -- the prompt goes through the same
+            hand-written attention (causal + left-padding mask) as the fast decode steps, writing
+            K/V straight into the engine's buffers; ``"hf"``: ``model.forward`` on a DynamicCache
+            copied into the buffers. ``self.prefill_path`` says which one runs (``"hf"`` whenever
+            the decode path is not ``"fast"`` or a layer has no hand-written step).
 
     Weights arrive from the resharder through :meth:`load_shards` in the ROLLOUT layout
     (docs/conventions.md slices for this rank); :meth:`shard_shapes` says what each rank expects.
@@ -130,11 +136,14 @@ class RolloutEngine:
 
     def __init__(self, model: ModelSource, *, layout: tuple[int, int] = (1, 1),
                  device: torch.device | str | None = None, seed: int = 0, dtype: str | torch.dtype = "auto",
-                 cache: str = "static", attn_implementation: str = "sdpa", decode: str = "fast"):
+                 cache: str = "static", attn_implementation: str = "sdpa", decode: str = "fast",
+                 prefill: str = "fast"):
         if cache not in ("static", "dynamic"):
             raise ValueError(f"cache={cache!r}: expected 'static' or 'dynamic'")
         if decode not in ("fast", "layers", "hf"):
             raise ValueError(f"decode={decode!r}: expected 'fast', 'layers' or 'hf'")
+        if prefill not in ("fast", "hf"):
+            raise ValueError(f"prefill={prefill!r}: expected 'fast' or 'hf'")
         layout = tuple(layout)
         tp, ep = int(layout[0]), int(layout[1]) if len(layout) > 1 else 1
         self.device = resolve_device(device)
@@ -159,6 +168,8 @@ class RolloutEngine:
         self._fast = (FastDecoder(self.model, mode=decode)
                       if decode != "hf" and supports_fast_decode(self.model) else None)
         self.decode_path = decode if self._fast is not None else "hf"
+        self.prefill_path = ("fast" if prefill == "fast" and self._fast is not None and self._fast.fast_prefill
+                             else "hf")
 
     def _group_seed(self, seed: int) -> int:
         return int(seed) + 1_000_003 * self.mesh.dp_rank
@@ -225,9 +236,18 @@ class RolloutEngine:
         return self._cache
 
     def _prefill_fast(self, ids, pmask, pos, max_new_tokens):
-        """HF forward over the prompt into a DynamicCache, then :class:`FastDecoder` steps."""
+        """:class:`FastDecoder` prefill (K/V written straight into its buffers) and decode steps.
+
+        Falls back to an HF forward over the prompt into a ``DynamicCache``, copied into the
+        buffers, when the fast prefill does not apply (``prefill="hf"``, ``decode="layers"``,
+        layers without a hand-written step).
+        """
         from transformers import DynamicCache
 
+        if self.prefill_path == "fast":
+            logits = self._fast.prefill(ids, pmask, pos, capacity=ids.shape[1] + max_new_tokens,
+                                        steps=max_new_tokens)  # [B, V]
+            return logits, (self._fast.step if max_new_tokens > 1 else None)
         cache = DynamicCache(config=self.config)
         logits = self.model(input_ids=ids, attention_mask=pmask, position_ids=pos, past_key_values=cache,
                             use_cache=True, logits_to_keep=1).logits[:, -1]  # [B, V]
