@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from rlrecipes import device as rdevice
+from rlrecipes.core.swap import SwappedStorages
 from rlrecipes.models.sharding import ParamSpec, param_specs, split_layers, stage_of
 
 STRATEGIES = ("allgather_naive", "allgather_swap", "alltoallv_experts", "tp_allgather_pp_alltoall")
@@ -394,15 +394,16 @@ def _groups_for(train: Layout, group) -> dict[str, dict[int, Any]]:
 # =============================================================================================
 # host swap
 class HostSwap:
-    """Copies tensors' storages to host buffers and releases the device storage (``resize_(0)``).
+    """Swap training params (and optionally grads and optimizer state) to host and back.
 
-    Storages shared by several tensors are swapped once. On accelerators the host buffers are
-    pinned; on CPU host and "device" are the same RAM, but the storage is still really released
+    Collects the tensors, then delegates to :class:`rlrecipes.core.swap.SwappedStorages` (the same
+    storage-level swap the native engines use): on accelerators the host buffers are pinned; on CPU
+    host and "device" are the same RAM, but the storage is still really released
     (``untyped_storage().nbytes() == 0``) and restored bit-exactly.
     """
 
     def __init__(self):
-        self._entries: list[tuple[torch.UntypedStorage, torch.Tensor, int]] = []
+        self._swapped: SwappedStorages | None = None
 
     @staticmethod
     def _collect(params, grads: bool, optimizer) -> list[torch.Tensor]:
@@ -422,45 +423,28 @@ class HostSwap:
 
     def swap_out(self, params, grads: bool = False, optimizer=None) -> int:
         """Move to host and release; returns the bytes released."""
-        if self._entries:
+        if self._swapped is not None:
             raise RuntimeError("swap_out called twice without swap_in")
-        seen: set[int] = set()
-        released = 0
-        for t in self._collect(params, grads, optimizer):
-            st = t.untyped_storage()
-            if st.nbytes() == 0 or st.data_ptr() in seen:
-                continue
-            seen.add(st.data_ptr())
-            dev = t.device
-            view = torch.empty(0, dtype=torch.uint8, device=dev).set_(st)  # [nbytes] bytes of the storage
-            host = torch.empty(st.nbytes(), dtype=torch.uint8, pin_memory=rdevice.pin_memory_ok(dev))
-            host.copy_(view, non_blocking=False)
-            del view
-            n = st.nbytes()
-            st.resize_(0)
-            self._entries.append((st, host, n))
-            released += n
-        return released
+        tensors = self._collect(params, grads, optimizer)
+        device = next((t.device for t in tensors), torch.device("cpu"))
+        swapped = SwappedStorages(tensors, device)
+        self._swapped = swapped if swapped.saved else None
+        return swapped.nbytes
 
     @property
     def swapped(self) -> bool:
-        return bool(self._entries)
+        return self._swapped is not None
 
     def device_nbytes(self) -> int:
         """Bytes the swapped storages occupy on the device now (0 after swap_out)."""
-        return sum(st.nbytes() for st, _, _ in self._entries)
+        return self._swapped.device_nbytes() if self._swapped is not None else 0
 
     def swap_in(self) -> int:
         """Restore every swapped storage in place (same tensors, same values); returns bytes restored."""
-        n_total = 0
-        for st, host, n in self._entries:
-            st.resize_(n)
-            dev = st.device
-            view = torch.empty(0, dtype=torch.uint8, device=dev).set_(st)
-            view.copy_(host, non_blocking=False)
-            n_total += n
-        self._entries.clear()
-        return n_total
+        if self._swapped is None:
+            return 0
+        n, self._swapped = self._swapped.restore(), None
+        return n
 
 
 # =============================================================================================

@@ -42,7 +42,7 @@ from rlrecipes import device as devmod
 from rlrecipes.engines.native import parallel as par
 from rlrecipes.engines.native.decode import FastDecoder, supports_fast_decode
 from rlrecipes.engines.native.loader import ModelSource, build_model
-from rlrecipes.engines.native.memory import SwappedStorages
+from rlrecipes.core.swap import SwappedStorages
 from rlrecipes.engines.native.train import _resolve_dtype, resolve_device
 
 

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from rlrecipes import device as devmod
 from rlrecipes.engines.native import parallel as par
-from rlrecipes.engines.native.memory import SwappedStorages
+from rlrecipes.core.swap import SwappedStorages
 from rlrecipes.engines.native.loader import ModelSource, build_model, save_hf_folder, source_folder
 
 LossFn = Callable[[torch.Tensor, "torch.Tensor | None", Mapping[str, Any]], "tuple[torch.Tensor, dict]"]
@@ -313,7 +313,7 @@ class TrainEngine:
     def offload(self, *, force: bool = False) -> None:
         """Move params, grads and optimizer state to host memory, freeing device memory.
 
-        Storage level (:class:`memory.SwappedStorages`): every view (FSDP2 shards, DTensor locals,
+        Storage level (:class:`rlrecipes.core.swap.SwappedStorages`): every view (FSDP2 shards, DTensor locals,
         optimizer references) stays valid and ``onload()`` restores it in place. On CPU this is a
         no-op (host is the device) unless ``force=True`` (tests use it to exercise the path).
         """

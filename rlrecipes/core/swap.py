@@ -3,7 +3,10 @@
 Each tensor's *storage* is copied into a host byte buffer (pinned on accelerators) and resized
 to 0 bytes; ``restore`` resizes it back and copies the bytes in. Every view of the storage (FSDP2
 shards, DTensor locals, optimizer references, KV-cache tensors) stays valid, so nothing has to be
-re-registered after a swap.
+re-registered after a swap. Storages shared by several tensors are swapped once.
+
+Used by the resharder (training state out of the way of the KV cache) and by the native engines
+(``TrainEngine.offload``, ``RolloutEngine.sleep``).
 """
 from __future__ import annotations
 
@@ -47,14 +50,22 @@ class SwappedStorages:
 
     @property
     def nbytes(self) -> int:
+        """Bytes held on host (what was released on the device)."""
         return sum(h.numel() for _, h in self.saved)
 
-    def restore(self) -> None:
+    def device_nbytes(self) -> int:
+        """Bytes the swapped storages occupy on the device now (0 until ``restore``)."""
+        return sum(st.nbytes() for st, _ in self.saved)
+
+    def restore(self) -> int:
+        """Resize every storage back and copy its bytes in; returns the bytes restored."""
+        n = self.nbytes
         for st, host in self.saved:
             st.resize_(host.numel())
             _bytes(st, st.device).copy_(host)
         self.saved = []
         devmod.synchronize(self.device)
+        return n
 
 
 def _bytes(st: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
