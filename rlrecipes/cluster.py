@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from . import device as dev
 
 
 class ClusterError(RuntimeError):
@@ -114,6 +113,3 @@ def placement_group(world: int, resource: str, cpus_per_worker: float = 1.0, tim
                            f"cluster has {cluster_resources(resource).describe()}")
     return pg
 
-
-def device_resource(device_type: str) -> str:
-    return dev.ray_resource(device_type)

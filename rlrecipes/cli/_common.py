@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import functools
-import sys
 from typing import Callable
 
 import typer
@@ -46,6 +45,3 @@ def user_errors(fn: Callable) -> Callable:
 def die(message: str, code: int = 2) -> None:
     raise CLIError(message, code)
 
-
-def is_tty() -> bool:
-    return sys.stdout.isatty()

@@ -10,7 +10,7 @@ import typer
 from ._common import console, die, user_errors
 
 
-def launch_commands(recipe_dir: Path, name: str, nodes: int, extra: list[str]) -> list[str]:
+def launch_commands(recipe_dir: Path, nodes: int, extra: list[str]) -> list[str]:
     launch = recipe_dir / "launch.sh"
     args = " ".join(shlex.quote(a) for a in extra)
     cmds = []
@@ -43,7 +43,8 @@ def register(app: typer.Typer) -> None:
             keep_batch: bool = typer.Option(False, "--keep-batch", help="Keep the global batch when scaling nodes."),
             address: Optional[str] = typer.Option(None, "--address", help="Ray address (default: RAY_ADDRESS or auto)."),
             quiet: bool = typer.Option(False, "--quiet", "-q", help="No live progress; one line per step.")) -> None:
-        from ..cluster import ClusterError, check_resources, cluster_resources, connect, device_resource, start_hint
+        from ..cluster import ClusterError, check_resources, cluster_resources, connect, start_hint
+        from ..device import ray_resource
         from ..plan import PlanError, build_plan, format_violations
         from ..recipe import find_recipe, load_recipe
         from .plan import render_plan
@@ -63,7 +64,7 @@ def register(app: typer.Typer) -> None:
             render_plan(plan)
             extra = ["--smoke"] if smoke else []
             console.print("\n[bold]launch commands[/] (run on every node; the head starts the recipe):")
-            for line in launch_commands(find_recipe(recipe), r.name, plan.nodes, extra + ovr):
+            for line in launch_commands(find_recipe(recipe), plan.nodes, extra + ovr):
                 console.print(f"  {line}", highlight=False, soft_wrap=True)
             return
         if smoke:
@@ -71,16 +72,11 @@ def register(app: typer.Typer) -> None:
 
             run_recipe(r, plan, out=out, resume=resume, quiet=quiet)
             return
-        dtype = r.resources.device
-        if dtype == "auto":
-            from .. import device as dev
-
-            dtype = dev.detect()
         try:
             connect(address)
         except ClusterError as e:
             raise ClusterError(f"{e}\n{start_hint(plan.nodes, find_recipe(recipe))}") from None
-        found = cluster_resources(device_resource(dtype))
+        found = cluster_resources(ray_resource(r.resources.device))
         check_resources(found, plan.nodes, plan.devices_per_node, find_recipe(recipe))
         from ..workflow.driver import run_recipe
 

@@ -10,7 +10,7 @@ are derived from the HF parameter names in :mod:`rlrecipes.models.sharding`.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 FAMILIES = ("qwen2", "qwen3_moe", "deepseek_v3")
@@ -233,4 +233,4 @@ def dims_from_hf_config(cfg) -> ModelDims:
 
 
 __all__ = ["FAMILIES", "HF_ARCHITECTURE", "ModelDims", "PRESETS", "SMOKE", "dims_from_hf_config",
-           "hf_config", "smoke_dims", "field"]
+           "hf_config", "smoke_dims"]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
+import re
 import statistics
 import time
 from pathlib import Path
@@ -91,7 +92,8 @@ def run_recipe(recipe: Recipe, plan, out: Optional[Path] = None, resume: Optiona
                quiet: bool = False, cluster: str = "embedded") -> Path:
     import ray
 
-    from ..cluster import check_resources, cluster_resources, connect, device_resource, placement_group
+    from .. import device as dev
+    from ..cluster import check_resources, cluster_resources, connect, placement_group
     from ..core.dock import TransferDock
 
     smoke = recipe.model.smoke is not None
@@ -123,12 +125,8 @@ def run_recipe(recipe: Recipe, plan, out: Optional[Path] = None, resume: Optiona
         build_smoke_tokenizer(run_dir / "tokenizer")
 
     world = plan.world
-    dtype = recipe.resources.device
-    if dtype == "auto":
-        from .. import device as dev
-
-        dtype = dev.detect()
-    resource = device_resource(dtype)
+    dtype = dev.resolve(recipe.resources.device)
+    resource = dev.ray_resource(dtype)
     cpw = recipe.resources.cpus_per_worker
     started_here = False
     if cluster == "embedded":
@@ -163,8 +161,7 @@ def run_recipe(recipe: Recipe, plan, out: Optional[Path] = None, resume: Optiona
         (run_dir / "workers.json").write_text(json.dumps({"pids": pids}))
         addr = ray.get(workers[0].node_ip.remote())
         port = ray.get(workers[0].open_store.remote())
-        info = _wait(workers, [w.setup.remote(addr, port, str(ckpt) if ckpt else None) for w in workers],
-                     progress, "setup")
+        info = _wait([w.setup.remote(addr, port, str(ckpt) if ckpt else None) for w in workers], progress, "setup")
         start = info[0]["start_step"]
         total = recipe.trainer.steps
         if start >= total:
@@ -178,7 +175,7 @@ def run_recipe(recipe: Recipe, plan, out: Optional[Path] = None, resume: Optiona
             console.print(f"data: {d['prompts']} prompts ({d['dropped_too_long']} dropped as longer than "
                           f"data.max_prompt_length, {d['skipped_malformed']} malformed rows skipped)")
         futures = [w.run.remote(start, total) for w in workers]
-        rows = _watch(recipe, workers, futures, progress, writer, quiet, start, total, t0)
+        rows = _watch(recipe, futures, progress, writer, quiet, start, total, t0)
     except KeyboardInterrupt:
         err_console.print("[yellow]interrupted: stopping workers[/]")
         raise
@@ -201,7 +198,10 @@ def run_recipe(recipe: Recipe, plan, out: Optional[Path] = None, resume: Optiona
     return run_dir
 
 
-def _wait(workers, futures, progress, phase: str, poll_s: float = 0.5) -> list:
+def _wait(futures, progress, phase: str, tick=None, poll_s: float = 0.5) -> list:
+    """Wait for every worker's call; ``tick()`` runs after each poll (and once more on a failure).
+
+    The first failure stops the run with the root cause (see :func:`_root_cause`)."""
     import ray
 
     pending = list(futures)
@@ -211,11 +211,15 @@ def _wait(workers, futures, progress, phase: str, poll_s: float = 0.5) -> list:
             try:
                 ray.get(f)
             except Exception as e:  # a worker raised or died: stop everything now
-                raise CLIError(_root_cause(workers, futures, f, e, progress, phase), code=1) from None
+                if tick is not None:
+                    tick()
+                raise CLIError(_root_cause(futures, f, e, progress, phase), code=1) from None
+        if tick is not None:
+            tick()
     return ray.get(futures)
 
 
-def _root_cause(workers, futures, f, e, progress, phase, grace_s: float = 3.0) -> str:
+def _root_cause(futures, f, e, progress, phase, grace_s: float = 3.0) -> str:
     """The first failure seen is often a survivor's broken collective; a dead worker is the cause.
 
     Waits up to ``grace_s`` for the other workers' outcomes and reports a dead worker first.
@@ -234,23 +238,20 @@ def _root_cause(workers, futures, f, e, progress, phase, grace_s: float = 3.0) -
     died = [(d, x) for d, x in failures if isinstance(x, (ray.exceptions.ActorDiedError, ray.exceptions.RayActorError))
             and not isinstance(x, ray.exceptions.RayTaskError)]
     f, e = died[0] if died else failures[0]
-    msg = _worker_error(workers, futures, f, e, progress, phase)
+    msg = _worker_error(futures.index(f), e, progress, phase)
     if len(failures) > 1:
         msg += f" ({len(failures) - 1} other worker(s) stopped as a consequence)"
     return msg
 
 
-def _worker_error(workers, futures, f, e, progress, phase) -> str:
+def _worker_error(rank: int, e: Exception, progress, phase: str) -> str:
     import ray
 
-    rank = futures.index(f)
     try:
         step, stage, _ = ray.get(progress.poll.remote(0), timeout=5)
     except Exception:
         step, stage = -1, phase
     text = str(e)
-    import re
-
     found = re.findall(r"worker rank \d+ failed in stage '[^']*'.*", text)
     if found:
         return found[-1].strip()
@@ -260,47 +261,33 @@ def _worker_error(workers, futures, f, e, progress, phase) -> str:
     return f"worker rank {rank} failed in {phase}, stage {stage!r} of step {step}: {text.splitlines()[-1] if text else e!r}"
 
 
-def _watch(recipe, workers, futures, progress, writer, quiet, start, total, t0) -> list:
+def _watch(recipe, futures, progress, writer, quiet, start, total, t0) -> list:
+    """Collect rank 0's metrics rows into metrics.jsonl while the workers run; render progress."""
     import ray
 
     rows: list = []
-    seen = 0
-    pending = list(futures)
+    live = None
 
-    def drain() -> tuple[int, str]:
-        nonlocal seen
-        step, stage, new = ray.get(progress.poll.remote(seen))
-        seen += len(new)
+    def tick() -> None:
+        step, stage, new = ray.get(progress.poll.remote(len(rows)))
         for row in new:
             writer.write(row)
             rows.append(row)
             if quiet:
                 console.print(json.dumps({k: v for k, v in row.items() if not k.startswith("timing_s/")}),
                               highlight=False, soft_wrap=True)
-        return step, stage
-
-    def loop(live=None):
-        nonlocal pending
-        while pending:
-            done, pending = ray.wait(pending, num_returns=len(pending), timeout=0.5)
-            for f in done:
-                try:
-                    ray.get(f)
-                except Exception as e:
-                    drain()
-                    raise CLIError(_root_cause(workers, futures, f, e, progress, "run"), code=1) from None
-            step, stage = drain()
-            if live is not None:
-                live.update(_view(recipe, step, stage, rows, total, t0))
-        drain()
+        if live is not None:
+            live.update(_view(recipe, step, stage, rows, total, t0))
 
     if quiet or not console.is_terminal:
         if not quiet:
             console.print(f"training steps {start}..{total - 1}")
-        loop()
+        _wait(futures, progress, "run", tick)
     else:
         with Live(_view(recipe, start - 1, "starting", rows, total, t0), console=console, refresh_per_second=4) as live:
-            loop(live)
+            _wait(futures, progress, "run", tick)
+        live = None
+    tick()  # rows rank 0 sent just before returning
     return rows
 
 

@@ -152,9 +152,6 @@ class Worker:
         self.rdp = self.world // ro.tp
         self.a_dp_rank, self.a_tp_rank = self.rank // self.atp, self.rank % self.atp
         self.r_dp_rank, self.r_tp_rank = self.rank // self.rtp, self.rank % self.rtp
-        if r.actor.engine != "native" or r.rollout.engine != "native":
-            raise RuntimeError(f"engines actor={r.actor.engine}, rollout={r.rollout.engine}: this build runs the "
-                               "native engines; megatron/vllm need the ascend or cuda extra and an accelerator")
 
         # ---- engines
         from ..engines.native.rollout import RolloutEngine
@@ -394,7 +391,7 @@ class Worker:
 
         r, alg = self.recipe, self.recipe.algorithm
         data = self._train_rows("critic_update", ["prompt_ids", "response_ids", "returns"], ["values"])
-        micro, g_tokens, g_seqs = self._micro_batches(data, ["values"], per_token=("returns",))
+        micro, g_tokens, g_seqs, _ = self._micro_batches(data, ["values"], per_token=("returns",))
         if not micro:
             return {}
         agg = dict(global_tokens=g_tokens, global_seqs=g_seqs, norm_len=r.rollout.sampling.max_new_tokens,
@@ -412,7 +409,8 @@ class Worker:
         return out
 
     def _micro_batches(self, data: dict, cached: list[str], per_token: tuple[str, ...] = ()):
-        """Micro-batches of this rank's rows (same count on every rank) and the global normalisers."""
+        """Micro-batches of this rank's rows (same count on every rank) and the global counts:
+        ``(micro_batches, response tokens, sequences, prompt tokens)`` over all DP ranks."""
         rows = data["rows"]
         lead = self.a_tp_rank == 0
         mine = torch.tensor([sum(int(x.numel()) for x in data.get("response_ids", [])) if lead else 0,
@@ -443,11 +441,10 @@ class Worker:
                 for c in ["advantages"] + list(cached) + list(per_token):
                     mb[c] = torch.zeros(1, 1)
             micro.append(mb)
-        self._g_prompt_tokens = float(mine[2])
-        return micro, float(mine[0]), float(mine[1])
+        return micro, float(mine[0]), float(mine[1]), float(mine[2])
 
     def _stage_update(self) -> dict:
-        from ..algos import aggregate_loss, kl_penalty, ppo_clip_policy_loss
+        from ..algos import entropy_bonus, kl_loss, ppo_clip_policy_loss
 
         r, alg = self.recipe, self.recipe.algorithm
         cached = (["ref_log_probs"] if self.use_ref else []) + ([] if self.skip_old else ["old_log_probs"])
@@ -466,14 +463,13 @@ class Worker:
                 metrics = {"actor/pg_loss": float(loss.detach()), "actor/clipfrac": float(m["clipfrac"]),
                            "actor/ppo_kl": float(m["ppo_kl"])}
                 if self.use_ref:
-                    kl_mat = kl_penalty(logp, mb["ref_log_probs"].to(logp.device), alg.kl_estimator)  # [b, R]
-                    kl = aggregate_loss(kl_mat, mask, alg.loss_agg_mode, **agg)
+                    kl = kl_loss(logp, mb["ref_log_probs"].to(logp.device), mask, alg.kl_estimator,
+                                 alg.loss_agg_mode, **agg)
                     if alg.use_kl_loss:
                         loss = loss + kl_coef * kl
                     metrics["actor/kl"] = float(kl.detach()) / max(self.adp, 1)
                 if alg.entropy_coef and entropy is not None:
-                    ent = aggregate_loss(entropy, mask, alg.loss_agg_mode, **agg)
-                    loss = loss - alg.entropy_coef * ent
+                    loss = loss - alg.entropy_coef * entropy_bonus(entropy, mask, alg.loss_agg_mode, **agg)
                 return loss, metrics
             return loss_fn
 
@@ -487,9 +483,9 @@ class Worker:
         totals = [0.0, 0.0, 0.0]
         for epoch in range(alg.ppo_epochs):
             for idx in chunks:
-                micro, g_tokens, g_seqs = self._micro_batches(self._subset(data, idx), cached)
+                micro, g_tokens, g_seqs, g_prompt = self._micro_batches(self._subset(data, idx), cached)
                 if epoch == 0:
-                    totals = [totals[0] + g_tokens, totals[1] + g_seqs, totals[2] + self._g_prompt_tokens]
+                    totals = [totals[0] + g_tokens, totals[1] + g_seqs, totals[2] + g_prompt]
                 if not micro:
                     continue
                 agg = dict(global_tokens=g_tokens, global_seqs=g_seqs, norm_len=R, dp_size=self.adp)
@@ -525,13 +521,11 @@ class Worker:
         return out
 
     def _reshard(self) -> None:
-        t0 = time.perf_counter()
         self.actor.onload()
         for bucket in self.resharder.reshard(self.actor.local_shards()):
             self.rollout.load_shards(bucket)
         if self.recipe.resharding.swap_optimizer or self.recipe.resharding.swap_grads:
             self.actor.offload()  # no-op on CPU; on accelerators frees the device for the KV cache
-        self._last_reshard_s = time.perf_counter() - t0
 
     # ------------------------------------------------------------------ the controller loop
     def run(self, start_step: int, end_step: int) -> dict:
