@@ -31,6 +31,7 @@ default; what micro-batched training wants) or Karmarkar-Karp differencing (``eq
 """
 from __future__ import annotations
 
+import abc
 import asyncio
 import heapq
 import itertools
@@ -637,42 +638,51 @@ class Batch:
         return (ar[None, :] >= n - lens[:, None]) if left else (ar[None, :] < lens[:, None])
 
 
-class DockClient:
+class DockClient(abc.ABC):
     """The API every backend implements. See the module docstring for the semantics."""
 
+    @abc.abstractmethod
     def reset(self, step: int) -> None:
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def add_groups(self, n_groups: int, group_size: int) -> list[int]:
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def put(self, columns: dict[str, torch.Tensor | list[torch.Tensor]], rows: Sequence[int], *,
             rank: int | None = None) -> None:
         """Store ``columns`` for ``rows`` and mark them ready. ``rank`` (the writer's worker rank) is
         accepted for symmetry with :meth:`mark_cached` but not used: stored data goes to the row's
         warehouse whoever writes it."""
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def get(self, consumer: str, columns: Sequence[str], count: int | None = None, *, dp_rank: int = 0,
             dp_size: int = 1, whole_groups: bool = False, timeout: float = DEFAULT_TIMEOUT_S,
             copy: bool = False) -> Batch:
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def mark_cached(self, columns: dict[str, Sequence[int] | None] | Sequence[str], rows: Sequence[int],
                     rank: int) -> None:
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def cached_on(self, column: str, rows: Sequence[int]) -> list[int | None]:
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def all_consumed(self, consumer: str) -> bool:
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def drop_rows(self, rows: Sequence[int]) -> None:
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def stats(self) -> dict:
-        raise NotImplementedError
+        ...
 
     def shutdown(self) -> None:
         pass
