@@ -374,6 +374,13 @@ class FastDecoder:
                                            enable_gqa=Hq != Hk)  # [B, Hq, Pq, D]
         return plan["o"](o.transpose(1, 2).reshape(B, -1, Hq * D))  # [B, Pq, H]
 
+    def _mla_rope(self, x: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        """DeepSeek's rotary on the rope part ``x [..., rope]`` (interleaved pairs or rotate-half)."""
+        if self.rope_interleave:
+            x1, x2 = x[..., 0::2], x[..., 1::2]
+            return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+        return x * c + _rotate_half(x) * s
+
     def _mla_prefill(self, attn, plan, x, li, capacity, cos, sin, mask, last_only):
         """DeepSeek MLA over the prompt ``x [B, P, H]``, writing expanded per-head K/V to the buffers."""
         B, P = x.shape[:2]
@@ -390,14 +397,7 @@ class FastDecoder:
         k_rot = k_rot.view(B, 1, P, attn.qk_rope_head_dim)  # [B, 1, P, rope]
         c, s = cos[:, None], sin[:, None]  # [B, 1, P, D or D/2]
         cq, sq = (c[:, :, -1:], s[:, :, -1:]) if last_only else (c, s)
-        if self.rope_interleave:
-            q1, q2 = q_rot[..., 0::2], q_rot[..., 1::2]
-            k1, k2 = k_rot[..., 0::2], k_rot[..., 1::2]
-            q_rot = torch.cat([q1 * cq - q2 * sq, q2 * cq + q1 * sq], dim=-1)
-            k_rot = torch.cat([k1 * c - k2 * s, k2 * c + k1 * s], dim=-1)
-        else:
-            q_rot = q_rot * cq + _rotate_half(q_rot) * sq
-            k_rot = k_rot * c + _rotate_half(k_rot) * s
+        q_rot, k_rot = self._mla_rope(q_rot, cq, sq), self._mla_rope(k_rot, c, s)
         query = torch.cat((q_pass, q_rot), dim=-1)  # [B, H, Pq, qk]
         key, value = attn.expand_kv(kv_nope, k_rot)  # [B, H, P, qk], [B, H, P, v]
         dv = value.shape[-1]
@@ -519,14 +519,7 @@ class FastDecoder:
         kv_nope = plan["kv_a_layernorm"](kv_nope).view(B, 1, 1, attn.kv_lora_rank)  # [B, 1, 1, r]
         k_rot = k_rot.view(B, 1, 1, attn.qk_rope_head_dim)  # [B, 1, 1, rope]
         c, s = cos[:, None], sin[:, None]  # [B, 1, 1, D or D/2]
-        if self.rope_interleave:
-            q1, q2 = q_rot[..., 0::2], q_rot[..., 1::2]
-            k1, k2 = k_rot[..., 0::2], k_rot[..., 1::2]
-            q_rot = torch.cat([q1 * c - q2 * s, q2 * c + q1 * s], dim=-1)
-            k_rot = torch.cat([k1 * c - k2 * s, k2 * c + k1 * s], dim=-1)
-        else:
-            q_rot = q_rot * c + _rotate_half(q_rot) * s
-            k_rot = k_rot * c + _rotate_half(k_rot) * s
+        q_rot, k_rot = self._mla_rope(q_rot, c, s), self._mla_rope(k_rot, c, s)
         query = torch.cat((q_pass, q_rot), dim=-1)  # [B, H, 1, qk]
         key, value = attn.expand_kv(kv_nope, k_rot)  # [B, H, 1, qk], [B, H, 1, v]
         K, V = self.buffers.keys[li], self.buffers.values[li]
