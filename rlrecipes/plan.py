@@ -15,13 +15,17 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
+from .engines.base import Capabilities
+from .engines.registry import BACKENDS, capabilities, problems
 from .models import ModelDims
 from .recipe import Recipe
 
 GiB = 1024 ** 3
 # Rules no node count can fix: the nearest-valid-node search is skipped when only these fail.
 NODE_INDEPENDENT_RULES = {"inference settings supported by vllm-ascend", "rollout PP = 1",
-                          "native engine colocates ref/critic on the actor layout"}
+                          "engine keeps ref/critic on the actor layout", "engine serves the role here",
+                          "engine has pipeline parallelism", "engine has expert parallelism",
+                          "engine keeps EP inside the TP group", "GRPO needs a group per prompt"}
 DTYPE_BYTES = 2  # weights and activations in bf16 on accelerators
 
 
@@ -94,6 +98,10 @@ class Plan:
     violations: list[Violation] = field(default_factory=list)
     nearest_valid_nodes: list[int] = field(default_factory=list)
     model_params: int = 0
+    engines: dict[str, str] = field(default_factory=dict)
+    """role -> engine name (actor, ref, critic: ``actor.engine``; rollout: ``rollout.engine``)."""
+    missing_here: list[str] = field(default_factory=list)
+    """Engines the plan is valid for but that are not installed on this machine (``run`` refuses)."""
 
     @property
     def ok(self) -> bool:
@@ -117,6 +125,7 @@ class Plan:
             "inference": self.inference,
             "changes": self.changes, "violations": [asdict(v) for v in self.violations],
             "nearest_valid_nodes": self.nearest_valid_nodes,
+            "engines": self.engines, "missing_here": self.missing_here,
         }
 
 
@@ -144,7 +153,7 @@ def _stage_params(dims: ModelDims, pp_layers: list[int]) -> list[tuple[float, fl
     return out
 
 
-def _layout_violations(role: RoleLayout, dims: ModelDims, world: int, engine: str) -> list[Violation]:
+def _layout_violations(role: RoleLayout, dims: ModelDims, world: int, caps: Capabilities) -> list[Violation]:
     v: list[Violation] = []
     name = role.role
     if world % (role.tp * role.pp):
@@ -170,12 +179,16 @@ def _layout_violations(role: RoleLayout, dims: ModelDims, world: int, engine: st
                                f"{name}: pp_layers {role.pp_layers} sums to {sum(role.pp_layers)}, model has {dims.num_layers} layers"))
     elif role.pp > dims.num_layers:
         v.append(Violation("PP at most the layer count", f"{name}: PP{role.pp} > {dims.num_layers} layers"))
-    if engine == "native" and name != "rollout" and role.pp != 1:
-        v.append(Violation("native engine has no pipeline parallelism",
-                           f"{name}: PP{role.pp} with engine native; use actor.engine: megatron or pp: 1"))
-    if engine == "native" and role.ep > 1 and role.tp % role.ep:
-        v.append(Violation("native engine keeps EP inside the TP group",
-                           f"{name}: EP{role.ep} does not divide TP{role.tp}; use ep <= tp with tp % ep == 0"))
+    if not caps.pipeline_parallel and name != "rollout" and role.pp != 1:
+        v.append(Violation("engine has pipeline parallelism",
+                           f"{name}: PP{role.pp} with engine {caps.name}, which has none; use pp: 1 or an engine "
+                           "with pipeline parallelism (actor.engine: megatron)"))
+    if not caps.expert_parallel and role.ep != 1:
+        v.append(Violation("engine has expert parallelism", f"{name}: EP{role.ep} with engine {caps.name}; use ep: 1"))
+    if caps.ep_within_tp and role.ep > 1 and role.tp % role.ep:
+        v.append(Violation("engine keeps EP inside the TP group",
+                           f"{name}: EP{role.ep} does not divide TP{role.tp} (engine {caps.name}); "
+                           "use ep <= tp with tp % ep == 0"))
     return v
 
 
@@ -185,8 +198,8 @@ def _train_memory(dims: ModelDims, role: RoleLayout, recipe: Recipe, dp: int) ->
         pp_layers = _even_split(dims.num_layers, role.pp)
     worst = Memory()
     seq = recipe.data.max_prompt_length + recipe.rollout.sampling.max_new_tokens
-    # megatron splits each expert over TP as well (expert TP = TP); the native engine does not
-    etp = role.tp if recipe.actor.engine == "megatron" else 1
+    # engines with expert-TP (megatron) split each expert over TP as well; the native engine does not
+    etp = role.tp if recipe.actor.engine in BACKENDS and capabilities(recipe.actor.engine).expert_tensor_parallel else 1
     for s, (ne, e) in enumerate(_stage_params(dims, pp_layers)):
         params = ne / role.tp + e / (role.ep * etp)
         expert_dp = max(1, dp * role.tp // (role.ep * etp))
@@ -238,7 +251,8 @@ def _reshard_bytes(dims: ModelDims, train: RoleLayout, rollout: RoleLayout) -> f
 
 def _exact_reshard_bytes(dims: ModelDims, train: RoleLayout, rollout: RoleLayout) -> tuple[float, str]:
     """Max bytes any device receives, from the resharder's own plan (aggregated by parameter class)."""
-    from .core.resharder import Layout, ReshardError, reshard_bytes_summary
+    from .core.resharder import Layout, ReshardError
+    from .models.sharding import reshard_bytes_summary
 
     try:
         s = reshard_bytes_summary(
@@ -251,7 +265,7 @@ def _exact_reshard_bytes(dims: ModelDims, train: RoleLayout, rollout: RoleLayout
 
 def _render_inference(recipe: Recipe, dims: ModelDims, violations: list) -> Optional[dict]:
     """vllm-ascend settings for the pinned (or installed) version; an impossible combination is a violation."""
-    from .core.inference import InferenceConfigError, installed_vllm_ascend_version, render
+    from .engines.vllm.settings import InferenceConfigError, installed_vllm_ascend_version, render
 
     version = recipe.rollout.inference.vllm_ascend_version or installed_vllm_ascend_version()
     if version is None:
@@ -262,6 +276,29 @@ def _render_inference(recipe: Recipe, dims: ModelDims, violations: list) -> Opti
         violations.append(Violation("inference settings supported by vllm-ascend", str(e)))
         return None
     return {"vllm_ascend": version, "additional_config": r.additional_config, "engine_kwargs": r.engine_kwargs}
+
+
+def _engine_checks(recipe: Recipe, engines: dict[str, str]) -> tuple[list[Violation], list[str]]:
+    """Engines that cannot serve a role are violations; engines not installed here are listed apart."""
+    violations, missing = [], []
+    device = recipe.resources.device
+    for key, name, kind in (("actor.engine", recipe.actor.engine, "train"),
+                            ("rollout.engine", recipe.rollout.engine, "rollout")):
+        if name not in BACKENDS:
+            violations += [Violation("engine serves the role here", f"{key}={name}: {p}")
+                           for p in problems(name, kind, device, installed=False)]
+            continue
+        caps = capabilities(name)
+        if kind not in caps.roles or (device != "auto" and device not in caps.devices):
+            violations += [Violation("engine serves the role here", f"{key}={name}: {p}")
+                           for p in problems(name, kind, device, installed=False) if "not written" not in p]
+        else:  # a layout this engine can run: whether it is written and installed here is run's concern
+            missing += [f"{key}={name}: {p}" for p in problems(name, kind, device)]
+    if recipe.algorithm.name in ("grpo", "dapo") and recipe.trainer.n_samples_per_prompt < 2:
+        violations.append(Violation("GRPO needs a group per prompt",
+                                    f"trainer.n_samples_per_prompt={recipe.trainer.n_samples_per_prompt}: a group of "
+                                    "one has zero advantage on every step; use 2 or more (8 is usual)"))
+    return violations, missing
 
 
 def build_plan(recipe: Recipe, nodes: Optional[int] = None, devices_per_node: Optional[int] = None,
@@ -283,20 +320,23 @@ def build_plan(recipe: Recipe, nodes: Optional[int] = None, devices_per_node: Op
     ro = recipe.rollout.layout
     roles["rollout"] = RoleLayout("rollout", ro.tp, ro.pp, ro.ep, None, world)
 
-    violations: list[Violation] = []
-    if recipe.actor.engine == "native":
+    engines = {role: (recipe.rollout.engine if role == "rollout" else recipe.actor.engine) for role in roles}
+    violations, missing_here = _engine_checks(recipe, engines)
+    caps = {role: capabilities(name) for role, name in engines.items() if name in BACKENDS}
+    train_caps = caps.get("actor")
+    if train_caps is not None and not train_caps.separate_ref_layout:
         for role in ("ref", "critic"):
             lay = getattr(recipe, role).layout
             if role in roles and lay is not None and (lay.tp, lay.pp, lay.ep) != (a.tp, a.pp, a.ep):
-                violations.append(Violation("native engine colocates ref/critic on the actor layout",
+                violations.append(Violation("engine keeps ref/critic on the actor layout",
                                             f"{role}.layout TP{lay.tp} PP{lay.pp} EP{lay.ep} differs from the actor's "
-                                            f"TP{a.tp} PP{a.pp} EP{a.ep}; set {role}.layout: null"))
+                                            f"TP{a.tp} PP{a.pp} EP{a.ep} (engine {train_caps.name}); "
+                                            f"set {role}.layout: null"))
     if ro.pp != 1:
         violations.append(Violation("rollout PP = 1", f"rollout.layout.pp is {ro.pp}; the rollout runs without pipeline stages"))
     for role in roles.values():
-        engine = recipe.rollout.engine if role.role == "rollout" else recipe.actor.engine
-        vs = _layout_violations(role, dims, world, engine)
-        violations.extend(vs)
+        if role.role in caps:
+            violations.extend(_layout_violations(role, dims, world, caps[role.role]))
         if world % (role.tp * role.pp) == 0:
             role.dp = world // (role.tp * role.pp)
 
@@ -305,11 +345,12 @@ def build_plan(recipe: Recipe, nodes: Optional[int] = None, devices_per_node: Op
     n = recipe.trainer.n_samples_per_prompt
     changes: list[str] = []
     actor = roles["actor"]
-    if nodes != res.nodes:
-        pinned_world = res.nodes * dpn
+    pinned_world = res.nodes * res.devices_per_node
+    if world != pinned_world:
         if pinned_world % (a.tp * a.pp) == 0 and actor.dp is not None:
             pinned_dp = pinned_world // (a.tp * a.pp)
-            changes.append(f"nodes {res.nodes} -> {nodes}: world {pinned_world} -> {world} devices")
+            changes.append(f"{res.nodes} x {res.devices_per_node} -> {nodes} x {dpn} devices: world "
+                           f"{pinned_world} -> {world}")
             for role in roles.values():
                 old = pinned_world // (role.tp * role.pp)
                 if role.dp is not None and role.dp != old:
@@ -333,8 +374,8 @@ def build_plan(recipe: Recipe, nodes: Optional[int] = None, devices_per_node: Op
     device_bytes = res.device_memory_gb * GiB
     plan = Plan(recipe=recipe.name, nodes=nodes, devices_per_node=dpn, world=world, device=res.device,
                 device_memory_gb=res.device_memory_gb, roles=roles, global_batch=gb, mini_batch=mb, n_samples=n,
-                changes=changes, model_params=dims.total_params())
-    if actor.dp is not None:
+                changes=changes, model_params=dims.total_params(), engines=engines, missing_here=missing_here)
+    if actor.dp is not None and train_caps is not None:
         plan.train_memory = _train_memory(dims, actor, recipe, actor.dp)
         if plan.train_memory.total > device_bytes:
             violations.append(Violation("training memory fits the device",
@@ -392,3 +433,23 @@ def format_violations(plan: Plan) -> str:
     else:
         lines.append("  no node count up to the search limit satisfies every rule; change the layout in the recipe")
     return "\n".join(lines)
+
+
+def resolve(recipe: Recipe, plan: Plan) -> Recipe:
+    """The recipe that runs: the plan's batch and node count written back (one source of truth).
+
+    The driver writes this to ``config.yaml`` and hands it to every worker, so the batch a run
+    trains on is the batch ``plan`` printed. Planning the resolved recipe again changes nothing.
+    """
+    if not plan.ok:
+        raise PlanError(format_violations(plan))
+    r = recipe.model_copy(deep=True)
+    r.trainer.global_batch, r.trainer.mini_batch = plan.global_batch, plan.mini_batch
+    r.resources.nodes, r.resources.devices_per_node = plan.nodes, plan.devices_per_node
+    return r
+
+
+def refuse_missing_engines(plan: Plan) -> None:
+    """``run``'s check, before anything is placed: every engine the plan names must run here."""
+    if plan.missing_here:
+        raise PlanError("cannot run here:\n" + "\n".join(f"  - {m}" for m in plan.missing_here))

@@ -122,8 +122,8 @@ class DataConfig(_Strict):
 class DynamicSampling(_Strict):
     enabled: bool = False
     """DAPO: drop groups whose scores are all equal and generate more until the batch is full."""
-    metric: str = "score"
-    """Per-sample metric a group must vary in to be kept."""
+    metric: Literal["score", "acc"] = "score"
+    """Per-sample metric a group must vary in to be kept: score (shaped reward) or acc (raw reward)."""
     max_gen_batches: int = 4
     """Cap on generation rounds per step; the step trains on what it has when the cap is hit."""
 
@@ -152,6 +152,8 @@ class AlgorithmConfig(_Strict):
     """PPO clip eps below 1."""
     clip_ratio_high: float = 0.2
     """PPO clip eps above 1 (DAPO clip-higher: 0.28)."""
+    policy_loss: Literal["ppo_clip"] = "ppo_clip"
+    """Policy loss, by its name in rlrecipes/algos/registry.py."""
     dual_clip_c: Optional[float] = 3.0
     """Dual-clip bound for negative advantages; null disables."""
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
@@ -246,7 +248,7 @@ class CriticConfig(_Strict):
 
 
 class InferenceSettings(_Strict):
-    """Rollout-engine settings rendered for vllm-ascend (see rlrecipes.core.inference)."""
+    """Rollout-engine settings rendered for vllm-ascend (see rlrecipes.engines.vllm.settings)."""
 
     kv_cache_format: Literal["nd", "nz"] = "nd"
     """KV-cache storage format: nd, or nz (ACL FRACTAL_NZ on Ascend)."""

@@ -23,14 +23,17 @@ class CLIError(Exception):
 def user_errors(fn: Callable) -> Callable:
     """Turn the project's expected errors into a red message and a non-zero exit code."""
     from ..cluster import ClusterError
+    from ..engines.registry import EngineError
     from ..plan import PlanError
     from ..recipe import RecipeError
+    from ..workflow.events import RunError
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
-        except (RecipeError, PlanError, ClusterError, CLIError, FileNotFoundError, FileExistsError) as e:
+        except (RecipeError, PlanError, ClusterError, CLIError, RunError, EngineError, FileNotFoundError,
+                FileExistsError) as e:
             code = getattr(e, "code", 2)
             kind = type(e).__name__.replace("Error", " error").strip()
             err_console.print(f"[bold red]{kind}:[/] {escape(str(e))}", highlight=False, soft_wrap=True)

@@ -19,11 +19,11 @@ def render_plan(plan) -> None:
             f"{plan.global_batch} x {plan.n_samples} (mini-batch {plan.mini_batch})")
     console.print(head)
     t = Table(title="layouts")
-    for c in ("role", "TP", "PP", "EP", "DP", "layer split"):
-        t.add_column(c, justify="right" if c not in ("role", "layer split") else "left")
+    for c in ("role", "engine", "TP", "PP", "EP", "DP", "layer split"):
+        t.add_column(c, justify="left" if c in ("role", "engine", "layer split") else "right")
     for r in plan.roles.values():
-        t.add_row(r.role, str(r.tp), str(r.pp), str(r.ep), "-" if r.dp is None else str(r.dp),
-                  ",".join(map(str, r.pp_layers)) if r.pp_layers else "even")
+        t.add_row(r.role, plan.engines.get(r.role, "-"), str(r.tp), str(r.pp), str(r.ep),
+                  "-" if r.dp is None else str(r.dp), ",".join(map(str, r.pp_layers)) if r.pp_layers else "even")
     console.print(t)
     m = Table(title=f"estimated memory per device, GiB (device: {plan.device_memory_gb:g} GiB)")
     for c in ("phase", "weights", "grads", "optimizer", "activations", "KV cache", "total"):
@@ -39,8 +39,10 @@ def render_plan(plan) -> None:
                       f"{plan.inference['additional_config']} · {plan.inference['engine_kwargs']}", highlight=False)
     for c in plan.changes:
         console.print(f"[cyan]changed:[/] {c}")
+    for m in plan.missing_here:
+        console.print(f"[yellow]not runnable on this machine:[/] {escape(m)}", highlight=False)
     if plan.ok:
-        console.print("[bold green]plan OK[/]")
+        console.print("[bold green]plan OK[/]" + (" (for a machine with the engines above)" if plan.missing_here else ""))
     else:
         console.print(f"[bold red]{escape(format_violations(plan))}[/]", highlight=False)
 

@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 import torch
 
 from rlrecipes.core.swap import SwappedStorages
-from rlrecipes.models.sharding import ParamSpec, param_specs, split_layers, stage_of
+from rlrecipes.core.param_spec import ParamSpec, stage_of_spec
 
 STRATEGIES = ("allgather_naive", "allgather_swap", "alltoallv_experts", "tp_allgather_pp_alltoall")
 AUTO = "auto"
@@ -98,7 +98,7 @@ class Layout:
         if self.pp == 1:
             return 0
         if self.pp_layers is not None:
-            return stage_of(spec.name, self.pp_layers)
+            return stage_of_spec(spec, self.pp_layers)
         return spec.pp_stage
 
     def chunks(self, spec: ParamSpec) -> int:
@@ -302,19 +302,15 @@ def plan_reshard(train: Layout, rollout: Layout, specs: Sequence[ParamSpec], dty
     return ReshardPlan(train, rollout, specs, dtype_bytes)
 
 
-def reshard_bytes_summary(train: Layout, rollout: Layout, dims, pp_layers: Sequence[int] | None = None,
+def reshard_bytes_summary(train: Layout, rollout: Layout, specs: Sequence[ParamSpec],
                           dtype_bytes: int = 2) -> dict[str, Any]:
     """Per-rank reshard volume for real model sizes without enumerating transfers.
 
-    Parameters are aggregated into classes (kind, split length, chunk counts, row size, stage);
-    each class is evaluated once per rank. Returns max / per-rank minimum received bytes, the
-    rollout shard size, and what ``allgather_naive`` would materialise per rank (the whole model).
+    ``specs`` come from the model family (``rlrecipes.models.reshard_bytes_summary`` builds them
+    from dims). Parameters are aggregated into classes (kind, split length, chunk counts, row size,
+    stage); each class is evaluated once per rank. Returns max / per-rank minimum received bytes,
+    the rollout shard size, and what ``allgather_naive`` would materialise per rank (the whole model).
     """
-    if pp_layers is None and train.pp > 1:
-        pp_layers = train.pp_layers or split_layers(dims.num_layers, train.pp)
-    if pp_layers is not None and train.pp_layers is None and train.pp > 1:
-        train = Layout(train.tp, train.pp, train.ep, train.dp, tuple(pp_layers))
-    specs = param_specs(dims, pp_layers if train.pp > 1 else None)
     _validate(train, rollout, specs)
     classes: dict[tuple, list] = {}
     for s in specs:

@@ -5,7 +5,7 @@ The tokenizer is a real Hugging Face tokenizer (``tokenizers`` WordLevel model w
 ``AutoTokenizer.from_pretrained(folder)`` -- the same code path as a real model. Its vocabulary
 has 32 entries (the smoke models use ``vocab_size=32``).
 
-Task (chosen by experiment, see ``rlrecipes/data/_smoke_check.py``): **copy** a short digit
+Task (chosen by experiment, see ``benchmarks/smoke_task_check.py``): **copy** a short digit
 string. Prompt ``"<bos>407="``, expected response ``"407"`` then ``<eos>``. The reward
 (:func:`rlrecipes.rewards.smoke_reward`) is graded: the fraction of leading characters that are
 right.

@@ -234,3 +234,10 @@ def dims_from_hf_config(cfg) -> ModelDims:
 
 __all__ = ["FAMILIES", "HF_ARCHITECTURE", "ModelDims", "PRESETS", "SMOKE", "dims_from_hf_config",
            "hf_config", "smoke_dims"]
+
+
+def param_specs(source: Any, pp_layers=None) -> list:
+    """The resharder's ParamSpecs of a family's model (see :mod:`rlrecipes.models.sharding`)."""
+    from .sharding import param_specs as _specs
+
+    return _specs(source, pp_layers)

@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 from rlrecipes.models import ModelDims, dims_from_hf_config
 
-Kind = Literal["column", "row", "vocab", "replicated", "expert"]
+from rlrecipes.core.param_spec import Kind, ParamSpec, split_layers  # noqa: F401 (re-exported)
 
 COLUMN_MODULES = frozenset({"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "q_b_proj", "kv_b_proj",
                             "lm_head"})
@@ -41,48 +41,6 @@ _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _FUSED_EXPERT_RE = re.compile(r"(?:^|\.)mlp\.experts\.(gate_up_proj|down_proj)$")
 # transformers v4 / real safetensors checkpoints: one tensor per expert
 _PER_EXPERT_RE = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<part>gate_proj|up_proj|down_proj)\.weight$")
-
-
-@dataclass(frozen=True)
-class ParamSpec:
-    """One parameter of the full (unsharded) model and how it is sharded.
-
-    Attributes:
-        name: HF (transformers v5) state-dict name.
-        shape: full shape.
-        tp_dim: dimension split over TP (None: not TP-split).
-        kind: column | row | vocab | replicated | expert.
-        expert_dim: dimension split over EP (0 for fused experts, None otherwise).
-        pp_stage: pipeline stage holding it under the ``pp_layers`` given to :func:`param_specs`.
-        layer: decoder layer index, None for embeddings / final norm / lm_head.
-        unit: indivisible block along the split dim (head_dim for attention heads, 1 otherwise).
-        unit_name: what one unit is, for error messages ("heads", "kv heads", "experts", "rows").
-    """
-
-    name: str
-    shape: tuple[int, ...]
-    tp_dim: int | None
-    kind: Kind
-    expert_dim: int | None = None
-    pp_stage: int = 0
-    layer: int | None = None
-    unit: int = 1
-    unit_name: str = "rows"
-
-    @property
-    def split_dim(self) -> int | None:
-        """The dimension any layout splits (EP dim for experts, TP dim otherwise)."""
-        return self.expert_dim if self.kind == "expert" else self.tp_dim
-
-    @property
-    def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
-
-    def nbytes(self, dtype_bytes: int = 2) -> int:
-        return self.numel * dtype_bytes
 
 
 def _module_of(name: str) -> tuple[str, str]:
@@ -141,14 +99,6 @@ def fused_expert_key(name: str) -> tuple[str, int, str] | None:
     part = m.group("part")
     fused = "down_proj" if part == "down_proj" else "gate_up_proj"
     return f"{m.group('prefix')}.{fused}", int(m.group("e")), part.removesuffix("_proj")
-
-
-def split_layers(num_layers: int, pp: int) -> list[int]:
-    """Even layer split over ``pp`` stages; the first ``num_layers % pp`` stages get one more."""
-    if pp < 1 or pp > num_layers:
-        raise ValueError(f"cannot split {num_layers} layers over pp={pp} stages")
-    base, rem = divmod(num_layers, pp)
-    return [base + (1 if s < rem else 0) for s in range(pp)]
 
 
 def stage_of(name: str, pp_layers: Sequence[int] | None) -> int:
@@ -285,3 +235,16 @@ def param_specs(source: Any, pp_layers: Sequence[int] | None = None) -> list[Par
 
 __all__ = ["Kind", "ParamSpec", "fused_expert_key", "is_expert", "kind_of", "layer_of", "param_specs",
            "split_layers", "stage_of", "tp_dim_of"]
+
+
+def reshard_bytes_summary(train, rollout, dims: ModelDims, pp_layers: Sequence[int] | None = None,
+                          dtype_bytes: int = 2) -> dict:
+    """The core's reshard volume for a family's model given by its dims (the even split by default)."""
+    from rlrecipes.core.resharder import Layout
+    from rlrecipes.core.resharder import reshard_bytes_summary as summary
+
+    if pp_layers is None and train.pp > 1:
+        pp_layers = train.pp_layers or split_layers(dims.num_layers, train.pp)
+    if pp_layers is not None and train.pp_layers is None and train.pp > 1:
+        train = Layout(train.tp, train.pp, train.ep, train.dp, tuple(pp_layers))
+    return summary(train, rollout, param_specs(dims, pp_layers if train.pp > 1 else None), dtype_bytes)

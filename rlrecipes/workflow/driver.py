@@ -1,10 +1,10 @@
 """The driver: start the workers once, then only watch progress and collect metrics.
 
-It writes the run folder (``config.yaml``, ``plan.json``, ``metrics.jsonl``, checkpoints), connects
-to Ray (embedded for ``--smoke``), refuses a cluster that is too small before placing anything,
-places one worker per device in a placement group, starts the TransferDock (controller +
-per-node warehouses), and renders a live view (step, stage, reward, TPS/card) from a small
-progress actor that rank 0 reports to. Sample data never passes through here.
+It writes the run folder (``config.yaml`` = the resolved recipe that runs, ``plan.json``,
+``metrics.jsonl``, checkpoints), connects to Ray (embedded for ``--smoke``) and checks the
+cluster's resources once, places one worker per device in a placement group, starts the
+TransferDock (controller + per-node warehouses), and reports progress as events
+(``workflow/events.py``) that the CLI renders. Sample data never passes through here.
 
 Failure behaviour: a dead worker stops the run within seconds with a message naming the worker
 and its stage (the last checkpoint is untouched: ``latest`` only moves after a complete save);
@@ -16,19 +16,18 @@ import datetime as _dt
 import json
 import os
 import re
-import statistics
 import time
 from pathlib import Path
 from typing import Optional
 
 import yaml
-from rich.live import Live
-from rich.table import Table
 
-from ..cli._common import CLIError, console, err_console
 from ..metrics import MetricsWriter
+from ..plan import Plan, refuse_missing_engines, resolve
 from ..recipe import Recipe, resolve_path
-from .worker import CKPT_LATEST, Worker
+from . import checkpoint
+from .events import EventSink, Interrupted, Progress, RunError, RunFinished, RunStarted
+from .worker import Worker
 
 
 class _Progress:
@@ -61,59 +60,37 @@ def _absolute_data(recipe: Recipe) -> Recipe:
     files = [str(resolve_path(recipe, f).resolve()) for f in recipe.data.train_files]
     for f in files:
         if not Path(f).is_file():
-            raise CLIError(f"data.train_files: {f} does not exist; fix the path in the recipe or pass "
+            raise RunError(f"data.train_files: {f} does not exist; fix the path in the recipe or pass "
                            f"data.train_files=[...] (relative paths are relative to the recipe folder)")
     r = recipe.model_copy(deep=True)
     r.data.train_files = files
     return r
 
 
-def _latest_checkpoint(run_dir: Path) -> Optional[Path]:
-    marker = run_dir / "checkpoints" / CKPT_LATEST
-    if not marker.is_file():
-        return None
-    ckpt = run_dir / "checkpoints" / marker.read_text().strip()
-    return ckpt if ckpt.is_dir() else None
-
-
-def _view(recipe: Recipe, step: int, stage: str, rows: list, total: int, t0: float) -> Table:
-    t = Table(title=f"{recipe.name} · {recipe.algorithm.name} · {time.time() - t0:.0f}s", show_edge=False)
-    for c in ("step", "stage", "reward", "TPS/card", "step s", "loss", "kl"):
-        t.add_column(c, justify="right")
-    last = rows[-1] if rows else {}
-    fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
-    t.add_row(f"{max(step, 0) + 1}/{total}", stage, fmt(last.get("reward/mean"), ".3f"),
-              fmt(last.get("perf/tps_per_card"), ".1f"), fmt(last.get("timing_s/step"), ".2f"),
-              fmt(last.get("actor/loss"), ".4f"), fmt(last.get("actor/kl"), ".4f"))
-    return t
-
-
-def run_recipe(recipe: Recipe, plan, out: Optional[Path] = None, resume: Optional[Path] = None,
-               quiet: bool = False, cluster: str = "embedded") -> Path:
+def run_recipe(recipe: Recipe, plan: Plan, on_event: EventSink, out: Optional[Path] = None,
+               resume: Optional[Path] = None, embedded: bool = True, address: Optional[str] = None) -> Path:
+    """Run ``recipe`` as ``plan`` resolved it: on an embedded local Ray (smoke), or on the existing
+    cluster at ``address`` (None: RAY_ADDRESS or auto)."""
     import ray
 
     from .. import device as dev
-    from ..cluster import check_resources, cluster_resources, connect, placement_group
+    from ..cluster import ClusterError, check_resources, cluster_resources, connect, placement_group, start_hint
     from ..core.dock import TransferDock
 
     smoke = recipe.model.smoke is not None
-    if recipe.actor.engine != "native" or recipe.rollout.engine != "native":
-        raise CLIError(f"actor.engine={recipe.actor.engine}, rollout.engine={recipe.rollout.engine}: this build "
-                       "ships the native engines only (HF + FSDP2 + DTensor TP/EP, batched KV-cache sampler); the "
-                       "megatron-core and vLLM / vllm-ascend adapters are not written yet. Run with "
-                       "actor.engine=native rollout.engine=native, or --dry-run to print the plan and launch commands.")
-    recipe = _absolute_data(recipe)
+    refuse_missing_engines(plan)  # before anything is written or placed
+    recipe = _absolute_data(resolve(recipe, plan))
     run_dir = _run_dir(recipe, out, resume, smoke)
     ckpt = None
     if resume is not None:
-        ckpt = _latest_checkpoint(run_dir)
+        ckpt = checkpoint.latest(run_dir)
         if ckpt is None:
-            raise CLIError(f"--resume {run_dir}: no complete checkpoint (checkpoints/{CKPT_LATEST} missing); "
-                           "set trainer.checkpoint_interval and run again")
+            raise RunError(f"--resume {run_dir}: no complete checkpoint (checkpoints/{checkpoint.CKPT_LATEST} "
+                           "missing); set trainer.checkpoint_interval and run again")
         saved = yaml.safe_load((run_dir / "config.yaml").read_text())
         recipe = Recipe.model_validate({**saved, "trainer": {**saved["trainer"], "steps": recipe.trainer.steps}})
     elif run_dir.exists() and any(run_dir.iterdir()):
-        raise CLIError(f"--out {run_dir} already holds a run; pick a new folder or continue it with --resume {run_dir}")
+        raise RunError(f"--out {run_dir} already holds a run; pick a new folder or continue it with --resume {run_dir}")
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False))
     (run_dir / "plan.json").write_text(json.dumps(plan.to_json(), indent=2))
@@ -125,21 +102,22 @@ def run_recipe(recipe: Recipe, plan, out: Optional[Path] = None, resume: Optiona
         build_smoke_tokenizer(run_dir / "tokenizer")
 
     world = plan.world
-    dtype = dev.resolve(recipe.resources.device)
-    resource = dev.ray_resource(dtype)
+    device_type = dev.resolve(recipe.resources.device)
+    resource = dev.ray_resource(device_type)
     cpw = recipe.resources.cpus_per_worker
-    started_here = False
-    if cluster == "embedded":
-        started_here = not ray.is_initialized()
-        connect(embedded=True, num_cpus=max(os.cpu_count() or 1, 1))
-    found = cluster_resources(resource)
-    check_resources(found, plan.nodes if resource != "CPU" else 1,
-                    plan.devices_per_node if resource != "CPU" else 0, recipe.folder,
-                    cpus_needed=world * cpw)
+    started_here = embedded and not ray.is_initialized()
+    try:
+        connect(address, embedded=embedded, num_cpus=max(os.cpu_count() or 1, 1) if embedded else None)
+    except ClusterError as e:
+        raise ClusterError(f"{e}\n{start_hint(plan.nodes, recipe.folder)}") from None
+    on_cpu = resource == "CPU"
+    check_resources(cluster_resources(resource), plan.nodes if not on_cpu else 1,
+                    plan.devices_per_node if not on_cpu else 0, recipe.folder, cpus_needed=world * cpw)
 
     writer = None
     workers: list = []
     dock = None
+    rows: list = []
     t0 = time.time()
     try:
         pg = placement_group(world, resource, cpw)
@@ -148,12 +126,12 @@ def run_recipe(recipe: Recipe, plan, out: Optional[Path] = None, resume: Optiona
         dock = TransferDock.ray(name=f"dock-{os.getpid()}")
         progress = ray.remote(_Progress).options(num_cpus=0).remote()
         RayWorker = ray.remote(Worker)
-        env = {"env_vars": {"RLRECIPES_DEVICE": dtype, "OMP_NUM_THREADS": str(max(1, int(cpw))),
+        env = {"env_vars": {"RLRECIPES_DEVICE": device_type, "OMP_NUM_THREADS": str(max(1, int(cpw))),
                             "TOKENIZERS_PARALLELISM": "false"}}
         for rank in range(world):
             opts = dict(num_cpus=cpw, max_restarts=0, runtime_env=env,
                         scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank))
-            if resource != "CPU":
+            if not on_cpu:
                 opts["resources"] = {resource: 1}
             workers.append(RayWorker.options(**opts).remote(rank, world, recipe.model_dump(mode="json"),
                                                             str(run_dir.resolve()), dock, progress))
@@ -165,19 +143,14 @@ def run_recipe(recipe: Recipe, plan, out: Optional[Path] = None, resume: Optiona
         start = info[0]["start_step"]
         total = recipe.trainer.steps
         if start >= total:
-            raise CLIError(f"{run_dir} is already at step {start} of {total}; pass --steps N with N > {start}")
+            raise RunError(f"{run_dir} is already at step {start} of {total}; pass --steps N with N > {start}")
         writer = MetricsWriter(run_dir / "metrics.jsonl", truncate_after_step=start - 1 if resume else None)
-        if not quiet:
-            console.print(f"[bold]{recipe.name}[/] · {world} workers · actor "
-                          f"{plan.roles['actor'].describe()} -> rollout {plan.roles['rollout'].describe()} · "
-                          f"stages: {' -> '.join(info[0]['stages'])} · run folder {run_dir}")
-            d = info[0]["data"]
-            console.print(f"data: {d['prompts']} prompts ({d['dropped_too_long']} dropped as longer than "
-                          f"data.max_prompt_length, {d['skipped_malformed']} malformed rows skipped)")
+        on_event(RunStarted(recipe.name, recipe.algorithm.name, run_dir, world, plan.roles["actor"].describe(),
+                            plan.roles["rollout"].describe(), info[0]["stages"], info[0]["data"], start, total))
         futures = [w.run.remote(start, total) for w in workers]
-        rows = _watch(recipe, futures, progress, writer, quiet, start, total, t0)
+        _watch(futures, progress, writer, rows, on_event)
     except KeyboardInterrupt:
-        err_console.print("[yellow]interrupted: stopping workers[/]")
+        on_event(Interrupted(run_dir))
         raise
     finally:
         if writer is not None:
@@ -194,7 +167,7 @@ def run_recipe(recipe: Recipe, plan, out: Optional[Path] = None, resume: Optiona
                 pass
         if started_here:
             ray.shutdown()
-    _summary(recipe, rows, run_dir, time.time() - t0)
+    on_event(RunFinished(recipe.name, run_dir, rows, time.time() - t0))
     return run_dir
 
 
@@ -213,7 +186,7 @@ def _wait(futures, progress, phase: str, tick=None, poll_s: float = 0.5) -> list
             except Exception as e:  # a worker raised or died: stop everything now
                 if tick is not None:
                     tick()
-                raise CLIError(_root_cause(futures, f, e, progress, phase), code=1) from None
+                raise RunError(_root_cause(futures, f, e, progress, phase), code=1) from None
         if tick is not None:
             tick()
     return ray.get(futures)
@@ -261,53 +234,16 @@ def _worker_error(rank: int, e: Exception, progress, phase: str) -> str:
     return f"worker rank {rank} failed in {phase}, stage {stage!r} of step {step}: {text.splitlines()[-1] if text else e!r}"
 
 
-def _watch(recipe, futures, progress, writer, quiet, start, total, t0) -> list:
-    """Collect rank 0's metrics rows into metrics.jsonl while the workers run; render progress."""
+def _watch(futures, progress, writer, rows: list, on_event: EventSink) -> None:
+    """Collect rank 0's metrics rows into metrics.jsonl while the workers run; emit progress."""
     import ray
-
-    rows: list = []
-    live = None
 
     def tick() -> None:
         step, stage, new = ray.get(progress.poll.remote(len(rows)))
         for row in new:
             writer.write(row)
             rows.append(row)
-            if quiet:
-                console.print(json.dumps({k: v for k, v in row.items() if not k.startswith("timing_s/")}),
-                              highlight=False, soft_wrap=True)
-        if live is not None:
-            live.update(_view(recipe, step, stage, rows, total, t0))
+        on_event(Progress(step, stage, list(new)))
 
-    if quiet or not console.is_terminal:
-        if not quiet:
-            console.print(f"training steps {start}..{total - 1}")
-        _wait(futures, progress, "run", tick)
-    else:
-        with Live(_view(recipe, start - 1, "starting", rows, total, t0), console=console, refresh_per_second=4) as live:
-            _wait(futures, progress, "run", tick)
-        live = None
+    _wait(futures, progress, "run", tick)
     tick()  # rows rank 0 sent just before returning
-    return rows
-
-
-def _summary(recipe: Recipe, rows: list, run_dir: Path, seconds: float) -> None:
-    if not rows:
-        return
-    first = [r["reward/mean"] for r in rows[:5] if r.get("reward/mean") is not None]
-    last = [r["reward/mean"] for r in rows[-5:] if r.get("reward/mean") is not None]
-    tps = [r["perf/tps_per_card"] for r in rows[1:] or rows]
-    t = Table(title=f"{recipe.name}: {len(rows)} steps in {seconds:.0f}s")
-    t.add_column("metric")
-    t.add_column("value", justify="right")
-    if first and last:
-        t.add_row("reward, mean of first 5 steps", f"{statistics.fmean(first):.3f}")
-        t.add_row("reward, mean of last 5 steps", f"{statistics.fmean(last):.3f}")
-    t.add_row("TPS/card, median (step 1 on)", f"{statistics.median(tps):.1f}")
-    t.add_row("step seconds, mean", f"{statistics.fmean(r['timing_s/step'] for r in rows):.2f}")
-    t.add_row("share outside model compute", f"{statistics.fmean(r.get('perf/overhead_share', 0) for r in rows):.1%}")
-    stages = sorted({k for r in rows for k in r if k.startswith("timing_s/") and k != "timing_s/step"})
-    for s in stages:
-        t.add_row(f"  {s}", f"{statistics.fmean(r.get(s, 0.0) for r in rows):.3f}")
-    t.add_row("metrics", str(run_dir / "metrics.jsonl"))
-    console.print(t)

@@ -80,7 +80,7 @@ def _close(a, b, what, atol=2e-5, rtol=1e-4):
 def case_tp(rank):
     from rlrecipes.engines.native.loader import build_model
     from rlrecipes.engines.native.parallel import convention_slice
-    from rlrecipes.engines.native.train import TrainEngine
+    from rlrecipes.engines.native.train import NativeTrainEngine
     from rlrecipes.models import SMOKE
 
     for fam, layouts in (("qwen2", [(2, 1)]), ("qwen3_moe", [(2, 1), (2, 2)]), ("deepseek_v3", [(2, 2)])):
@@ -93,7 +93,7 @@ def case_tp(rank):
         ref_after, ref_norm = _ref_step(dims, mbs, lr=1e-2, clip=0.5)
         for tp, ep in layouts:
             tag = f"{fam} tp{tp} ep{ep}"
-            eng = TrainEngine(dims, layout=(tp, ep), device="cpu", lr=1e-2, weight_decay=0.01, grad_clip=0.5, seed=0, eps=EPS)
+            eng = NativeTrainEngine(dims, layout=(tp, ep), device="cpu", lr=1e-2, weight_decay=0.01, grad_clip=0.5, seed=0, eps=EPS)
             shards = eng.local_shards()
             missing = set(full0) - set(shards)
             if missing:
@@ -104,7 +104,7 @@ def case_tp(rank):
             lp = torch.cat([eng.log_probs(mb)[0] for mb in mbs])
             mask = torch.cat([mb["response_mask"] for mb in mbs]).bool()
             _close(lp[mask], ref_lp[mask], f"{tag} log_probs")
-            metrics = eng.train_step(mbs, _loss)
+            metrics = eng.train_micro_batches(mbs, _loss)
             if metrics["actor/skipped_step"]:
                 raise AssertionError(f"{tag}: step skipped {metrics}")
             if abs(metrics["actor/grad_norm"] - ref_norm) > 1e-4 * max(1.0, ref_norm):
@@ -115,16 +115,16 @@ def case_tp(rank):
 
 
 def case_dp(rank):
-    from rlrecipes.engines.native.train import TrainEngine
+    from rlrecipes.engines.native.train import NativeTrainEngine
     from rlrecipes.models import SMOKE
 
     for fam in ("qwen2", "qwen3_moe"):
         dims = SMOKE[fam]
         mbs = [_batch(dims.vocab_size, 3), _batch(dims.vocab_size, 4)]
         ref_after, ref_norm = _ref_step(dims, mbs, lr=1e-2, clip=0.5)
-        eng = TrainEngine(dims, layout=(1, 1), device="cpu", lr=1e-2, weight_decay=0.01, grad_clip=0.5, seed=0, eps=EPS)
+        eng = NativeTrainEngine(dims, layout=(1, 1), device="cpu", lr=1e-2, weight_decay=0.01, grad_clip=0.5, seed=0, eps=EPS)
         assert eng.fsdp and eng.mesh.dp == 2
-        metrics = eng.train_step([mbs[rank]], _loss)  # each DP rank its own micro-batch
+        metrics = eng.train_micro_batches([mbs[rank]], _loss)  # each DP rank its own micro-batch
         if abs(metrics["actor/grad_norm"] - ref_norm) > 1e-4 * max(1.0, ref_norm):
             raise AssertionError(f"{fam} dp2: grad_norm {metrics['actor/grad_norm']} != reference {ref_norm}")
         after = eng.full_state_dict()
@@ -140,7 +140,7 @@ def case_dp(rank):
             loss, m = _loss(lp, ent, mb)
             return (loss * float("nan") if rank == 1 else loss), m
 
-        metrics = eng.train_step([mbs[rank]], nan_loss)
+        metrics = eng.train_micro_batches([mbs[rank]], nan_loss)
         if metrics["actor/skipped_step"] != 1.0:
             raise AssertionError(f"{fam} dp2: NaN loss not reported as skipped: {metrics}")
         for name, t in eng.full_state_dict().items():
@@ -153,8 +153,8 @@ def case_rollout_ckpt(rank, tmp):
 
     from rlrecipes.engines.native.loader import build_model
     from rlrecipes.engines.native.parallel import convention_slice
-    from rlrecipes.engines.native.rollout import RolloutEngine, left_pad
-    from rlrecipes.engines.native.train import TrainEngine
+    from rlrecipes.engines.native.rollout import NativeRolloutEngine, left_pad
+    from rlrecipes.engines.native.train import NativeTrainEngine
     from rlrecipes.models import SMOKE
 
     g = torch.Generator().manual_seed(7)
@@ -166,9 +166,9 @@ def case_rollout_ckpt(rank, tmp):
         want = ref.generate(input_ids=ids, attention_mask=am, do_sample=False, max_new_tokens=8, min_new_tokens=8,
                             pad_token_id=0, eos_token_id=None)[:, ids.shape[1]:]
         # weights come in through load_shards (engine built with other weights: seed 1)
-        eng = RolloutEngine(dims, layout=layout, device="cpu", seed=0)
+        eng = NativeRolloutEngine(dims, layout=layout, device="cpu", seed=0)
         if fam != "qwen2":
-            eng2 = RolloutEngine(dims, layout=layout, device="cpu", seed=1)
+            eng2 = NativeRolloutEngine(dims, layout=layout, device="cpu", seed=1)
             full = ref.state_dict()
             n = eng2.load_shards((k, convention_slice(v, k, layout[0], eng2.mesh.tp_rank, layout[1], eng2.mesh.ep_rank))
                                  for k, v in full.items())
@@ -177,22 +177,22 @@ def case_rollout_ckpt(rank, tmp):
         if eng.decode_path != "fast" or eng.prefill_path != "fast":
             raise AssertionError(f"{fam}: rollout decode/prefill paths {eng.decode_path!r}/{eng.prefill_path!r}, "
                                  f"expected the fast paths")
-        out = eng.generate(prompts, max_new_tokens=8, temperature=0)
+        out = eng.sample(prompts, max_new_tokens=8, temperature=0)
         for i in range(len(prompts)):
             if not torch.equal(out.responses[i], want[i]):
                 raise AssertionError(f"{fam} rollout tp{layout} greedy {out.responses[i].tolist()} != "
                                      f"HF tp1 {want[i].tolist()}")
         # sampled tokens are identical on both TP ranks
-        s = eng.generate(prompts, max_new_tokens=8, temperature=1.0, top_p=0.9, seed=3)
+        s = eng.sample(prompts, max_new_tokens=8, temperature=1.0, top_p=0.9, seed=3)
         flat = torch.cat(s.responses)
         other = [torch.zeros_like(flat) for _ in range(2)]
         dist.all_gather(other, flat)
         if not torch.equal(other[0], other[1]):
             raise AssertionError(f"{fam}: TP ranks sampled different tokens")
         # the fast prefill (TP DTensor modules, K/V straight into the buffers) == HF forward prefill
-        hfp = RolloutEngine(dims, layout=layout, device="cpu", seed=0, prefill="hf")
+        hfp = NativeRolloutEngine(dims, layout=layout, device="cpu", seed=0, prefill="hf")
         hfp.load_shards(eng.local_shards().items())
-        s2 = hfp.generate(prompts, max_new_tokens=8, temperature=1.0, top_p=0.9, seed=3)
+        s2 = hfp.sample(prompts, max_new_tokens=8, temperature=1.0, top_p=0.9, seed=3)
         for a, b in zip(s.responses, s2.responses):
             if not torch.equal(a, b):
                 raise AssertionError(f"{fam}: fast prefill {a.tolist()} != HF prefill {b.tolist()} under TP")
@@ -201,21 +201,21 @@ def case_rollout_ckpt(rank, tmp):
 
     # checkpoint (DCP) + export under TP2 EP2
     dims = SMOKE["qwen3_moe"]
-    eng = TrainEngine(dims, layout=(2, 2), device="cpu", lr=1e-2, seed=0)
-    eng.train_step([_batch(dims.vocab_size, 5)], _loss)
+    eng = NativeTrainEngine(dims, layout=(2, 2), device="cpu", lr=1e-2, seed=0)
+    eng.train_micro_batches([_batch(dims.vocab_size, 5)], _loss)
     ckpt = os.path.join(tmp, "ckpt")
     eng.save(ckpt)
     trained = eng.full_state_dict()
-    eng.train_step([_batch(dims.vocab_size, 6)], _loss)  # moves away from the checkpoint
+    eng.train_micro_batches([_batch(dims.vocab_size, 6)], _loss)  # moves away from the checkpoint
     eng.load(ckpt)
     for k, v in eng.full_state_dict().items():
         _close(v, trained[k], f"DCP reload {k}", atol=0, rtol=0)
     if eng.step != 1:
         raise AssertionError(f"DCP reload: step {eng.step} != 1")
-    fresh = TrainEngine(dims, layout=(2, 2), device="cpu", lr=1e-2, seed=9)
+    fresh = NativeTrainEngine(dims, layout=(2, 2), device="cpu", lr=1e-2, seed=9)
     fresh.load(ckpt)
-    m1 = eng.train_step([_batch(dims.vocab_size, 6)], _loss)
-    m2 = fresh.train_step([_batch(dims.vocab_size, 6)], _loss)  # same optimizer state -> same step
+    m1 = eng.train_micro_batches([_batch(dims.vocab_size, 6)], _loss)
+    m2 = fresh.train_micro_batches([_batch(dims.vocab_size, 6)], _loss)  # same optimizer state -> same step
     b = fresh.full_state_dict()
     for k, v in eng.full_state_dict().items():
         _close(v, b[k], f"fresh engine after DCP load + step {k}")

@@ -162,3 +162,33 @@ def test_off_policy_minibatches_compute_old_log_probs(tmp_path):
         "trainer.mini_batch=8", "trainer.warmup_steps=2")
     rows = metrics(run)
     assert all("timing_s/old" in r and r["samples"] == 16 * 8 for r in rows)
+
+
+def test_plan_is_what_runs_when_nodes_scale_dp(tmp_path):
+    """--nodes 2 doubles actor DP; the run trains on the batch `plan` printed, and records it."""
+    import yaml
+
+    run = tmp_path / "n2"
+    cli("run", "qwen25_7b", "--smoke", "--nodes", "2", "--steps", "2", "--out", str(run), "--quiet",
+        "resources.cpus_per_worker=0.5")
+    plan = json.loads((run / "plan.json").read_text())
+    assert plan["global_batch"] == 32 and plan["world"] == 4
+    rows = metrics(run)
+    assert [r["samples"] for r in rows] == [plan["global_batch"] * plan["n_samples"]] * 2
+    cfg = yaml.safe_load((run / "config.yaml").read_text())
+    assert cfg["trainer"]["global_batch"] == 32 and cfg["resources"]["nodes"] == 2
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("actor.engine=megatron", "actor.engine=megatron"),
+    ("rollout.engine=vllm", "rollout.engine=vllm"),
+    ("actor.engine=nope", "actor.engine"),
+])
+def test_unavailable_engine_refused_before_anything_starts(tmp_path, override, needle):
+    run = tmp_path / "never"
+    t0 = time.time()
+    out = cli("run", "qwen25_7b", "--smoke", "--out", str(run), override, check=False)
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    assert needle in out.stderr, out.stderr
+    assert not run.exists()  # nothing written, nothing placed
+    assert time.time() - t0 < 60

@@ -84,6 +84,11 @@ def test_console_script_subprocess():
 
 
 def test_run_without_cluster_says_how_to_start_one():
-    res = runner.invoke(app, ["run", "qwen25_7b"], env={"RAY_ADDRESS": "127.0.0.1:9"})
+    res = runner.invoke(app, ["run", "qwen25_7b", "--smoke", "--address", "127.0.0.1:9"])
     assert res.exit_code == 2, res.output
     assert "no Ray cluster" in res.output and "launch.sh" in res.output and "NNODES=1" in res.output
+
+
+def test_run_refuses_engines_that_cannot_run_here_before_connecting():
+    res = runner.invoke(app, ["run", "qwen25_7b"], env={"RAY_ADDRESS": "127.0.0.1:9"})
+    assert res.exit_code == 2 and "cannot run here" in res.output and "no Ray cluster" not in res.output

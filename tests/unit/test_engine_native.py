@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from rlrecipes.engines.native import parallel as par
 from rlrecipes.engines.native.loader import build_model, check_hf_folder
-from rlrecipes.engines.native.rollout import RolloutEngine, left_pad, sample_next
+from rlrecipes.engines.native.rollout import NativeRolloutEngine, left_pad, sample_next
 from rlrecipes.models import SMOKE
 
 
@@ -36,24 +36,24 @@ def _prompts(seed=0, lens=(3, 7, 5)):
 @pytest.mark.parametrize("family", list(SMOKE))
 @pytest.mark.parametrize("cache", ["static", "dynamic"])
 def test_greedy_equals_hf_generate(family, cache):
-    eng = RolloutEngine(SMOKE[family], device="cpu", cache=cache)
+    eng = NativeRolloutEngine(SMOKE[family], device="cpu", cache=cache)
     prompts = _prompts()
-    out = eng.generate(prompts, max_new_tokens=10, temperature=0)
+    out = eng.sample(prompts, max_new_tokens=10, temperature=0)
     ids, am = left_pad(prompts, 0)
     ref = eng.model.generate(input_ids=ids, attention_mask=am, do_sample=False, max_new_tokens=10,
                              min_new_tokens=10, pad_token_id=0, eos_token_id=None)[:, ids.shape[1]:]
     for i in range(len(prompts)):
         assert torch.equal(out.responses[i], ref[i]), (i, out.responses[i], ref[i])
     # top-k = 1 sampling is greedy
-    k1 = eng.generate(prompts, max_new_tokens=10, temperature=1.0, top_k=1, seed=5)
+    k1 = eng.sample(prompts, max_new_tokens=10, temperature=1.0, top_k=1, seed=5)
     assert all(torch.equal(a, b) for a, b in zip(k1.responses, out.responses))
 
 
 def test_logprobs_equal_recomputed_forward_and_seeded():
-    eng = RolloutEngine(SMOKE["qwen2"], device="cpu")
+    eng = NativeRolloutEngine(SMOKE["qwen2"], device="cpu")
     prompts = _prompts(1)
-    out = eng.generate(prompts, max_new_tokens=8, temperature=1.0, seed=11)
-    again = eng.generate(prompts, max_new_tokens=8, temperature=1.0, seed=11)
+    out = eng.sample(prompts, max_new_tokens=8, temperature=1.0, seed=11)
+    again = eng.sample(prompts, max_new_tokens=8, temperature=1.0, seed=11)
     assert all(torch.equal(a, b) for a, b in zip(out.responses, again.responses))
     model = eng.model
     for p, r, lp in zip(prompts, out.responses, out.log_probs):
@@ -65,11 +65,11 @@ def test_logprobs_equal_recomputed_forward_and_seeded():
 
 
 def test_eos_stops_and_is_kept():
-    eng = RolloutEngine(SMOKE["qwen2"], device="cpu")
+    eng = NativeRolloutEngine(SMOKE["qwen2"], device="cpu")
     prompts = _prompts(2)
-    greedy = eng.generate(prompts, max_new_tokens=12, temperature=0)
+    greedy = eng.sample(prompts, max_new_tokens=12, temperature=0)
     eos = int(greedy.responses[0][3])  # a token the first sequence emits at step 3 (or earlier)
-    out = eng.generate(prompts, max_new_tokens=12, temperature=0, eos_token_id=eos)
+    out = eng.sample(prompts, max_new_tokens=12, temperature=0, eos_token_id=eos)
     for full, cut in zip(greedy.responses, out.responses):
         hits = (full == eos).nonzero()
         n = int(hits[0]) + 1 if len(hits) else len(full)
@@ -93,16 +93,16 @@ def test_sample_next_top_p_top_k_support():
 
 
 def test_sleep_wake_and_load_shards():
-    eng = RolloutEngine(SMOKE["qwen3_moe"], device="cpu", seed=1)
+    eng = NativeRolloutEngine(SMOKE["qwen3_moe"], device="cpu", seed=1)
     ref, _ = build_model(SMOKE["qwen3_moe"], seed=0)
     assert eng.load_shards(ref.state_dict().items()) == len(ref.state_dict())
     prompts = _prompts(3)
-    a = eng.generate(prompts, max_new_tokens=6, temperature=0)
+    a = eng.sample(prompts, max_new_tokens=6, temperature=0)
     eng.sleep(weights=True)
     with pytest.raises(RuntimeError, match="wake"):
-        eng.generate(prompts, max_new_tokens=2)
+        eng.sample(prompts, max_new_tokens=2)
     eng.wake()
-    b = eng.generate(prompts, max_new_tokens=6, temperature=0)
+    b = eng.sample(prompts, max_new_tokens=6, temperature=0)
     assert all(torch.equal(x, y) for x, y in zip(a.responses, b.responses))
     with pytest.raises(ValueError, match="shape"):
         eng.load_shards([("model.norm.weight", torch.zeros(3))])
@@ -111,12 +111,12 @@ def test_sleep_wake_and_load_shards():
 
 
 def test_train_engine_single_rank_offload_roundtrip():
-    from rlrecipes.engines.native.train import TrainEngine
+    from rlrecipes.engines.native.train import NativeTrainEngine
 
-    eng = TrainEngine(SMOKE["qwen2"], layout=(1, 1), device="cpu", lr=1e-3)
+    eng = NativeTrainEngine(SMOKE["qwen2"], layout=(1, 1), device="cpu", lr=1e-3)
     ids = torch.randint(1, 32, (2, 9))
     mb = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "response_mask": torch.ones(2, 4)}
-    m = eng.train_step([mb], lambda lp, ent, b: (-lp.mean() + 0 * ent.mean(), {}), with_entropy=True)
+    m = eng.train_micro_batches([mb], lambda lp, ent, b: (-lp.mean() + 0 * ent.mean(), {}), with_entropy=True)
     assert m["actor/skipped_step"] == 0.0 and m["actor/grad_norm"] > 0
     before = eng.full_state_dict()
     eng.offload(force=True)
@@ -124,7 +124,7 @@ def test_train_engine_single_rank_offload_roundtrip():
     eng.onload()
     for k, v in eng.full_state_dict().items():
         assert torch.equal(v, before[k])
-    m = eng.train_step([mb], lambda lp, ent, b: (lp.mean() * float("inf"), {}))
+    m = eng.train_micro_batches([mb], lambda lp, ent, b: (lp.mean() * float("inf"), {}))
     assert m["actor/skipped_step"] == 1.0
 
 
@@ -159,11 +159,11 @@ def test_loader_roundtrip_and_export(tmp_path, family):
     """save_pretrained folder -> real loading path -> TrainEngine -> export_hf -> from_pretrained -> generate."""
     from transformers import AutoModelForCausalLM
 
-    from rlrecipes.engines.native.train import TrainEngine
+    from rlrecipes.engines.native.train import NativeTrainEngine
 
     src, _ = build_model(SMOKE[family], seed=3)
     src.save_pretrained(tmp_path / "src", safe_serialization=True)
-    eng = TrainEngine(str(tmp_path / "src"), role="ref", layout=(1, 1), device="cpu")
+    eng = NativeTrainEngine(str(tmp_path / "src"), role="ref", layout=(1, 1), device="cpu")
     assert eng.dims.family == family
     for k, v in eng.full_state_dict().items():
         assert torch.equal(v, src.state_dict()[k]), k
@@ -174,7 +174,7 @@ def test_loader_roundtrip_and_export(tmp_path, family):
     gen = back.generate(input_ids=torch.tensor([[1, 2, 3]]), max_new_tokens=4, min_new_tokens=4, do_sample=False,
                             pad_token_id=0)
     assert gen.shape == (1, 7)
-    roll = RolloutEngine(str(tmp_path / "out"), device="cpu")
+    roll = NativeRolloutEngine(str(tmp_path / "out"), device="cpu")
     assert roll.dims.family == family
 
 
@@ -194,13 +194,13 @@ def test_fast_decode_matches_model_forward_path(family):
     prompts = _prompts(4, lens=(2, 6, 4, 6))  # padded rows exercise the keep-mask
     outs = {}
     for decode in ("fast", "layers", "hf"):
-        eng = RolloutEngine(SMOKE[family], device="cpu", decode=decode)
+        eng = NativeRolloutEngine(SMOKE[family], device="cpu", decode=decode)
         assert eng.decode_path == decode
-        greedy = eng.generate(prompts, max_new_tokens=9, temperature=0)
-        sampled = eng.generate(prompts, max_new_tokens=9, temperature=0.8, top_p=0.95, seed=2)
+        greedy = eng.sample(prompts, max_new_tokens=9, temperature=0)
+        sampled = eng.sample(prompts, max_new_tokens=9, temperature=0.8, top_p=0.95, seed=2)
         outs[decode] = (greedy, sampled)
     if family != "qwen2":
-        assert {"gqa", "mla"} & set(RolloutEngine(SMOKE[family], device="cpu")._fast.kinds)
+        assert {"gqa", "mla"} & set(NativeRolloutEngine(SMOKE[family], device="cpu")._fast.kinds)
     for decode in ("layers", "hf"):
         for a, b in zip(outs["fast"], outs[decode]):
             for x, y in zip(a.responses, b.responses):
@@ -211,18 +211,18 @@ def test_fast_decode_matches_model_forward_path(family):
 
 def test_fast_decode_buffers_static_reuse_and_dynamic_release():
     prompts = _prompts(5)
-    eng = RolloutEngine(SMOKE["qwen2"], device="cpu", cache="static")
-    eng.generate(prompts, max_new_tokens=4, temperature=0)
+    eng = NativeRolloutEngine(SMOKE["qwen2"], device="cpu", cache="static")
+    eng.sample(prompts, max_new_tokens=4, temperature=0)
     k0 = eng._fast.buffers.keys[0]
-    eng.generate(prompts, max_new_tokens=4, temperature=0)
+    eng.sample(prompts, max_new_tokens=4, temperature=0)
     assert eng._fast.buffers.keys[0] is k0  # same batch shape: buffers reused, not re-allocated
     eng.sleep()
     assert eng._fast.buffers.nbytes() == 0
-    dyn = RolloutEngine(SMOKE["qwen2"], device="cpu", cache="dynamic")
-    dyn.generate(prompts, max_new_tokens=4, temperature=0)
+    dyn = NativeRolloutEngine(SMOKE["qwen2"], device="cpu", cache="dynamic")
+    dyn.sample(prompts, max_new_tokens=4, temperature=0)
     assert dyn._fast.buffers.nbytes() == 0  # released after the call
     with pytest.raises(ValueError, match="decode"):
-        RolloutEngine(SMOKE["qwen2"], device="cpu", decode="nope")
+        NativeRolloutEngine(SMOKE["qwen2"], device="cpu", decode="nope")
 
 
 def test_draw_is_multinomial():
@@ -243,8 +243,8 @@ def test_draw_is_multinomial():
 def test_fast_prefill_matches_hf_prefill(family, lens):
     """The hand-written prefill writes the K/V (and logits) of an HF forward + cache copy into the buffers."""
     prompts = _prompts(6, lens=lens)
-    fast = RolloutEngine(SMOKE[family], device="cpu", prefill="fast")
-    ref = RolloutEngine(SMOKE[family], device="cpu", prefill="hf")
+    fast = NativeRolloutEngine(SMOKE[family], device="cpu", prefill="fast")
+    ref = NativeRolloutEngine(SMOKE[family], device="cpu", prefill="hf")
     assert fast.prefill_path == "fast" and ref.prefill_path == "hf"
     assert fast._fast.fast_prefill
     ids, pmask = left_pad(prompts, 0)
@@ -264,8 +264,8 @@ def test_fast_prefill_matches_hf_prefill(family, lens):
         assert not kf[:, :, :n, dv:].any()
     for kw in ({"temperature": 0}, {"temperature": 0.9, "top_k": 20, "seed": 4}):
         for n_new in (1, 7):
-            a = fast.generate(prompts, max_new_tokens=n_new, **kw)
-            b = ref.generate(prompts, max_new_tokens=n_new, **kw)
+            a = fast.sample(prompts, max_new_tokens=n_new, **kw)
+            b = ref.sample(prompts, max_new_tokens=n_new, **kw)
             for x, y in zip(a.responses, b.responses):
                 assert torch.equal(x, y), (kw, n_new, x, y)
             for x, y in zip(a.log_probs, b.log_probs):
@@ -273,12 +273,65 @@ def test_fast_prefill_matches_hf_prefill(family, lens):
 
 
 def test_prefill_path_fallbacks():
-    assert RolloutEngine(SMOKE["qwen2"], device="cpu").prefill_path == "fast"
-    layers = RolloutEngine(SMOKE["qwen2"], device="cpu", decode="layers")
+    assert NativeRolloutEngine(SMOKE["qwen2"], device="cpu").prefill_path == "fast"
+    layers = NativeRolloutEngine(SMOKE["qwen2"], device="cpu", decode="layers")
     assert layers.prefill_path == "hf" and not layers._fast.fast_prefill
     with pytest.raises(RuntimeError, match="prefill"):
         layers._fast.prefill(torch.ones(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.long),
                              torch.arange(2)[None], capacity=3, steps=1)
-    assert RolloutEngine(SMOKE["qwen2"], device="cpu", decode="hf").prefill_path == "hf"
+    assert NativeRolloutEngine(SMOKE["qwen2"], device="cpu", decode="hf").prefill_path == "hf"
     with pytest.raises(ValueError, match="prefill"):
-        RolloutEngine(SMOKE["qwen2"], device="cpu", prefill="nope")
+        NativeRolloutEngine(SMOKE["qwen2"], device="cpu", prefill="nope")
+
+
+def test_native_engines_implement_the_interface_through_the_registry():
+    """Built from an EngineSpec by name, used only through engines/base.py, as the workflow does."""
+    from rlrecipes.engines.base import EngineSpec, RolloutEngine, SamplingParams, SeqBatch, TrainEngine
+    from rlrecipes.engines.native.batching import pad_sequences
+    from rlrecipes.engines.registry import build_rollout_engine, build_train_engine
+
+    spec = dict(model=SMOKE["qwen2"], device=torch.device("cpu"), seed=0, micro_batch_size=2, lr=1e-3)
+    actor = build_train_engine("native", EngineSpec(role="actor", **spec))
+    roll = build_rollout_engine("native", EngineSpec(role="rollout", **spec))
+    critic = build_train_engine("native", EngineSpec(role="critic", **spec))
+    assert isinstance(actor, TrainEngine) and isinstance(roll, RolloutEngine) and isinstance(critic, TrainEngine)
+    assert (actor.dp_rank, actor.dp_size, actor.is_data_leader) == (0, 1, True)
+    prompts = _prompts()
+    out = roll.generate(prompts, SamplingParams(max_new_tokens=5, temperature=1.0), seed=3)
+    again = roll.generate(prompts, SamplingParams(max_new_tokens=5, temperature=1.0), seed=3)
+    assert [r.tolist() for r in out.responses] == [r.tolist() for r in again.responses]
+    # forward on an unpadded batch = the padded log-probs, cut to each response
+    batch = SeqBatch(prompts, out.responses)
+    logp, ent = actor.forward(batch, with_entropy=True)
+    mb = pad_sequences(prompts, out.responses, 0)
+    full, _ = actor.log_probs(mb)
+    for i, r in enumerate(out.responses):
+        assert logp[i].shape == r.shape and ent[i].shape == r.shape
+        torch.testing.assert_close(logp[i], full[i, :r.numel()])
+    # the trainer's log-probs of the rollout's own weights match the sampled ones (same weights)
+    roll.update_weights([list(actor.local_shards().items())])
+    lp2 = roll.generate(prompts, SamplingParams(max_new_tokens=5, temperature=1.0), seed=3).log_probs
+    for a, b in zip(lp2, actor.forward(batch)[0]):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    # a train step from the unpadded batch: per-sample and per-token columns laid out like logp
+    batch.per_sample["advantages"] = torch.tensor([1.0, -1.0, 0.5])
+    batch.per_token["old"] = [torch.zeros(r.numel()) for r in out.responses]
+    seen = []
+
+    def loss_fn(lp, _ent, m):
+        assert m["advantages"].shape == lp.shape == m["old"].shape == m["response_mask"].shape
+        seen.append(lp.shape[0])
+        return -(lp * m["advantages"] * m["response_mask"]).sum() / 10, {"x": 1.0}
+
+    m = actor.train_step(batch, loss_fn)
+    assert seen == [2, 1] and m["actor/micro_batches"] == 2 and m["actor/skipped_step"] == 0.0 and m["x"] == 1.0
+    assert len(actor.param_specs()) == len(actor.local_shards())
+
+
+def test_empty_rank_still_steps_in_collectives():
+    from rlrecipes.engines.base import EngineSpec, SeqBatch
+    from rlrecipes.engines.registry import build_train_engine
+
+    actor = build_train_engine("native", EngineSpec(model=SMOKE["qwen2"], role="actor", device=torch.device("cpu")))
+    assert actor.forward(SeqBatch([], [])) == ([], None)
+    assert actor.train_step(SeqBatch([], []), lambda *a: (torch.zeros(()), {}))["actor/skipped_step"] == 1.0

@@ -6,7 +6,8 @@ import time
 import pytest
 import torch
 
-from rlrecipes.core.resharder import (Layout, ReshardError, local_shape, plan_reshard, reshard_bytes_summary,
+from rlrecipes.models.sharding import reshard_bytes_summary
+from rlrecipes.core.resharder import (Layout, ReshardError, local_shape, plan_reshard,
                                       shard_for)
 from rlrecipes.models import PRESETS, SMOKE, hf_config, smoke_dims
 from rlrecipes.models.sharding import (fused_expert_key, is_expert, kind_of, param_specs, split_layers, stage_of,

@@ -1,21 +1,15 @@
 """Native engines: HF models + DTensor TP / EP-inside-TP / FSDP2 training, a KV-cache sampler.
 
-See docs/engines.md. Imports are lazy so that ``import rlrecipes.engines.native`` stays cheap.
+For CPU smoke runs and FSDP-scale training. See docs/engines.md. This module stays light (no
+torch import) so ``plan`` can read :data:`CAPABILITIES`; the engines load lazily.
 """
 from __future__ import annotations
 
-_EXPORTS = {
-    "TrainEngine": "train", "ValueEngine": "train", "RolloutEngine": "rollout", "RolloutOutput": "rollout",
-    "bench_vs_generate": "rollout", "build_model": "loader", "save_hf_folder": "loader",
-}
+from ..base import Capabilities
 
-
-def __getattr__(name):
-    if name in _EXPORTS:
-        import importlib
-
-        return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-__all__ = list(_EXPORTS)
+CAPABILITIES = Capabilities(
+    name="native", roles=frozenset({"train", "rollout"}), pipeline_parallel=False, expert_parallel=True,
+    ep_within_tp=True, expert_tensor_parallel=False, separate_ref_layout=False, devices=("cpu", "cuda", "npu"),
+    dtypes=("auto", "bf16", "fp16", "fp32"), requires=("transformers",), install="pip install -e .")
+TRAIN = "rlrecipes.engines.native.train:NativeTrainEngine"
+ROLLOUT = "rlrecipes.engines.native.rollout:NativeRolloutEngine"

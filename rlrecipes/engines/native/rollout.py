@@ -28,10 +28,7 @@ group always continues the same sequences. Different DP groups sample different 
 """
 from __future__ import annotations
 
-import os
-import socket
 import time
-from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 import torch
@@ -40,19 +37,13 @@ import torch.nn.functional as F
 
 from rlrecipes import device as devmod
 from rlrecipes.engines.native import parallel as par
+from rlrecipes.engines import base
+from rlrecipes.engines.base import RolloutOutput, SamplingParams
+from rlrecipes.engines.native import CAPABILITIES
 from rlrecipes.engines.native.decode import FastDecoder, supports_fast_decode
 from rlrecipes.engines.native.loader import ModelSource, build_model
 from rlrecipes.core.swap import SwappedStorages
 from rlrecipes.engines.native.train import _resolve_dtype, resolve_device
-
-
-@dataclass
-class RolloutOutput:
-    """Per sample: response ids (1-D, unpadded, EOS included when emitted) and their log-probs."""
-
-    responses: list[torch.Tensor]
-    log_probs: list[torch.Tensor]
-    metrics: dict = field(default_factory=dict)
 
 
 def left_pad(prompts: Sequence[torch.Tensor], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,7 +99,7 @@ def sample_next(logits: torch.Tensor, *, temperature: float, top_k: int, top_p: 
     return tok, logp_all.gather(-1, tok[:, None]).squeeze(-1)
 
 
-class RolloutEngine:
+class NativeRolloutEngine(base.RolloutEngine):
     """Batched KV-cache sampler with its own (tp, ep) layout, ``dp = world // tp``, pp = 1.
 
     Args:
@@ -133,6 +124,8 @@ class RolloutEngine:
     Weights arrive from the resharder through :meth:`load_shards` in the ROLLOUT layout
     (docs/conventions.md slices for this rank); :meth:`shard_shapes` says what each rank expects.
     """
+
+    capabilities = CAPABILITIES
 
     def __init__(self, model: ModelSource, *, layout: tuple[int, int] = (1, 1),
                  device: torch.device | str | None = None, seed: int = 0, dtype: str | torch.dtype = "auto",
@@ -171,6 +164,26 @@ class RolloutEngine:
         self.prefill_path = ("fast" if prefill == "fast" and self._fast is not None and self._fast.fast_prefill
                              else "hf")
 
+    @classmethod
+    def create(cls, spec: base.EngineSpec) -> "NativeRolloutEngine":
+        return cls(spec.model, layout=(spec.tp, spec.ep), device=spec.device, seed=spec.seed, dtype=spec.dtype)
+
+    @property
+    def dp_rank(self) -> int:
+        return self.mesh.dp_rank
+
+    @property
+    def dp_size(self) -> int:
+        return self.mesh.dp
+
+    @property
+    def is_data_leader(self) -> bool:
+        return self.mesh.tp_rank == 0
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        return self.dtype
+
     def _group_seed(self, seed: int) -> int:
         return int(seed) + 1_000_003 * self.mesh.dp_rank
 
@@ -204,6 +217,10 @@ class RolloutEngine:
             par.copy_shard_(targets[name], value, name)
             n += 1
         return n
+
+    def update_weights(self, buckets) -> None:
+        for bucket in buckets:
+            self.load_shards(bucket)
 
     # ----------------------------------------------------------------------------- memory
     def sleep(self, *, weights: bool = False) -> None:
@@ -277,7 +294,12 @@ class RolloutEngine:
         return logits, step
 
     @torch.no_grad()
-    def generate(self, prompts: Sequence[torch.Tensor], *, max_new_tokens: int, temperature: float = 1.0,
+    def generate(self, prompts: Sequence[torch.Tensor], params: SamplingParams, *, seed: int) -> RolloutOutput:
+        return self.sample(prompts, max_new_tokens=params.max_new_tokens, temperature=params.temperature,
+                           top_p=params.top_p, top_k=max(params.top_k, 0), eos_token_id=params.eos_token_id,
+                           pad_token_id=params.pad_token_id, seed=seed)
+
+    def sample(self, prompts: Sequence[torch.Tensor], *, max_new_tokens: int, temperature: float = 1.0,
                  top_p: float = 1.0, top_k: int = 0, eos_token_id: int | Sequence[int] | None = None,
                  pad_token_id: int = 0, seed: int | None = None) -> RolloutOutput:
         """Sample up to ``max_new_tokens`` per prompt (list of 1-D token tensors, any lengths).
@@ -286,7 +308,7 @@ class RolloutEngine:
         the generator first (reproducible calls); otherwise the engine's stream continues.
         """
         if self._sleeping_weights is not None:
-            raise RuntimeError("generate() on a sleeping engine: call wake() first")
+            raise RuntimeError("sample() on a sleeping engine: call wake() first")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
         if seed is not None:
@@ -351,87 +373,4 @@ class RolloutEngine:
                                                 "rollout/steps": steps})
 
 
-# ---------------------------------------------------------------------------------------------
-# Benchmark helper
-# ---------------------------------------------------------------------------------------------
-def ensure_process_group(device_type: str | None = None) -> bool:
-    """Initialise a 1-process group when none exists (benchmarks, notebooks). True if it did."""
-    if dist.is_initialized():
-        return False
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group(devmod.comm_backend(device_type), rank=0, world_size=1)
-    return True
-
-
-def bench_vs_generate(model: ModelSource, *, batch: int = 16, prompt_len: int = 32, max_new_tokens: int = 128,
-                      device: torch.device | str | None = None, dtype: str | torch.dtype = "auto",
-                      cache: str = "static", seed: int = 0, repeats: int = 2, warmup: bool = True) -> dict:
-    """Tokens/s of :class:`RolloutEngine` vs ``transformers`` ``model.generate`` on the same model and batch.
-
-    Method (fair by construction):
-
-    * the same model object (``eng.model``: same weights, dtype, device, attention backend) and
-      the same ``batch`` random prompts of ``prompt_len`` tokens, no padding;
-    * the same sampling: temperature 1, no top-k / top-p, no EOS (HF: ``eos_token_id=None`` and
-      ``min_new_tokens = max_new_tokens``), so both produce exactly ``batch * max_new_tokens``
-      tokens; both use a KV cache (native: its ``cache`` kind; HF: ``generate``'s default);
-    * the timed region is the whole call (prefill + decode + sampling + output assembly), with a
-      device synchronize on both sides; tokens/s = ``batch * max_new_tokens / seconds``;
-    * one warm-up call of each, then ``repeats`` rounds, each running native then HF back to back
-      (interleaved, so a noisy shared host slows both alike); the best (minimum) time of each
-      side is reported and ``speedup = t_hf / t_native``.
-
-    Single process (tp=1); initialises a 1-process group if needed. For stable numbers on CPU run
-    with one thread (``OMP_NUM_THREADS=1``, ``torch.set_num_threads(1)``) on a quiet machine.
-    Returns ``{"native_tokens_per_s", "hf_generate_tokens_per_s", "speedup", ...}``.
-    """
-    created = ensure_process_group(None if device is None else resolve_device(device).type)
-    try:
-        eng = RolloutEngine(model, layout=(1, 1), device=device, seed=seed, dtype=dtype, cache=cache)
-        g = torch.Generator().manual_seed(seed)
-        vocab = eng.config.vocab_size
-        prompts = [torch.randint(1, vocab, (prompt_len,), generator=g) for _ in range(batch)]
-        ids = torch.stack(prompts).to(eng.device)  # [B, P]
-        am = torch.ones_like(ids)
-        hf = eng.model
-        n_tok = batch * max_new_tokens
-
-        def run_native():
-            return eng.generate(prompts, max_new_tokens=max_new_tokens, temperature=1.0, seed=seed)
-
-        def run_hf():
-            hf.generation_config.eos_token_id = None
-            return hf.generate(input_ids=ids, attention_mask=am, do_sample=True, temperature=1.0, top_k=0,
-                               top_p=1.0, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-                               pad_token_id=0, eos_token_id=None)
-
-        def once(fn):
-            devmod.synchronize(eng.device)
-            t = time.perf_counter()
-            fn()
-            devmod.synchronize(eng.device)
-            return time.perf_counter() - t
-
-        if warmup:
-            run_native()
-            run_hf()
-        t_native = t_hf = float("inf")
-        for _ in range(repeats):  # interleaved, best of each: fair under a noisy shared host
-            t_native = min(t_native, once(run_native))
-            t_hf = min(t_hf, once(run_hf))
-        return {"native_tokens_per_s": n_tok / t_native, "hf_generate_tokens_per_s": n_tok / t_hf,
-                "speedup": t_hf / t_native, "batch": batch, "prompt_len": prompt_len,
-                "max_new_tokens": max_new_tokens, "cache": cache, "device": str(eng.device),
-                "dtype": str(eng.dtype).replace("torch.", ""), "family": eng.dims.family,
-                "decode": eng.decode_path, "repeats": repeats}
-    finally:
-        if created:
-            dist.destroy_process_group()
-
-
-__all__ = ["RolloutEngine", "RolloutOutput", "bench_vs_generate", "ensure_process_group", "left_pad",
-           "sample_next"]
+__all__ = ["NativeRolloutEngine", "left_pad", "sample_next"]

@@ -24,19 +24,21 @@ import math
 import os
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 
 from rlrecipes import device as devmod
-from rlrecipes.engines.native import parallel as par
+from rlrecipes.algos.logprobs import logprobs_and_entropy
 from rlrecipes.core.swap import SwappedStorages
+from rlrecipes.engines import base
+from rlrecipes.engines.base import LossFn, SeqBatch
+from rlrecipes.engines.native import CAPABILITIES
+from rlrecipes.engines.native import parallel as par
+from rlrecipes.engines.native.batching import micro_batches, pad_sequences
 from rlrecipes.engines.native.loader import ModelSource, build_model, save_hf_folder, source_folder
-
-LossFn = Callable[[torch.Tensor, "torch.Tensor | None", Mapping[str, Any]], "tuple[torch.Tensor, dict]"]
 
 
 def resolve_device(device: torch.device | str | None) -> torch.device:
@@ -61,7 +63,7 @@ def response_len_of(mb: Mapping[str, Any]) -> int:
                    f"got keys {sorted(mb)}")
 
 
-class TrainEngine:
+class NativeTrainEngine(base.TrainEngine):
     """HF model + DTensor TP + EP (inside TP) + FSDP2 over a (dp, tp) DeviceMesh of the whole world.
 
     Args:
@@ -80,15 +82,18 @@ class TrainEngine:
             gradient reduction and optimizer state stay fp32 (FSDP2 mixed precision).
         fsdp: wrap with FSDP2; default: when ``dp > 1`` or the actor computes in low precision.
         attn_implementation: HF attention backend (``"sdpa"`` or ``"eager"``).
+        micro_batch_size: samples per forward/backward in :meth:`forward` / :meth:`train_step`.
+        pad_token_id: token id written at padded positions (masked out; any id works).
     """
 
     metric_prefix = "actor"
+    capabilities = CAPABILITIES
 
     def __init__(self, model: ModelSource, *, role: str = "actor", layout: tuple[int, int] = (1, 1),
                  device: torch.device | str | None = None, lr: float = 1e-6, weight_decay: float = 0.0,
                  grad_clip: float = 1.0, seed: int = 0, dtype: str | torch.dtype = "auto",
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, fsdp: bool | None = None,
-                 attn_implementation: str = "sdpa"):
+                 attn_implementation: str = "sdpa", micro_batch_size: int = 4, pad_token_id: int = 0):
         if role not in ("actor", "ref", "critic"):
             raise ValueError(f"role={role!r}: expected 'actor', 'ref' or 'critic'")
         layout = tuple(layout)
@@ -124,6 +129,41 @@ class TrainEngine:
         self.grad_clip = grad_clip
         self.step = 0
         self._offloaded: list | None = None
+        self.micro_batch_size, self.pad_token_id = int(micro_batch_size), int(pad_token_id)
+
+    @classmethod
+    def create(cls, spec: base.EngineSpec) -> "NativeTrainEngine":
+        """The engine for ``spec.role`` (``critic`` builds :class:`NativeValueEngine`)."""
+        if spec.pp != 1:
+            raise ValueError(f"{spec.role}: the native engine has no pipeline parallelism (PP{spec.pp})")
+        klass = NativeValueEngine if spec.role == "critic" else cls
+        return klass(spec.model, role=spec.role, layout=(spec.tp, spec.ep), device=spec.device, lr=spec.lr,
+                     weight_decay=spec.weight_decay, grad_clip=spec.grad_clip, seed=spec.seed, dtype=spec.dtype,
+                     micro_batch_size=spec.micro_batch_size, pad_token_id=spec.options.get("pad_token_id", 0))
+
+    # ----------------------------------------------------------------------------- layout
+    @property
+    def dp_rank(self) -> int:
+        return self.mesh.dp_rank
+
+    @property
+    def dp_size(self) -> int:
+        return self.mesh.dp
+
+    @property
+    def is_data_leader(self) -> bool:
+        return self.mesh.tp_rank == 0
+
+    def model_parallel_group(self):
+        if self.mesh.tp == 1:
+            return None, dist.get_rank()
+        group = self.mesh.tp_mesh.get_group()
+        return group, dist.get_global_rank(group, 0)
+
+    def param_specs(self) -> list:
+        from rlrecipes.models import param_specs
+
+        return param_specs(self.dims)
 
     # ----------------------------------------------------------------------------- model hooks
     def _adapt_model(self, model: nn.Module) -> nn.Module:
@@ -132,13 +172,8 @@ class TrainEngine:
 
     def _head_output(self, logits: torch.Tensor, targets: torch.Tensor, temperature: float,
                      with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        logits = logits.float()  # [b, R, V]
-        if temperature != 1.0:
-            logits = logits / temperature
-        logp_all = F.log_softmax(logits, dim=-1)  # [b, R, V]
-        logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # [b, R]
-        entropy = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else None  # [b, R]
-        return logp, entropy
+        # chunked: no full fp32 [b, R, V] log-softmax (GBs per micro-batch at a 152k vocabulary)
+        return logprobs_and_entropy(logits, targets, temperature=temperature, with_entropy=with_entropy)
 
     def _forward(self, mb: Mapping[str, Any], temperature: float = 1.0,
                  with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -176,12 +211,30 @@ class TrainEngine:
             self.model.train()
         return torch.cat(outs), (torch.cat(ents) if with_entropy else None)
 
+    def forward(self, batch: SeqBatch, *, with_entropy: bool = False):
+        """Interface forward: per-sample ``[R_i]`` log-probs (values for a critic) on the host."""
+        if not len(batch):
+            return [], ([] if with_entropy else None)
+        mb = pad_sequences(batch.prompts, batch.responses, self.pad_token_id)
+        out, ent = self.log_probs(mb, with_entropy=with_entropy, micro_batch_size=self.micro_batch_size)
+        lens = [int(r.numel()) for r in batch.responses]
+        cut = lambda t: [t[i, :n].detach().cpu() for i, n in enumerate(lens)]  # noqa: E731
+        return cut(out), (cut(ent) if ent is not None else None)
+
     # ----------------------------------------------------------------------------- training
     def _params(self) -> list[torch.Tensor]:
         return [p for p in self.model.parameters() if p.requires_grad]
 
-    def train_step(self, micro_batches: Sequence[Mapping[str, Any]], loss_fn: LossFn, *,
-                   temperature: float = 1.0, with_entropy: bool = False, loss_scale: str = "mean") -> dict:
+    def train_step(self, batch: SeqBatch, loss_fn: LossFn, *, with_entropy: bool = False) -> dict:
+        """Interface step: padded micro-batches of ``micro_batch_size`` samples (the same count on
+        every rank), the closure's losses summed (``loss_scale="sum"``, see the module docstring)."""
+        mbs = micro_batches(batch, self.micro_batch_size, self.pad_token_id)
+        if not mbs:
+            return {f"{self.metric_prefix}/skipped_step": 1.0}
+        return self.train_micro_batches(mbs, loss_fn, with_entropy=with_entropy, loss_scale="sum")
+
+    def train_micro_batches(self, micro_batches: Sequence[Mapping[str, Any]], loss_fn: LossFn, *,
+                            temperature: float = 1.0, with_entropy: bool = False, loss_scale: str = "mean") -> dict:
         """Forward/backward every micro-batch, clip, AdamW step; returns metrics.
 
         ``loss_fn(logp [b, R], entropy [b, R] | None, micro_batch) -> (loss, metrics)``.
@@ -191,9 +244,9 @@ class TrainEngine:
         over micro-batches.
         """
         if not self.trainable:
-            raise RuntimeError(f"train_step on a {self.role!r} engine: only actor/critic engines train")
+            raise RuntimeError(f"training on a {self.role!r} engine: only actor/critic engines train")
         if not micro_batches:
-            raise ValueError("train_step: no micro-batches")
+            raise ValueError("train_micro_batches: no micro-batches")
         if loss_scale not in ("mean", "sum"):
             raise ValueError(f"loss_scale={loss_scale!r}: expected 'mean' or 'sum'")
         self.model.train()
@@ -227,7 +280,8 @@ class TrainEngine:
         self.optimizer.zero_grad(set_to_none=True)
         p = self.metric_prefix
         out = {f"{p}/loss": float(torch.stack(losses).mean()), f"{p}/grad_norm": float(grad_norm),
-               f"{p}/lr": self.optimizer.param_groups[0]["lr"], f"{p}/skipped_step": float(skipped)}
+               f"{p}/lr": self.optimizer.param_groups[0]["lr"], f"{p}/skipped_step": float(skipped),
+               f"{p}/micro_batches": n}
         out.update({k: sum(v) / len(v) for k, v in acc.items()})
         return out
 
@@ -334,7 +388,7 @@ class TrainEngine:
             self._offloaded = None
 
 
-class ValueEngine(TrainEngine):
+class NativeValueEngine(NativeTrainEngine):
     """PPO critic: the HF backbone + ``Linear(hidden, 1)`` per token (the ``lm_head`` slot).
 
     Same batches as the actor; ``values(batch) -> [B, R]`` are read at the same positions as the
@@ -367,8 +421,8 @@ class ValueEngine(TrainEngine):
         """Per-token values ``[B, R]`` (fp32)."""
         return self.log_probs(batch, micro_batch_size=micro_batch_size)[0]
 
-    def export_hf(self, folder, *, dtype=None):  # pragma: no cover - a critic is not an HF LM
-        raise NotImplementedError("a critic has a value head, not an LM head: use save()/load() (DCP)")
+    def export_hf(self, folder, *, dtype=None):
+        raise TypeError("a critic has a value head, not an LM head: use save()/load() (DCP)")
 
 
-__all__ = ["LossFn", "TrainEngine", "ValueEngine", "resolve_device", "response_len_of"]
+__all__ = ["NativeTrainEngine", "NativeValueEngine", "resolve_device", "response_len_of"]

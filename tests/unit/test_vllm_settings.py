@@ -1,6 +1,6 @@
 import pytest
 
-from rlrecipes.core.inference import InferenceConfigError, parse_version, render
+from rlrecipes.engines.vllm.settings import InferenceConfigError, parse_version, render
 from rlrecipes.recipe import InferenceSettings, load_recipe
 
 

@@ -1,6 +1,6 @@
 """Single-process GRPO check that the smoke task is learnable by a tiny random model on CPU.
 
-Run: ``python -m rlrecipes.data._smoke_check --steps 30``. Prints one JSON line per step and a
+Run: ``python benchmarks/smoke_task_check.py --steps 30``. Prints one JSON line per step and a
 summary with the mean reward of the first 5 and the last 5 steps. Plain torch + rlrecipes.algos,
 a transformers Qwen2 model built from config (hidden 64, 2 layers, 4 heads, vocab 32), sampling
 with a simple loop. Not used by tests (it takes minutes); it documents how the task was chosen.

@@ -1,0 +1,264 @@
+"""The two engine interfaces the workflow sees: a train engine and a rollout engine.
+
+The workflow (``rlrecipes/workflow``) talks to engines only through this module and
+``engines/registry.py``; it never imports a backend. A backend (``native``, ``vllm``,
+``megatron``) lives in ``engines/<name>/`` and declares its :class:`Capabilities` in that
+package's ``__init__`` without importing its heavy dependencies, so ``rlrecipes plan`` can check a
+layout against an engine on a laptop that does not have the engine installed.
+
+Data contract (engine-neutral). Samples travel as unpadded token sequences (:class:`SeqBatch`);
+each engine forms its own micro-batches (padding, packing, pipeline micro-batches). Per-token
+columns (``old_log_probs``, ``ref_log_probs``, ``values``, ``returns``, token-level
+``advantages``) are 1-D tensors aligned with each response; per-sample columns (outcome
+``advantages``) are one number per sample and are broadcast over the response by the engine.
+
+Loss contract. ``train_step(batch, loss_fn)`` calls ``loss_fn(out, entropy, mb)`` once per
+micro-batch, where ``out`` is the per-token log-prob (actor) or value (critic) of the response
+tokens, ``entropy`` is the per-token entropy or None, and ``mb`` maps ``response_mask`` and
+every column of the batch to tensors of ``out``'s shape (a padded ``[b, R]`` block or a packed
+``[1, tokens]`` row: the loss must only rely on the shapes agreeing). The closure returns this
+micro-batch's share of the *global* loss (normalised with global token/sequence counts); the
+engine back-propagates it as returned and then *averages* gradients over the data-parallel ranks
+(FSDP2 and megatron DDP both average), so a closure that wants a global sum multiplies by the DP
+size. Every DP rank runs the same number of micro-batches (the engine pads a short rank with
+zero-weight micro-batches), so collectives stay in step.
+"""
+from __future__ import annotations
+
+import abc
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, ClassVar, Iterable, Mapping, Optional, Sequence
+
+import torch
+
+LossFn = Callable[[torch.Tensor, Optional[torch.Tensor], Mapping[str, Any]], "tuple[torch.Tensor, dict]"]
+
+
+# ---------------------------------------------------------------------------------------------
+# what an engine can do (checked by `plan`, before anything is placed)
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend supports; ``plan`` checks every recipe layout against it."""
+
+    name: str
+    roles: frozenset[str]
+    """``{"train"}``, ``{"rollout"}`` or both."""
+    pipeline_parallel: bool = False
+    """Train layouts with PP > 1 (uneven layer splits included)."""
+    expert_parallel: bool = False
+    """EP > 1 for MoE models."""
+    ep_within_tp: bool = False
+    """EP groups must sit inside the TP group (EP divides TP), as in the native engine."""
+    expert_tensor_parallel: bool = False
+    """Experts are split over TP as well (megatron's expert-TP); the planner's memory model uses it."""
+    separate_ref_layout: bool = False
+    """The reference model / critic may use a layout other than the actor's."""
+    devices: tuple[str, ...] = ("cpu", "cuda", "npu")
+    """Device types the backend runs on."""
+    dtypes: tuple[str, ...] = ("auto", "bf16", "fp16", "fp32")
+    """Compute dtypes it accepts (``recipe.model.dtype``)."""
+    requires: tuple[str, ...] = ()
+    """Python modules that must import for the backend to run (checked without importing them)."""
+    requires_by_device: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    """Extra modules per device type, e.g. ``(("npu", ("mindspeed",)),)``."""
+    install: str = ""
+    """How to install what ``requires`` names (shown when it is missing)."""
+    implemented: bool = True
+    """False while a backend is declared but not written: ``plan`` reports it and ``run`` refuses."""
+
+
+# ---------------------------------------------------------------------------------------------
+# engine-neutral data
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class SeqBatch:
+    """Samples as unpadded sequences: prompt ids ``[P_i]`` and response ids ``[R_i]`` per sample.
+
+    ``per_token[c][i]`` has shape ``[R_i]``; ``per_sample[c]`` has shape ``[n]``.
+    """
+
+    prompts: list[torch.Tensor]
+    responses: list[torch.Tensor]
+    per_token: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    per_sample: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def subset(self, idx: Sequence[int]) -> "SeqBatch":
+        sel = torch.tensor(list(idx), dtype=torch.long)
+        return SeqBatch([self.prompts[i] for i in idx], [self.responses[i] for i in idx],
+                        {c: [v[i] for i in idx] for c, v in self.per_token.items()},
+                        {c: v[sel] for c, v in self.per_sample.items()})
+
+    def response_tokens(self) -> int:
+        return sum(int(r.numel()) for r in self.responses)
+
+    def prompt_tokens(self) -> int:
+        return sum(int(p.numel()) for p in self.prompts)
+
+
+@dataclass
+class SamplingParams:
+    """What one ``generate`` call samples with (from ``rollout.sampling`` and the tokenizer)."""
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    """0 or negative: no top-k restriction."""
+    eos_token_id: Optional[int] = None
+    pad_token_id: int = 0
+
+
+@dataclass
+class RolloutOutput:
+    """Per sample: response ids (1-D, unpadded, EOS included when emitted) and their log-probs."""
+
+    responses: list[torch.Tensor]
+    log_probs: list[torch.Tensor]
+    metrics: dict = field(default_factory=dict)
+
+
+@dataclass
+class EngineSpec:
+    """Everything a backend needs to build one role on one worker (from the resolved recipe)."""
+
+    model: Any
+    """``ModelDims`` (smoke: built from config, seeded) or a local HF folder path."""
+    role: str
+    """``actor``, ``ref``, ``critic`` (train engines) or ``rollout``."""
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    pp_layers: Optional[list[int]] = None
+    device: Optional[torch.device] = None
+    dtype: str = "auto"
+    seed: int = 0
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    micro_batch_size: int = 4
+    """Samples per forward/backward (a token budget may replace it in engines that pack)."""
+    max_tokens_per_micro_batch: Optional[int] = None
+    """Token budget per micro-batch for engines that pack sequences (None: use micro_batch_size)."""
+    recompute: bool = False
+    offload_optimizer: bool = False
+    options: dict = field(default_factory=dict)
+    """Backend-specific settings (e.g. the rollout's inference settings)."""
+
+
+class _Parallel(abc.ABC):
+    """Where this rank sits in its engine's data-parallel layout."""
+
+    @property
+    @abc.abstractmethod
+    def dp_rank(self) -> int: ...
+
+    @property
+    @abc.abstractmethod
+    def dp_size(self) -> int: ...
+
+    @property
+    @abc.abstractmethod
+    def is_data_leader(self) -> bool:
+        """True on the one rank of each DP group that reads/writes the dock for the group."""
+
+    def model_parallel_group(self) -> tuple[Any, int]:
+        """``(process group, global rank of the data leader)`` of the ranks that must see the same
+        batch (TP x PP peers), or ``(None, this rank)`` when the group is this rank alone."""
+        return None, int(os.environ.get("RANK", "0"))
+
+
+# ---------------------------------------------------------------------------------------------
+# the interfaces
+# ---------------------------------------------------------------------------------------------
+class TrainEngine(_Parallel):
+    """A trainable (actor, critic) or frozen (ref) model in the TRAIN layout."""
+
+    capabilities: ClassVar[Capabilities]
+
+    @abc.abstractmethod
+    def forward(self, batch: SeqBatch, *, with_entropy: bool = False
+                ) -> tuple[list[torch.Tensor], Optional[list[torch.Tensor]]]:
+        """Per sample ``[R_i]`` log-probs of the response tokens (values for a critic), fp32 on the
+        host, and the entropy likewise (or None). No gradient. Collective over model-parallel peers."""
+
+    @abc.abstractmethod
+    def train_step(self, batch: SeqBatch, loss_fn: LossFn, *, with_entropy: bool = False) -> dict:
+        """Forward/backward over micro-batches of ``batch``, clip, one optimizer step.
+
+        Returns ``<role>/loss``, ``<role>/grad_norm``, ``<role>/lr``, ``<role>/skipped_step`` (1.0
+        when a non-finite loss or gradient skipped the update on every rank),
+        ``<role>/micro_batches`` (how many ran on every rank) and the closure's metrics averaged
+        over those micro-batches. Collective on every rank, even one with no samples."""
+
+    @abc.abstractmethod
+    def set_lr(self, lr: float) -> None: ...
+
+    # ---- weights for the resharder
+    @abc.abstractmethod
+    def param_specs(self) -> list:
+        """``core.resharder`` ParamSpecs of the weights :meth:`local_shards` yields (train layout)."""
+
+    @abc.abstractmethod
+    def local_shards(self) -> Mapping[str, torch.Tensor]:
+        """This rank's shard of every weight in the TRAIN layout, named as in :meth:`param_specs`."""
+
+    def reshard_group(self) -> Any:
+        """The process group the resharder runs its collectives in (None: the default world)."""
+        return None
+
+    # ---- memory, persistence, export
+    @abc.abstractmethod
+    def offload(self) -> None:
+        """Move weights, grads and optimizer state to host memory (a no-op where host is the device)."""
+
+    @abc.abstractmethod
+    def onload(self) -> None: ...
+
+    @abc.abstractmethod
+    def save(self, path: str | os.PathLike) -> None:
+        """Sharded checkpoint of weights and optimizer state (every rank writes its part)."""
+
+    @abc.abstractmethod
+    def load(self, path: str | os.PathLike) -> None: ...
+
+    @abc.abstractmethod
+    def export_hf(self, folder: str | os.PathLike) -> Path:
+        """Write the model as an HF folder (safetensors + config) that transformers loads. Collective."""
+
+
+class RolloutEngine(_Parallel):
+    """Generates responses in the ROLLOUT layout; its weights arrive from the resharder."""
+
+    capabilities: ClassVar[Capabilities]
+
+    @property
+    @abc.abstractmethod
+    def weight_dtype(self) -> torch.dtype:
+        """The dtype its weights are held in (the resharder sends this dtype)."""
+
+    @abc.abstractmethod
+    def generate(self, prompts: Sequence[torch.Tensor], params: SamplingParams, *, seed: int) -> RolloutOutput:
+        """Sample one response per prompt (1-D token tensors in, any lengths). The same ``seed``
+        on the same weights gives the same responses. Collective over the rollout TP group."""
+
+    @abc.abstractmethod
+    def update_weights(self, buckets: Iterable[Sequence[tuple[str, torch.Tensor]]]) -> None:
+        """Load ``(name, tensor in ROLLOUT layout)`` buckets in place, one bucket at a time (never
+        a second full copy); caches that depend on the weights (prefix cache) are invalidated."""
+
+    @abc.abstractmethod
+    def sleep(self) -> None:
+        """Free the KV cache (and whatever the platform can release) until :meth:`wake`."""
+
+    @abc.abstractmethod
+    def wake(self) -> None: ...
+
+
+__all__ = ["Capabilities", "EngineSpec", "LossFn", "RolloutEngine", "RolloutOutput", "SamplingParams", "SeqBatch",
+           "TrainEngine"]

@@ -1,0 +1,18 @@
+"""megatron-core train engine (with MindSpeed on Ascend): PP / EP / expert-TP training at scale.
+
+Declared here so ``plan`` sizes the recipes that pin it; the engine itself is not written yet
+(``CAPABILITIES.implemented`` is False), so ``run`` refuses it before placing anything.
+"""
+from __future__ import annotations
+
+from ..base import Capabilities
+
+CAPABILITIES = Capabilities(
+    name="megatron", roles=frozenset({"train"}), pipeline_parallel=True, expert_parallel=True,
+    expert_tensor_parallel=True, separate_ref_layout=True, devices=("cuda", "npu"),
+    dtypes=("auto", "bf16", "fp16", "fp32"), requires=("megatron.core",),
+    requires_by_device=(("npu", ("mindspeed", "torch_npu")),),
+    install="pip install -e '.[megatron]' (CUDA) or '.[ascend]' plus MindSpeed from source (docs/ascend.md)",
+    implemented=False)
+TRAIN = None
+ROLLOUT = None

@@ -1,0 +1,95 @@
+"""Engine names used in recipes (``actor.engine``, ``rollout.engine``) -> backends, loaded lazily.
+
+Each backend package (``engines/<name>/__init__.py``) declares, without importing its heavy
+dependencies:
+
+* ``CAPABILITIES`` — a :class:`~rlrecipes.engines.base.Capabilities`;
+* ``TRAIN`` / ``ROLLOUT`` — ``"module:Class"`` of its train / rollout engine, or None.
+
+``problems(name, role, device)`` is what ``plan`` reports before anything is placed: an unknown
+name, a backend that is declared but not written, a role or device it does not serve, or a
+package that is not installed (with the command that installs it). ``plan`` on a laptop still
+prints the layout; ``run`` refuses while any problem remains.
+"""
+from __future__ import annotations
+
+import difflib
+import importlib
+import importlib.util
+from types import ModuleType
+
+from .base import Capabilities, EngineSpec, RolloutEngine, TrainEngine
+
+BACKENDS: dict[str, str] = {
+    "native": "rlrecipes.engines.native",
+    "vllm": "rlrecipes.engines.vllm",
+    "megatron": "rlrecipes.engines.megatron",
+}
+
+
+class EngineError(ValueError):
+    """An engine cannot serve a role here (not registered, not written, not installed, wrong device)."""
+
+
+def _package(name: str) -> ModuleType:
+    if name not in BACKENDS:
+        close = difflib.get_close_matches(name, BACKENDS, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise EngineError(f"unknown engine {name!r}: choose one of {', '.join(BACKENDS)}{hint}")
+    return importlib.import_module(BACKENDS[name])
+
+
+def capabilities(name: str) -> Capabilities:
+    return _package(name).CAPABILITIES
+
+
+def missing_modules(name: str, device: str) -> list[str]:
+    """Modules the backend needs on ``device`` that do not import here (checked without importing)."""
+    caps = capabilities(name)
+    need = list(caps.requires) + [m for d, mods in caps.requires_by_device if d == device for m in mods]
+    return [m for m in need if importlib.util.find_spec(m) is None]
+
+
+def problems(name: str, role: str, device: str | None = None, *, installed: bool = True) -> list[str]:
+    """Why ``name`` cannot serve ``role`` ("train" or "rollout") on ``device``; empty when it can.
+
+    ``installed=False`` skips the installed-package check (``plan`` for another machine)."""
+    try:
+        caps = capabilities(name)
+    except EngineError as e:
+        return [str(e)]
+    out = []
+    if not caps.implemented:
+        out.append(f"engine {name!r} is declared but not written in this release; use the native engine")
+    if role not in caps.roles:
+        out.append(f"engine {name!r} has no {role} engine (it serves: {', '.join(sorted(caps.roles))})")
+    if device is not None and device != "auto" and device not in caps.devices:
+        out.append(f"engine {name!r} does not run on {device} (it runs on: {', '.join(caps.devices)})")
+    if installed and caps.implemented and device is not None:
+        miss = missing_modules(name, device)
+        if miss:
+            out.append(f"engine {name!r} needs {', '.join(miss)}, not installed here: {caps.install}")
+    return out
+
+
+def _load(name: str, role: str) -> type:
+    pkg = _package(name)
+    path = getattr(pkg, "TRAIN" if role == "train" else "ROLLOUT", None)
+    found = problems(name, role, None, installed=False)
+    if path is None or found:
+        raise EngineError("; ".join(found) or f"engine {name!r} has no {role} engine")
+    module, cls = path.split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def build_train_engine(name: str, spec: EngineSpec) -> TrainEngine:
+    """The backend's train engine for ``spec.role`` (actor, ref or critic)."""
+    return _load(name, "train").create(spec)
+
+
+def build_rollout_engine(name: str, spec: EngineSpec) -> RolloutEngine:
+    return _load(name, "rollout").create(spec)
+
+
+__all__ = ["BACKENDS", "EngineError", "build_rollout_engine", "build_train_engine", "capabilities",
+           "missing_modules", "problems"]

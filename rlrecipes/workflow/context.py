@@ -1,0 +1,139 @@
+"""What one worker holds for a run: data, reward, engines, resharder, TensorCache, the stage DAG.
+
+Built once by :func:`build_context` after the process group is up. Engines come from
+``engines/registry.py`` by the names the recipe gives (``actor.engine``, ``rollout.engine``) and
+are used only through ``engines/base.py``; nothing here knows a backend.
+
+Colocated ("integrated") workers: each holds the actor and reference model (train layout), the
+critic for PPO, and the rollout engine (rollout layout) on its device, in one torch.distributed
+world. Trained weights reach the rollout layout through the Resharder every step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+from ..algos import make_kl_controller, mini_batches_per_rollout, resolve_skip_old_log_prob
+from ..algos.spec import Stage, get_algorithm
+from ..core.resharder import Layout, Resharder, plan_reshard
+from ..core.tensor_cache import TensorCache
+from ..engines.base import EngineSpec, RolloutEngine, TrainEngine
+from ..engines.registry import build_rollout_engine, build_train_engine
+from ..metrics import StageTimer
+from ..recipe import Recipe
+
+
+@dataclass
+class Context:
+    """Per-worker state shared by the stages (``workflow/stages.py``)."""
+
+    rank: int
+    world: int
+    recipe: Recipe
+    run_dir: Path
+    device: torch.device
+    dock: Any
+    progress: Any
+    tokenizer: Any = None
+    dataset: Any = None
+    sampler: Any = None
+    reward_fn: Optional[Callable] = None
+    eos_id: Optional[int] = None
+    pad_id: int = 0
+    data_skipped: int = 0
+    actor: Optional[TrainEngine] = None
+    ref: Optional[TrainEngine] = None
+    critic: Optional[TrainEngine] = None
+    rollout: Optional[RolloutEngine] = None
+    use_ref: bool = False
+    skip_old: bool = False
+    n_mini: int = 1
+    stages: list[Stage] = field(default_factory=list)
+    kl_ctl: Any = None
+    reshard_plan: Any = None
+    resharder: Optional[Resharder] = None
+    cache: Optional[TensorCache] = None
+    timer: StageTimer = field(default_factory=StageTimer)
+    step: int = -1
+    stage: str = "init"
+
+    def report(self, stage: str) -> None:
+        """Rank 0 tells the driver which stage runs (the live view and failure messages use it)."""
+        self.stage = stage
+        if self.rank == 0 and self.progress is not None:
+            self.progress.stage.remote(self.step, stage)
+
+
+def load_data(ctx: Context) -> None:
+    """Tokenizer, prompt rows, dataset, sampler and reward function (identical on every rank)."""
+    from transformers import AutoTokenizer
+
+    from ..data import PromptDataset, PromptSampler, load_prompt_rows, smoke_task_dataset
+    from ..rewards import resolve_reward
+
+    r = ctx.recipe
+    tok_dir = r.model.tokenizer or (str(ctx.run_dir / "tokenizer") if r.model.smoke is not None else r.model.path)
+    ctx.tokenizer = AutoTokenizer.from_pretrained(tok_dir, local_files_only=True)
+    if r.data.synthetic:
+        rows = smoke_task_dataset(r.data.synthetic_size, seed=r.trainer.seed, task=r.data.synthetic,
+                                  num_digits=r.data.synthetic_digits)
+    else:
+        rows = []
+        for f in r.data.train_files:  # the driver made data paths absolute
+            got, skipped = load_prompt_rows(f, prompt_key=r.data.prompt_key, answer_key=r.data.answer_key,
+                                            on_malformed=r.data.on_malformed)
+            rows += got
+            ctx.data_skipped += skipped
+    if not r.data.apply_chat_template:
+        ctx.tokenizer.chat_template = None
+    ctx.dataset = PromptDataset(rows, ctx.tokenizer, max_prompt_len=r.data.max_prompt_length)
+    ctx.sampler = PromptSampler(len(ctx.dataset), seed=r.trainer.seed, shuffle=r.data.shuffle)
+    ctx.reward_fn = resolve_reward(r.reward.fn)
+    ctx.eos_id = ctx.tokenizer.eos_token_id
+    ctx.pad_id = ctx.tokenizer.pad_token_id if ctx.tokenizer.pad_token_id is not None else ctx.eos_id
+
+
+def _spec(ctx: Context, role: str, layout, **kw) -> EngineSpec:
+    r = ctx.recipe
+    return EngineSpec(model=r.model.dims() if r.model.smoke is not None else r.model.path, role=role,
+                      tp=layout.tp, pp=layout.pp, ep=layout.ep, pp_layers=getattr(layout, "pp_layers", None),
+                      device=ctx.device, dtype=r.model.dtype, seed=r.trainer.seed,
+                      micro_batch_size=r.trainer.micro_batch,
+                      options={"pad_token_id": ctx.pad_id, **kw.pop("options", {})}, **kw)
+
+
+def build_engines(ctx: Context) -> None:
+    r, alg = ctx.recipe, ctx.recipe.algorithm
+    spec = get_algorithm(alg.name)
+    a = r.actor.layout
+    ctx.actor = build_train_engine(r.actor.engine, _spec(
+        ctx, "actor", a, lr=r.trainer.lr, weight_decay=r.actor.weight_decay, grad_clip=r.actor.grad_clip,
+        recompute=r.actor.recompute, offload_optimizer=r.actor.offload_optimizer))
+    ctx.use_ref = r.ref.enabled and (alg.use_kl_loss or alg.use_kl_in_reward)
+    if ctx.use_ref:
+        ctx.ref = build_train_engine(r.actor.engine, _spec(ctx, "ref", r.ref.layout or a))
+    if spec.needs_critic(alg):
+        ctx.critic = build_train_engine(r.actor.engine, _spec(ctx, "critic", r.critic.layout or a, lr=r.critic.lr,
+                                                               grad_clip=r.actor.grad_clip))
+    ctx.rollout = build_rollout_engine(r.rollout.engine, _spec(ctx, "rollout", r.rollout.layout,
+                                                               options={"inference": r.rollout.inference}))
+    ctx.n_mini = mini_batches_per_rollout(r.trainer.global_batch, r.trainer.mini_batch)
+    ctx.skip_old = resolve_skip_old_log_prob(alg.skip_old_log_prob, alg.ppo_epochs, ctx.n_mini)
+    ctx.stages = spec.stages(alg, use_ref=ctx.use_ref, skip_old=ctx.skip_old)
+    ctx.kl_ctl = make_kl_controller(alg.kl_controller, alg.kl_coef, alg.kl_target, alg.kl_horizon)
+
+
+def build_resharder(ctx: Context) -> None:
+    """Plan the train -> rollout weight flow from the train engine's own ParamSpecs."""
+    r, actor, roll = ctx.recipe, ctx.actor, ctx.rollout
+    a, ro = r.actor.layout, r.rollout.layout
+    pp_layers = tuple(a.pp_layers) if a.pp_layers else None
+    ctx.reshard_plan = plan_reshard(Layout(a.tp, a.pp, a.ep, actor.dp_size, pp_layers),
+                                    Layout(ro.tp, 1, ro.ep, roll.dp_size), actor.param_specs(),
+                                    dtype_bytes=torch.finfo(roll.weight_dtype).bits // 8)
+    ctx.resharder = Resharder(ctx.reshard_plan, r.resharding.strategy, bucket_mb=r.resharding.bucket_mb,
+                              group=actor.reshard_group())
+    ctx.cache = TensorCache(ctx.device, rank=ctx.rank)

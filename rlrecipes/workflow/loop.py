@@ -1,0 +1,101 @@
+"""One worker's controller loop over the algorithm's stage DAG, and the step's metrics row.
+
+Stages of one repeat group (DAPO's generation rounds) run again while dynamic sampling asks for
+more groups. After the stages, one all-gather of small per-rank facts lets rank 0 assemble the
+step's metrics row (docs/workflow.md lists the keys) and send it to the driver.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch.distributed as dist
+
+from .. import device as dev
+from ..metrics import COMPUTE_STAGES, StageTimer, dispatch_skew, tps_per_card
+from .context import Context
+from .stages import RUNNERS, StepState
+
+
+def run_stages(ctx: Context, st: StepState) -> None:
+    stages = ctx.stages
+    i = 0
+    while i < len(stages):
+        group = stages[i].repeat_group
+        j = i + 1
+        while group and j < len(stages) and stages[j].repeat_group == group:
+            j += 1
+        while True:
+            for stage in stages[i:j]:
+                ctx.report(stage.name)
+                with ctx.timer.stage(stage.name):
+                    RUNNERS[stage.runner](ctx, st)
+            if not (group and st.more):
+                break
+        i = j
+
+
+def train_step(ctx: Context, step: int) -> dict:
+    """One step on this worker; returns the metrics row on rank 0 (empty elsewhere)."""
+    r = ctx.recipe
+    ctx.timer = StageTimer()
+    t_step = time.time()
+    if ctx.rank == 0:
+        ctx.dock.reset(step)
+    ctx.cache.clear(step)
+    dist.barrier()
+    ctx.actor.onload()
+    st = StepState(step=step, target=r.trainer.global_batch)
+    run_stages(ctx, st)
+    step_s = time.time() - t_step
+    mem = dev.memory_stats(ctx.device)
+    t = ctx.timer
+    facts = {"starts": t.starts, "seconds": t.seconds, "compute": t.compute, "peak": mem.peak_bytes,
+             "reward_sum": st.reward_sum, "reward_n": st.reward_n, "errors": st.errors, "first_error": st.first_error}
+    gathered: list = [None] * ctx.world
+    dist.all_gather_object(gathered, facts)
+    if ctx.rank != 0:
+        return {}
+    row = metrics_row(ctx, st, gathered, step_s)
+    if ctx.progress is not None:
+        ctx.progress.metrics.remote(row)
+    return row
+
+
+def metrics_row(ctx: Context, st: StepState, gathered: list[dict], step_s: float) -> dict[str, Any]:
+    r = ctx.recipe
+    upd, crit = st.update, st.critic
+    cards = ctx.world / r.resources.dies_per_card
+    tokens = int(upd.get("tokens", 0))
+    rsum, rn = sum(g["reward_sum"] for g in gathered), sum(g["reward_n"] for g in gathered)
+    stages = {k: max(g["seconds"].get(k, 0.0) for g in gathered) for k in ctx.timer.seconds}
+    compute = sum(max(g["compute"].get(k, 0.0) for g in gathered) for k in COMPUTE_STAGES)
+    row = {
+        "step": st.step,
+        "perf/tokens": tokens,
+        "perf/tps_per_card": tps_per_card(tokens, step_s, cards),
+        **{f"timing_s/{k}": round(v, 4) for k, v in stages.items()},
+        "timing_s/step": round(step_s, 4),
+        "perf/dispatch_skew_s": round(dispatch_skew(g["starts"] for g in gathered), 4),
+        "perf/overhead_share": round(max(0.0, 1.0 - compute / step_s), 4) if step_s > 0 else 0.0,
+        "reward/mean": rsum / rn if rn else float("nan"),
+        "reward/errors": sum(g["errors"] for g in gathered),
+        "actor/loss": upd.get("actor/loss"),
+        "actor/pg_loss": upd.get("actor/pg_loss"),
+        "actor/kl": upd.get("actor/kl", 0.0),
+        "actor/clipfrac": upd.get("actor/clipfrac"),
+        "actor/grad_norm": upd.get("actor/grad_norm"),
+        "actor/skipped_step": upd.get("actor/skipped_step", 0.0),
+        "response_length/mean": upd.get("response_tokens", 0) / max(upd.get("samples", 0), 1),
+        "samples": int(upd.get("samples", 0)),
+        **{k: v for k, v in crit.items() if k.startswith("critic/")},
+        "mem/peak_gb": round(max(g["peak"] for g in gathered) / 2 ** 30, 4),
+        "reshard/min_bytes": ctx.reshard_plan.min_bytes(0),
+    }
+    if r.algorithm.dynamic_sampling.enabled:
+        row.update({"dapo/gen_rounds": st.round, "dapo/kept_groups": st.ds_kept,
+                    "dapo/dropped_groups": st.ds_dropped, "dapo/generated_groups": st.gen_groups})
+    first = next((g["first_error"] for g in gathered if g["first_error"]), None)
+    if first:
+        row["reward/first_error"] = first
+    return row

@@ -1,0 +1,260 @@
+"""The stage implementations one worker runs, looked up by a stage's ``runner`` name.
+
+Which stages run, in which order, is declared by the algorithm (``algos/spec.py``); the worker's
+controller loop (``workflow/loop.py``) calls ``RUNNERS[stage.runner](ctx, state)``. Every stage
+pulls its inputs from the TransferDock (sample data goes worker -> warehouse -> worker, never
+through the driver) or from the TensorCache, and pushes its outputs back. Engines are used only
+through ``engines/base.py``.
+"""
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from ..algos import overlong_reward_penalty
+from ..algos.spec import (actor_loss_fn, critic_loss_fn, dynamic_sampling_column, gae_advantages,
+                          outcome_advantages)
+from ..engines.base import SamplingParams
+from .batching import broadcast, global_counts, seq_batch, subset, train_rows
+from .context import Context
+
+
+def seed_of(*parts: Any) -> int:
+    h = hashlib.sha256("/".join(map(str, parts)).encode()).digest()
+    return int.from_bytes(h[:7], "little")
+
+
+@dataclass
+class StepState:
+    """What the stages of one step share on one worker."""
+
+    step: int
+    target: int
+    round: int = 0
+    more: bool = False
+    kept_rows: list = field(default_factory=list)
+    gen_groups: int = 0
+    ds_kept: int = 0
+    ds_dropped: int = 0
+    reward_sum: float = 0.0
+    reward_n: int = 0
+    errors: int = 0
+    first_error: str | None = None
+    update: dict = field(default_factory=dict)
+    critic: dict = field(default_factory=dict)
+
+
+# ------------------------------------------------------------------------------ generation
+def rollout(ctx: Context, st: StepState) -> None:
+    """Generate n responses for each of ``st.target`` new prompt groups (rows added by rank 0)."""
+    r, n = ctx.recipe, ctx.recipe.trainer.n_samples_per_prompt
+    eng = ctx.rollout
+    rows = broadcast(ctx.dock.add_groups(st.target, n) if ctx.rank == 0 else None)
+    prompt_idx = ctx.sampler.next_indices(st.target)  # identical on every rank
+    mine = list(range(eng.dp_rank, st.target, eng.dp_size))
+    prompts = [torch.tensor(ctx.dataset[prompt_idx[g]]["prompt_ids"], dtype=torch.long) for g in mine for _ in range(n)]
+    my_rows = [rows[g * n + j] for g in mine for j in range(n)]
+    t0 = time.perf_counter()
+    eng.wake()
+    if prompts:
+        s = r.rollout.sampling
+        params = SamplingParams(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
+                                top_k=s.top_k, eos_token_id=ctx.eos_id, pad_token_id=ctx.pad_id)
+        out = eng.generate(prompts, params, seed=seed_of(r.trainer.seed, st.step, st.round))
+        if eng.is_data_leader:
+            ctx.dock.put({"prompt_ids": prompts, "response_ids": out.responses,
+                          "prompt_index": torch.tensor([prompt_idx[g] for g in mine for _ in range(n)]),
+                          "rollout_log_probs": out.log_probs}, my_rows)
+    eng.sleep()
+    ctx.timer.add_compute("rollout", time.perf_counter() - t0)
+    st.gen_groups += st.target
+
+
+def reward(ctx: Context, st: StepState) -> None:
+    from ..rewards import format_reward, score_batch
+
+    r = ctx.recipe
+    b = ctx.dock.get("reward", ["response_ids", "prompt_index"], None, dp_rank=ctx.rank, dp_size=ctx.world,
+                     timeout=r.trainer.dock_timeout_s)
+    texts = [ctx.tokenizer.decode(x.tolist(), skip_special_tokens=True) for x in b["response_ids"]]
+    answers = [ctx.dataset[int(i)]["answer"] for i in b["prompt_index"]]
+    scores, n_err, first = score_batch(ctx.reward_fn, texts, answers)
+    scores = torch.tensor(scores, dtype=torch.float32)  # [rows]
+    if r.reward.format_weight:
+        scores += r.reward.format_weight * torch.tensor([format_reward(t) for t in texts])
+    raw = scores.clone()
+    ov = r.algorithm.overlong
+    if ov.enabled and len(b):
+        scores = scores + overlong_reward_penalty(b.lengths("response_ids"),
+                                                  max_response_len=r.rollout.sampling.max_new_tokens,
+                                                  buffer_len=ov.buffer_len, penalty_factor=ov.penalty_factor)
+    if len(b):
+        ctx.dock.put({"scores": scores, "acc": raw}, b.rows)
+    st.reward_sum += float(raw.sum())
+    st.reward_n += len(b)
+    st.errors += n_err
+    st.first_error = st.first_error or first
+    st.round += 1
+
+
+def dynamic_sampling(ctx: Context, st: StepState) -> None:
+    """DAPO: rank 0 drops groups whose metric is constant; more rounds until the batch is full."""
+    from ..algos import dynamic_sampling_filter
+
+    r = ctx.recipe
+    ds = r.algorithm.dynamic_sampling
+    decision = None
+    if ctx.rank == 0:
+        col = dynamic_sampling_column(r.algorithm)
+        b = ctx.dock.get("dynamic_sampling", [col], None, whole_groups=True, timeout=r.trainer.dock_timeout_s)
+        rows = list(b.rows)
+        n = r.trainer.n_samples_per_prompt
+        groups = [rows[i:i + n] for i in range(0, len(rows), n)]
+        res = dynamic_sampling_filter(b[col].float(), torch.arange(len(rows)) // n)
+        kept_g = set(int(g) for g in res.kept_group_ids)
+        drop = [x for g, rs in enumerate(groups) if g not in kept_g for x in rs]
+        if drop:
+            ctx.dock.drop_rows(drop)
+        decision = {"kept_rows": st.kept_rows + [rs for g, rs in enumerate(groups) if g in kept_g],
+                    "kept": len(kept_g), "dropped": len(groups) - len(kept_g)}
+    d = broadcast(decision)
+    st.kept_rows, st.ds_kept, st.ds_dropped = d["kept_rows"], st.ds_kept + d["kept"], st.ds_dropped + d["dropped"]
+    st.more = len(st.kept_rows) < st.target and st.round < ds.max_gen_batches
+    if not st.more:
+        if ctx.rank == 0 and len(st.kept_rows) > st.target:  # trim the surplus groups
+            ctx.dock.drop_rows([x for g in st.kept_rows[st.target:] for x in g])
+        dist.barrier()  # every rank sees the final batch before the next stage claims rows
+
+
+# ------------------------------------------------------------------------------ forward passes
+def _forward_stage(ctx: Context, engine, consumer: str, out_col: str) -> None:
+    data = train_rows(ctx, engine, consumer, ["prompt_ids", "response_ids"])
+    if not data["rows"] and engine.dp_size == 1:
+        return
+    t0 = time.perf_counter()
+    out, _ = engine.forward(seq_batch(data))
+    ctx.timer.add_compute(consumer, time.perf_counter() - t0)
+    if engine.is_data_leader and data["rows"]:
+        ctx.cache.put(out_col, data["rows"], out)
+        ctx.dock.mark_cached([out_col], data["rows"], ctx.rank)
+
+
+def ref(ctx: Context, st: StepState) -> None:
+    _forward_stage(ctx, ctx.ref, "ref", "ref_log_probs")
+
+
+def old(ctx: Context, st: StepState) -> None:
+    _forward_stage(ctx, ctx.actor, "old", "old_log_probs")
+
+
+def values(ctx: Context, st: StepState) -> None:
+    _forward_stage(ctx, ctx.critic, "values", "values")
+
+
+# ------------------------------------------------------------------------------ advantages
+def outcome_advantage(ctx: Context, st: StepState) -> None:
+    """GRPO / DAPO: group-normalised outcome advantage, one number per sample."""
+    r = ctx.recipe
+    n = r.trainer.n_samples_per_prompt
+    b = ctx.dock.get("advantage", ["scores", "response_ids"], None, dp_rank=ctx.rank, dp_size=ctx.world,
+                     whole_groups=True, timeout=r.trainer.dock_timeout_s)
+    if not len(b):
+        return
+    adv = outcome_advantages(r.algorithm, b["scores"].float(), torch.arange(len(b)) // n)  # [rows]
+    ctx.dock.put({"advantages": adv.contiguous()}, b.rows)
+
+
+def gae(ctx: Context, st: StepState) -> None:
+    """PPO: token rewards (score on the last token, optional KL-in-reward), critic values, GAE."""
+    r = ctx.recipe
+    cached = ["values"] + (["ref_log_probs"] if ctx.use_ref else [])
+    b = ctx.dock.get("advantage", ["scores", "response_ids", "rollout_log_probs"] + cached, None,
+                     dp_rank=ctx.rank, dp_size=ctx.world, timeout=r.trainer.dock_timeout_s)
+    got = ctx.cache.exchange_mine(cached, list(b.rows))
+    if not len(b):
+        return
+    adv, ret = gae_advantages(r.algorithm, scores=b["scores"].float(), responses=list(b["response_ids"]),
+                              values=got["values"], rollout_log_probs=list(b["rollout_log_probs"]),
+                              ref_log_probs=got.get("ref_log_probs") if ctx.use_ref else None,
+                              kl_coef=getattr(ctx.kl_ctl, "value", r.algorithm.kl_coef))
+    ctx.dock.put({"advantages": adv, "returns": ret}, b.rows)
+
+
+# ------------------------------------------------------------------------------ updates
+def update(ctx: Context, st: StepState) -> None:
+    """Actor: LR warm-up, then one optimizer step per mini-batch, ppo_epochs passes over the batch."""
+    r, alg, actor = ctx.recipe, ctx.recipe.algorithm, ctx.actor
+    cached = (["ref_log_probs"] if ctx.use_ref else []) + ([] if ctx.skip_old else ["old_log_probs"])
+    data = train_rows(ctx, actor, "update", ["prompt_ids", "response_ids", "advantages"], cached)
+    kl_coef = getattr(ctx.kl_ctl, "value", alg.kl_coef)
+    if r.trainer.warmup_steps:
+        actor.set_lr(r.trainer.lr * min(1.0, (ctx.step + 1) / r.trainer.warmup_steps))
+    n_local = len(data["rows"])
+    chunks = [list(range(n_local))[m::ctx.n_mini] for m in range(ctx.n_mini)]
+    t0 = time.perf_counter()
+    out: dict = {}
+    totals = [0.0, 0.0, 0.0]
+    for epoch in range(alg.ppo_epochs):
+        for idx in chunks:
+            batch = seq_batch(subset(data, idx), per_token=cached)
+            g_tokens, g_seqs, g_prompt = global_counts(actor, batch)
+            if epoch == 0:
+                totals = [totals[0] + g_tokens, totals[1] + g_seqs, totals[2] + g_prompt]
+            if not g_seqs:
+                continue
+            agg = dict(global_tokens=g_tokens, global_seqs=g_seqs, norm_len=r.rollout.sampling.max_new_tokens,
+                       dp_size=actor.dp_size)
+            loss_fn = actor_loss_fn(alg, agg=agg, kl_coef=kl_coef, use_ref=ctx.use_ref, dp_size=actor.dp_size)
+            out = actor.train_step(batch, loss_fn, with_entropy=bool(alg.entropy_coef))
+    ctx.timer.add_compute("update", time.perf_counter() - t0)
+    st.update = _update_metrics(ctx, out, totals)
+
+
+def _update_metrics(ctx: Context, out: dict, totals: list[float]) -> dict:
+    if not out:
+        return {"actor/skipped_step": 1.0, "tokens": 0}
+    # closure metrics are per-rank means of per-micro-batch contributions: sum them over DP
+    n_micro = out.pop("actor/micro_batches", 1)
+    for key in ("actor/kl", "actor/pg_loss"):
+        if key in out:
+            t = torch.tensor([out[key] * n_micro if ctx.actor.is_data_leader else 0.0])
+            dist.all_reduce(t)
+            out[key] = float(t)
+    g_tokens, g_seqs, g_prompt_tokens = totals
+    out.update({"tokens": g_tokens + g_prompt_tokens, "response_tokens": g_tokens, "samples": g_seqs})
+    if ctx.use_ref and "actor/kl" in out and hasattr(ctx.kl_ctl, "update"):
+        ctx.kl_ctl.update(out["actor/kl"], int(g_seqs))
+    return out
+
+
+def critic_update(ctx: Context, st: StepState) -> None:
+    r, critic = ctx.recipe, ctx.critic
+    data = train_rows(ctx, critic, "critic_update", ["prompt_ids", "response_ids", "returns"], ["values"])
+    batch = seq_batch(data, per_token=["values", "returns"])
+    g_tokens, g_seqs, _ = global_counts(critic, batch)
+    if not g_seqs:
+        return
+    agg = dict(global_tokens=g_tokens, global_seqs=g_seqs, norm_len=r.rollout.sampling.max_new_tokens,
+               dp_size=critic.dp_size)
+    t0 = time.perf_counter()
+    st.critic = critic.train_step(batch, critic_loss_fn(r.algorithm, agg=agg))
+    ctx.timer.add_compute("critic_update", time.perf_counter() - t0)
+
+
+def reshard(ctx: Context, st: StepState | None = None) -> None:
+    """Train layout -> rollout layout, bucket by bucket, straight into the rollout engine."""
+    ctx.actor.onload()
+    ctx.rollout.update_weights(ctx.resharder.reshard(ctx.actor.local_shards()))
+    if ctx.recipe.resharding.swap_optimizer or ctx.recipe.resharding.swap_grads:
+        ctx.actor.offload()  # no-op on CPU; on accelerators frees the device for the KV cache
+
+
+RUNNERS: dict[str, Callable[[Context, StepState], None]] = {
+    f.__name__: f for f in (rollout, reward, dynamic_sampling, ref, old, values, outcome_advantage, gae, update,
+                            critic_update, reshard)
+}
