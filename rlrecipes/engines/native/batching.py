@@ -17,6 +17,23 @@ import torch.distributed as dist
 from ..base import SeqBatch
 
 
+class MeshRanks:
+    """Where a native engine's rank sits, read off its ``mesh`` (``parallel.MeshInfo``): DP rank
+    ``rank // tp``; TP rank 0 of each group is the data leader."""
+
+    @property
+    def dp_rank(self) -> int:
+        return self.mesh.dp_rank
+
+    @property
+    def dp_size(self) -> int:
+        return self.mesh.dp
+
+    @property
+    def is_data_leader(self) -> bool:
+        return self.mesh.tp_rank == 0
+
+
 def pad_rows(rows: Sequence[torch.Tensor], width: int, value: float = 0.0) -> torch.Tensor:
     """1-D tensors -> ``[len(rows), width]`` float32, right-padded with ``value``."""
     out = torch.full((len(rows), width), value, dtype=torch.float32)  # [B, R]

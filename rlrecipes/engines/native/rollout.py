@@ -40,6 +40,7 @@ from rlrecipes.engines.native import parallel as par
 from rlrecipes.engines import base
 from rlrecipes.engines.base import RolloutOutput, SamplingParams
 from rlrecipes.engines.native import CAPABILITIES
+from rlrecipes.engines.native.batching import MeshRanks
 from rlrecipes.engines.native.decode import FastDecoder, supports_fast_decode
 from rlrecipes.engines.native.loader import ModelSource, build_model
 from rlrecipes.core.swap import SwappedStorages
@@ -99,7 +100,7 @@ def sample_next(logits: torch.Tensor, *, temperature: float, top_k: int, top_p: 
     return tok, logp_all.gather(-1, tok[:, None]).squeeze(-1)
 
 
-class NativeRolloutEngine(base.RolloutEngine):
+class NativeRolloutEngine(MeshRanks, base.RolloutEngine):
     """Batched KV-cache sampler with its own (tp, ep) layout, ``dp = world // tp``, pp = 1.
 
     Args:
@@ -167,18 +168,6 @@ class NativeRolloutEngine(base.RolloutEngine):
     @classmethod
     def create(cls, spec: base.EngineSpec) -> "NativeRolloutEngine":
         return cls(spec.model, layout=(spec.tp, spec.ep), device=spec.device, seed=spec.seed, dtype=spec.dtype)
-
-    @property
-    def dp_rank(self) -> int:
-        return self.mesh.dp_rank
-
-    @property
-    def dp_size(self) -> int:
-        return self.mesh.dp
-
-    @property
-    def is_data_leader(self) -> bool:
-        return self.mesh.tp_rank == 0
 
     @property
     def weight_dtype(self) -> torch.dtype:

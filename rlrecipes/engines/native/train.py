@@ -37,7 +37,7 @@ from rlrecipes.engines import base
 from rlrecipes.engines.base import LossFn, SeqBatch
 from rlrecipes.engines.native import CAPABILITIES
 from rlrecipes.engines.native import parallel as par
-from rlrecipes.engines.native.batching import micro_batches, pad_sequences
+from rlrecipes.engines.native.batching import MeshRanks, micro_batches, pad_sequences
 from rlrecipes.engines.native.loader import ModelSource, build_model, save_hf_folder, source_folder
 
 
@@ -63,7 +63,7 @@ def response_len_of(mb: Mapping[str, Any]) -> int:
                    f"got keys {sorted(mb)}")
 
 
-class NativeTrainEngine(base.TrainEngine):
+class NativeTrainEngine(MeshRanks, base.TrainEngine):
     """HF model + DTensor TP + EP (inside TP) + FSDP2 over a (dp, tp) DeviceMesh of the whole world.
 
     Args:
@@ -142,18 +142,6 @@ class NativeTrainEngine(base.TrainEngine):
                      micro_batch_size=spec.micro_batch_size, pad_token_id=spec.options.get("pad_token_id", 0))
 
     # ----------------------------------------------------------------------------- layout
-    @property
-    def dp_rank(self) -> int:
-        return self.mesh.dp_rank
-
-    @property
-    def dp_size(self) -> int:
-        return self.mesh.dp
-
-    @property
-    def is_data_leader(self) -> bool:
-        return self.mesh.tp_rank == 0
-
     def model_parallel_group(self):
         if self.mesh.tp == 1:
             return None, dist.get_rank()
