@@ -16,6 +16,7 @@ from typing import Any, Literal, Optional
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from .algos.registry import TABLES as _ALG_TABLES
 from .models import FAMILIES, PRESETS, SMOKE, ModelDims, smoke_dims
 
 
@@ -140,7 +141,7 @@ class Overlong(_Strict):
 class AlgorithmConfig(_Strict):
     name: Literal["grpo", "dapo", "ppo"]
     """The algorithm: its stage DAG and defaults."""
-    adv_estimator: Literal["grpo", "grpo_no_std", "gae"] = "grpo"
+    adv_estimator: str = "grpo"
     """Advantage: group-normalised outcome (grpo), without std (Dr. GRPO), or GAE with a critic (ppo)."""
     norm_adv_by_std: bool = True
     """GRPO: divide by the group std (+1e-6)."""
@@ -152,11 +153,11 @@ class AlgorithmConfig(_Strict):
     """PPO clip eps below 1."""
     clip_ratio_high: float = 0.2
     """PPO clip eps above 1 (DAPO clip-higher: 0.28)."""
-    policy_loss: Literal["ppo_clip"] = "ppo_clip"
+    policy_loss: str = "ppo_clip"
     """Policy loss, by its name in rlrecipes/algos/registry.py."""
     dual_clip_c: Optional[float] = 3.0
     """Dual-clip bound for negative advantages; null disables."""
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    loss_agg_mode: str = "token-mean"
     """How token losses are aggregated; invariant to the DP/micro-batch split."""
     entropy_coef: float = 0.0
     """Entropy bonus coefficient."""
@@ -164,11 +165,11 @@ class AlgorithmConfig(_Strict):
     """Add a KL(actor || ref) term to the loss."""
     kl_coef: float = 0.001
     """KL coefficient (initial value for the adaptive controller)."""
-    kl_estimator: Literal["k1", "abs", "k2", "mse", "k3", "low_var_kl"] = "low_var_kl"
+    kl_estimator: str = "low_var_kl"
     """KL estimator."""
     use_kl_in_reward: bool = False
     """Subtract the KL penalty from the token rewards instead of (or as well as) the loss."""
-    kl_controller: Literal["fixed", "adaptive"] = "fixed"
+    kl_controller: str = "fixed"
     """KL coefficient controller."""
     kl_target: float = 0.1
     """Adaptive controller: target KL."""
@@ -187,6 +188,24 @@ class AlgorithmConfig(_Strict):
     @classmethod
     def _bool_to_str(cls, v: Any) -> Any:
         return str(v).lower() if isinstance(v, bool) else v
+
+    @field_validator("adv_estimator", "policy_loss", "loss_agg_mode", "kl_estimator", "kl_controller")
+    @classmethod
+    def _registered(cls, v: str, info) -> str:
+        # the registries in rlrecipes/algos are the one list of names (a new estimator registers itself)
+        _ALG_TABLES[f"algorithm.{info.field_name}"].get(v)
+        return v
+
+    @model_validator(mode="after")
+    def _ranges(self) -> "AlgorithmConfig":
+        if self.dual_clip_c is not None and not self.dual_clip_c > 1.0:
+            raise ValueError(f"algorithm.dual_clip_c must be > 1 or null; got {self.dual_clip_c}")
+        if not (0 <= self.clip_ratio_low < 1) or not self.clip_ratio_high >= 0:
+            raise ValueError("algorithm.clip_ratio_low must be in [0, 1) and clip_ratio_high >= 0; got "
+                             f"{self.clip_ratio_low}, {self.clip_ratio_high}")
+        if self.ppo_epochs < 1:
+            raise ValueError(f"algorithm.ppo_epochs must be >= 1; got {self.ppo_epochs}")
+        return self
 
 
 class RewardConfig(_Strict):

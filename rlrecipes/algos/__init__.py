@@ -2,10 +2,11 @@
 
 See docs/algorithms.md for the formulas and the recipe-YAML key each function serves.
 """
-from .advantages import gae_advantage, group_ids_from_size, group_stats, grpo_advantage
-from .config import AlgorithmSettings, DynamicSamplingSettings, OverlongSettings
+from .advantages import ADV_ESTIMATORS, CRITIC_ESTIMATORS, gae_advantage, group_ids_from_size, group_stats, grpo_advantage
 from .dapo import DynamicSampler, GroupFilterResult, dynamic_sampling_filter, overlong_reward_penalty
 from .kl import (
+    KL_CONTROLLERS,
+    KL_ESTIMATORS,
     AdaptiveKLController,
     FixedKLController,
     apply_kl_penalty,
@@ -15,6 +16,8 @@ from .kl import (
 )
 from .logprobs import entropy_from_logits, logprobs_and_entropy, logprobs_from_logits
 from .losses import (
+    LOSS_AGG,
+    POLICY_LOSSES,
     LOSS_AGG_MODES,
     aggregate_loss,
     entropy_bonus,
@@ -25,10 +28,7 @@ from .losses import (
 )
 from .onpolicy import is_on_policy, mini_batches_per_rollout, old_log_prob_or_detached, resolve_skip_old_log_prob
 from .registry import (
-    ADV_ESTIMATORS,
-    KL_CONTROLLERS,
-    KL_ESTIMATORS,
-    POLICY_LOSSES,
+    TABLES,
     get_adv_estimator,
     get_kl_controller,
     get_kl_estimator,

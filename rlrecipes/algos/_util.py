@@ -2,15 +2,21 @@
 from __future__ import annotations
 
 import difflib
-from typing import Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
 
+def masked_select_zero(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``x`` where ``mask`` is set, 0 elsewhere, by selection: a NaN or inf at a masked-out
+    (padded) position does not leak into sums (``x * mask`` would give ``nan * 0 = nan``)."""
+    return torch.where(mask.bool(), x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
 def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """Sum of ``x`` where ``mask`` is set. ``x``, ``mask``: same shape (e.g. ``[batch, seq]``)."""
-    m = mask.to(x.dtype)
-    return (x * m).sum() if dim is None else (x * m).sum(dim=dim)
+    sel = masked_select_zero(x, mask)
+    return sel.sum() if dim is None else sel.sum(dim=dim)
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -37,7 +43,7 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, 
     out = (x - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         out = out + mean
-    return out * mask.to(x.dtype)
+    return masked_select_zero(out, mask)
 
 
 def unknown_name_error(kind: str, name: str, choices: Iterable[str], where: str = "") -> ValueError:
@@ -59,3 +65,49 @@ def check_same_shape(**tensors: torch.Tensor) -> None:
                 f"shape mismatch: {first_name} has shape {tuple(first.shape)} but {name} has "
                 f"{tuple(t.shape)}; pass padded [batch, seq] tensors of the same shape"
             )
+
+
+class Registry:
+    """Name -> implementation for one recipe key (``algorithm.kl_estimator``, ...).
+
+    Implementations register themselves where they are defined::
+
+        KL_ESTIMATORS = Registry("kl_estimator", "algorithm.kl_estimator")
+
+        @KL_ESTIMATORS.register("k3", "low_var_kl")
+        def k3(d): ...
+
+    and callers dispatch with ``KL_ESTIMATORS.get(name)``; an unknown name raises a ValueError that
+    names the recipe key, lists the choices and suggests the closest one.
+    """
+
+    def __init__(self, kind: str, key: str):
+        self.kind, self.key = kind, key
+        self._table: dict[str, Any] = {}
+
+    def register(self, name: str, *aliases: str) -> Callable[[Any], Any]:
+        def deco(obj):
+            for n in (name, *aliases):
+                if n in self._table:
+                    raise ValueError(f"{self.key}: {n!r} is registered twice")
+                self._table[n] = obj
+            return obj
+
+        return deco
+
+    def get(self, name: str) -> Any:
+        if name not in self._table:
+            raise unknown_name_error(self.kind, name, self._table, self.key)
+        return self._table[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._table
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._table)
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+    def names(self) -> list[str]:
+        return list(self._table)

@@ -12,7 +12,16 @@ from __future__ import annotations
 
 import torch
 
-from ._util import check_same_shape, masked_whiten
+import functools
+
+from ._util import Registry, check_same_shape, masked_select_zero, masked_whiten
+
+#: ``algorithm.adv_estimator``: name -> estimator. Outcome estimators take ``(scores [batch],
+#: response_mask, group_ids)``; critic estimators (:data:`CRITIC_ESTIMATORS`) take ``(token_rewards,
+#: values, response_mask, gamma=, lam=)``. Both return ``(advantages, returns)``, ``[batch, seq]``.
+ADV_ESTIMATORS = Registry("adv_estimator", "algorithm.adv_estimator")
+#: estimators that need a critic (values)
+CRITIC_ESTIMATORS = frozenset({"gae"})
 
 
 def group_ids_from_size(batch: int, group_size: int, device: torch.device | None = None) -> torch.Tensor:
@@ -95,6 +104,12 @@ def grpo_advantage(
     return adv_tok, adv_tok.clone()
 
 
+ADV_ESTIMATORS.register("grpo")(functools.partial(grpo_advantage, norm_by_std=True))
+ADV_ESTIMATORS.register("grpo_no_std", "drgrpo")(functools.partial(grpo_advantage, norm_by_std=False))
+
+
+@ADV_ESTIMATORS.register("gae")
+
 def gae_advantage(
     token_rewards: torch.Tensor,
     values: torch.Tensor,
@@ -122,8 +137,9 @@ def gae_advantage(
     """
     check_same_shape(token_rewards=token_rewards, values=values, response_mask=response_mask)
     mask = response_mask.to(values.dtype)  # [batch, seq]
-    rewards = token_rewards.to(values.dtype)
-    values = values.detach()
+    # padding is selected away first, so a nan/inf there cannot enter the recursion
+    rewards = masked_select_zero(token_rewards.to(values.dtype), response_mask)
+    values = masked_select_zero(values.detach(), response_mask)
     bsz, seqlen = values.shape
     next_value = values.new_zeros(bsz)  # [batch]
     last_gae = values.new_zeros(bsz)  # [batch]

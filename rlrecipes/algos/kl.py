@@ -18,11 +18,33 @@ from dataclasses import dataclass
 
 import torch
 
-from ._util import check_same_shape, masked_mean, unknown_name_error
+from ._util import Registry, check_same_shape, masked_mean, masked_select_zero
 
-KL_ESTIMATOR_ALIASES = {"mse": "k2", "low_var_kl": "k3"}
-KL_ESTIMATOR_NAMES = ("k1", "abs", "k2", "mse", "k3", "low_var_kl")
 K3_CLAMP = 10.0
+
+#: ``algorithm.kl_estimator``: name -> ``fn(d) -> [batch, seq]`` with ``d = logp - ref_logp``.
+KL_ESTIMATORS = Registry("kl_estimator", "algorithm.kl_estimator")
+
+
+@KL_ESTIMATORS.register("k1")
+def _k1(d: torch.Tensor) -> torch.Tensor:
+    return d
+
+
+@KL_ESTIMATORS.register("abs")
+def _abs(d: torch.Tensor) -> torch.Tensor:
+    return d.abs()
+
+
+@KL_ESTIMATORS.register("k2", "mse")
+def _k2(d: torch.Tensor) -> torch.Tensor:
+    return 0.5 * d.square()
+
+
+@KL_ESTIMATORS.register("k3", "low_var_kl")
+def _k3(d: torch.Tensor) -> torch.Tensor:
+    neg = (-d).clamp(min=-20.0, max=20.0)  # log(pi_ref / pi), clamped before exp
+    return (neg.exp() - neg - 1.0).clamp(min=-K3_CLAMP, max=K3_CLAMP)
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
@@ -31,23 +53,12 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3"
     Args:
         logp: ``[batch, seq]`` log-probs of the sampled tokens under the policy.
         ref_logp: ``[batch, seq]`` the same under the reference policy.
-        estimator: one of ``k1, abs, k2 (mse), k3 (low_var_kl)``.
+        estimator: a name in :data:`KL_ESTIMATORS` (k1, abs, k2/mse, k3/low_var_kl).
     Returns:
         ``[batch, seq]`` KL estimate per token (unmasked; aggregate it with the response mask).
     """
     check_same_shape(logp=logp, ref_logp=ref_logp)
-    name = KL_ESTIMATOR_ALIASES.get(estimator, estimator)
-    d = logp - ref_logp  # [batch, seq]
-    if name == "k1":
-        return d
-    if name == "abs":
-        return d.abs()
-    if name == "k2":
-        return 0.5 * d.square()
-    if name == "k3":
-        neg = (-d).clamp(min=-20.0, max=20.0)  # log(pi_ref / pi), clamped before exp
-        return (neg.exp() - neg - 1.0).clamp(min=-K3_CLAMP, max=K3_CLAMP)
-    raise unknown_name_error("kl_estimator", estimator, KL_ESTIMATOR_NAMES, "algorithm.kl_estimator")
+    return KL_ESTIMATORS.get(estimator)(logp - ref_logp)
 
 
 def scores_to_token_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
@@ -87,10 +98,14 @@ def apply_kl_penalty(
     Returns:
         ``(penalised [batch, seq], {"kl": mean per-sequence KL (for the adaptive controller)})``.
     """
-    kl = kl_penalty(logp.detach(), ref_logp.detach(), estimator) * response_mask.to(logp.dtype)  # [batch, seq]
+    kl = masked_select_zero(kl_penalty(logp.detach(), ref_logp.detach(), estimator), response_mask)  # [batch, seq]
     out = token_rewards - kl_coef * kl
     seq_kl = masked_mean(kl, response_mask, dim=-1)  # [batch]
     return out, {"kl": seq_kl.mean()}
+
+
+#: ``algorithm.kl_controller``: name -> ``factory(kl_coef, kl_target, kl_horizon) -> controller``.
+KL_CONTROLLERS = Registry("kl_controller", "algorithm.kl_controller")
 
 
 @dataclass
@@ -128,13 +143,19 @@ class AdaptiveKLController:
         return self.value
 
 
+@KL_CONTROLLERS.register("fixed")
+def _fixed(kl_coef: float, kl_target: float | None = None, kl_horizon: float | None = None) -> FixedKLController:
+    return FixedKLController(float(kl_coef))
+
+
+@KL_CONTROLLERS.register("adaptive")
+def _adaptive(kl_coef: float, kl_target: float | None = None, kl_horizon: float | None = None) -> AdaptiveKLController:
+    if kl_target is None or kl_horizon is None:
+        raise ValueError("algorithm.kl_controller=adaptive needs algorithm.kl_target and algorithm.kl_horizon")
+    return AdaptiveKLController(float(kl_coef), float(kl_target), float(kl_horizon))
+
+
 def make_kl_controller(kind: str, kl_coef: float, kl_target: float | None = None,
                        kl_horizon: float | None = None) -> FixedKLController | AdaptiveKLController:
-    """Build the controller named by ``algorithm.kl_controller`` (``fixed`` | ``adaptive``)."""
-    if kind == "fixed":
-        return FixedKLController(float(kl_coef))
-    if kind == "adaptive":
-        if kl_target is None or kl_horizon is None:
-            raise ValueError("algorithm.kl_controller=adaptive needs algorithm.kl_target and algorithm.kl_horizon")
-        return AdaptiveKLController(float(kl_coef), float(kl_target), float(kl_horizon))
-    raise unknown_name_error("kl_controller", kind, ("fixed", "adaptive"), "algorithm.kl_controller")
+    """Build the controller named by ``algorithm.kl_controller`` through :data:`KL_CONTROLLERS`."""
+    return KL_CONTROLLERS.get(kind)(kl_coef, kl_target, kl_horizon)

@@ -20,9 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from ._util import check_same_shape, masked_mean, unknown_name_error
+from ._util import Registry, check_same_shape, masked_mean, masked_select_zero
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
 def loss_normalisers(response_mask: torch.Tensor) -> dict[str, int]:
@@ -34,6 +33,43 @@ def loss_normalisers(response_mask: torch.Tensor) -> dict[str, int]:
     """
     m = response_mask.bool()
     return {"tokens": int(m.sum().item()), "seqs": int(m.any(-1).sum().item())}
+
+
+def _positive(x, name: str):
+    if isinstance(x, torch.Tensor):
+        return x.clamp(min=1)
+    if x <= 0:
+        # An empty mini-batch contributes nothing; avoid 0/0 = nan.
+        return 1
+    return x
+
+
+#: ``algorithm.loss_agg_mode``: name -> ``fn(loss_mat, mask, n_tokens, n_seqs, norm_len) -> scalar``
+#: with ``loss_mat`` already zeroed (by selection) outside the mask.
+LOSS_AGG = Registry("loss_agg_mode", "algorithm.loss_agg_mode")
+
+
+@LOSS_AGG.register("token-mean")
+def _token_mean(lm, m, n_tok, n_seq, norm_len):
+    return lm.sum() / n_tok
+
+
+@LOSS_AGG.register("seq-mean-token-sum")
+def _seq_mean_token_sum(lm, m, n_tok, n_seq, norm_len):
+    return lm.sum(-1).sum() / n_seq
+
+
+@LOSS_AGG.register("seq-mean-token-mean")
+def _seq_mean_token_mean(lm, m, n_tok, n_seq, norm_len):
+    return (lm.sum(-1) / m.sum(-1).clamp(min=1)).sum() / n_seq
+
+
+@LOSS_AGG.register("seq-mean-token-sum-norm")
+def _seq_mean_token_sum_norm(lm, m, n_tok, n_seq, norm_len):
+    return lm.sum() / (n_seq * norm_len)
+
+
+LOSS_AGG_MODES = tuple(LOSS_AGG.names())
 
 
 def aggregate_loss(
@@ -49,9 +85,10 @@ def aggregate_loss(
     """Reduce a ``[batch, seq]`` per-token loss to a scalar.
 
     Args:
-        loss_mat: ``[batch, seq]`` per-token loss.
+        loss_mat: ``[batch, seq]`` per-token loss. Values at masked-out positions are never read
+            (selected away, so a NaN in padding cannot reach the loss).
         response_mask: ``[batch, seq]`` 1 on tokens that count.
-        mode: see the module docstring.
+        mode: a name in :data:`LOSS_AGG` (see the module docstring).
         global_tokens: total valid tokens of the whole mini-batch (all ranks, all micro-batches);
             defaults to this call's own count (then the result is a plain local mean).
         global_seqs: total sequences of the whole mini-batch; defaults to this call's own count.
@@ -63,36 +100,20 @@ def aggregate_loss(
         0-dim tensor.
     """
     check_same_shape(loss_mat=loss_mat, response_mask=response_mask)
-    m = response_mask.to(loss_mat.dtype)  # [batch, seq]
+    agg = LOSS_AGG.get(mode)
     local = loss_normalisers(response_mask)
-    if mode == "token-mean":
-        denom = local["tokens"] if global_tokens is None else global_tokens
-        out = (loss_mat * m).sum() / _positive(denom, "global_tokens")
-    elif mode in ("seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
-        denom = local["seqs"] if global_seqs is None else global_seqs
-        denom = _positive(denom, "global_seqs")
-        seq_sum = (loss_mat * m).sum(-1)  # [batch]
-        if mode == "seq-mean-token-sum":
-            out = seq_sum.sum() / denom
-        elif mode == "seq-mean-token-mean":
-            out = (seq_sum / m.sum(-1).clamp(min=1.0)).sum() / denom
-        else:
-            nl = loss_mat.shape[-1] if norm_len is None else norm_len
-            out = seq_sum.sum() / (denom * _positive(nl, "norm_len"))
-    else:
-        raise unknown_name_error("loss_agg_mode", mode, LOSS_AGG_MODES, "algorithm.loss_agg_mode")
-    return out * dp_size
+    n_tok = _positive(local["tokens"] if global_tokens is None else global_tokens, "global_tokens")
+    n_seq = _positive(local["seqs"] if global_seqs is None else global_seqs, "global_seqs")
+    nl = _positive(loss_mat.shape[-1] if norm_len is None else norm_len, "norm_len")
+    m = response_mask.to(loss_mat.dtype)  # [batch, seq]
+    return agg(masked_select_zero(loss_mat, response_mask), m, n_tok, n_seq, nl) * dp_size
 
 
-def _positive(x, name: str):
-    if isinstance(x, torch.Tensor):
-        return x.clamp(min=1)
-    if x <= 0:
-        # An empty mini-batch contributes nothing; avoid 0/0 = nan.
-        return 1
-    return x
+#: ``algorithm.policy_loss``: name -> ``fn(logp, old_logp, advantages, mask, **kw) -> (loss, metrics)``.
+POLICY_LOSSES = Registry("policy_loss", "algorithm.policy_loss")
 
 
+@POLICY_LOSSES.register("ppo_clip")
 def ppo_clip_policy_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -127,6 +148,8 @@ def ppo_clip_policy_loss(
     eps_high = clip_ratio_low if clip_ratio_high is None else clip_ratio_high
     if dual_clip_c is not None and dual_clip_c <= 1.0:
         raise ValueError(f"algorithm.dual_clip_c must be > 1 (or null to disable); got {dual_clip_c}")
+    # padded positions are selected away before exp(): their gradient is exactly 0, never nan
+    logp, old_logp, advantages = (masked_select_zero(t, response_mask) for t in (logp, old_logp, advantages))
     log_ratio = (logp - old_logp).clamp(min=-20.0, max=20.0)  # [batch, seq]
     ratio = log_ratio.exp()
     pg1 = -advantages * ratio
@@ -175,6 +198,7 @@ def value_loss(
         ``(loss, {"vf_clipfrac": share of tokens where the clipped term is larger})``.
     """
     check_same_shape(values=values, old_values=old_values, returns=returns, response_mask=response_mask)
+    values, old_values, returns = (masked_select_zero(t, response_mask) for t in (values, old_values, returns))
     l1 = (values - returns).square()  # [batch, seq]
     if value_clip is None:
         loss_mat = 0.5 * l1
@@ -204,4 +228,5 @@ def kl_loss(
     """KL-as-loss term (``use_kl_loss``): aggregated per-token KL to the reference policy."""
     from .kl import kl_penalty
 
+    logp, ref_logp = masked_select_zero(logp, response_mask), masked_select_zero(ref_logp, response_mask)
     return aggregate_loss(kl_penalty(logp, ref_logp, estimator), response_mask, loss_agg_mode, **agg_kwargs)

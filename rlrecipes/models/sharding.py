@@ -1,19 +1,18 @@
 """Parameter specs: how each HF parameter is sharded over TP / EP / PP.
 
-The rules follow ``docs/conventions.md`` and are derived from the transformers v5
-parameter *names*, so the training engine, the resharder and a checkpoint loader
-agree on one table:
+The rules come from one place: each family's ``sharding`` table in
+:mod:`rlrecipes.models.families` (HF module name -> kind). :data:`RULES` is their union, and
+:func:`kind_of` maps a parameter name onto it; the native engine's DTensor TP plan, the
+resharder's specs and checkpoint loaders all call it. Kinds:
 
-- column-parallel (split dim 0): ``q_proj k_proj v_proj gate_proj up_proj q_b_proj kv_b_proj lm_head``
-- vocab-parallel (split dim 0): ``embed_tokens``
-- row-parallel (split dim 1): ``o_proj down_proj`` (a row-parallel *bias* is replicated)
-- replicated: every norm, MLA ``q_a_proj kv_a_proj_with_mqa``, router ``mlp.gate.weight`` and
-  ``mlp.gate.e_score_correction_bias``
-- experts (fused in v5): ``mlp.experts.gate_up_proj [E, 2I, H]``, ``mlp.experts.down_proj [E, H, I]``:
-  split dim 0 over EP, not split over TP.
+- ``column`` (split dim 0, weight and bias), ``vocab`` (split dim 0),
+- ``row`` (split dim 1; a row-parallel *bias* is replicated),
+- ``replicated``,
+- ``expert`` (fused v5 ``gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]``: split dim 0 over EP,
+  not over TP; per-expert checkpoint names map onto them with :func:`fused_expert_key`).
 
 Pipeline stage: ``model.layers.<i>.*`` by the layer split, ``embed_tokens`` on the first stage,
-``model.norm`` and ``lm_head`` on the last.
+``model.norm`` and ``lm_head`` on the last. :func:`rules_table` prints the table for the docs.
 
 ``param_specs`` accepts :class:`~rlrecipes.models.ModelDims`, a transformers config, or a
 state-dict "meta" (mapping name -> tensor / shape), so names from a real checkpoint map on.
@@ -26,19 +25,23 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from rlrecipes.models import ModelDims, dims_from_hf_config
+from rlrecipes.models.families import FAMILY_TABLE, get_family
 
 from rlrecipes.core.param_spec import Kind, ParamSpec, split_layers  # noqa: F401 (re-exported)
 
-COLUMN_MODULES = frozenset({"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "q_b_proj", "kv_b_proj",
-                            "lm_head"})
-ROW_MODULES = frozenset({"o_proj", "down_proj"})
-VOCAB_MODULES = frozenset({"embed_tokens"})
-REPLICATED_MODULES = frozenset({"input_layernorm", "post_attention_layernorm", "norm", "q_norm", "k_norm",
-                                "q_a_layernorm", "kv_a_layernorm", "q_a_proj", "kv_a_proj_with_mqa", "gate"})
-FUSED_EXPERT_PARAMS = frozenset({"gate_up_proj", "down_proj"})
+def _union_rules() -> dict[str, Kind]:
+    out: dict[str, Kind] = {}
+    for fam in FAMILY_TABLE.values():
+        for module, kind in fam.sharding.items():
+            if out.setdefault(module, kind) != kind:
+                raise ValueError(f"model families disagree on how {module!r} is sharded: {out[module]} vs {kind}")
+    return out
+
+
+#: HF module name (or ``module.leaf``) -> sharding kind, over every family.
+RULES: dict[str, Kind] = _union_rules()
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-_FUSED_EXPERT_RE = re.compile(r"(?:^|\.)mlp\.experts\.(gate_up_proj|down_proj)$")
 # transformers v4 / real safetensors checkpoints: one tensor per expert
 _PER_EXPERT_RE = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<part>gate_proj|up_proj|down_proj)\.weight$")
 
@@ -53,27 +56,34 @@ def _module_of(name: str) -> tuple[str, str]:
 
 def is_expert(name: str) -> bool:
     """Routed-expert weights (fused v5 names, or per-expert checkpoint names)."""
-    return bool(_FUSED_EXPERT_RE.search(name) or _PER_EXPERT_RE.match(name))
+    try:
+        return kind_of(name) == "expert"
+    except ValueError:
+        return False
 
 
 def kind_of(name: str) -> Kind:
     """The sharding kind of a parameter name; unknown names are an error, never silently replicated."""
-    if is_expert(name):
+    if _PER_EXPERT_RE.match(name):
         return "expert"
     module, leaf = _module_of(name)
-    if module == "gate" and leaf == "e_score_correction_bias":
+    kind = RULES.get(f"{module}.{leaf}")
+    if kind is None and leaf in ("weight", "bias"):
+        kind = RULES.get(module)
+    if kind is None:
+        raise ValueError(f"no sharding rule for parameter {name!r} (module {module!r}); add it to its family's "
+                         f"sharding table in rlrecipes/models/families/")
+    if kind == "row" and leaf == "bias":
         return "replicated"
-    if leaf not in ("weight", "bias"):
-        raise ValueError(f"no sharding rule for parameter {name!r} (leaf {leaf!r}); see docs/conventions.md")
-    if module in VOCAB_MODULES:
-        return "vocab"
-    if module in COLUMN_MODULES:
-        return "column"
-    if module in ROW_MODULES:
-        return "replicated" if leaf == "bias" else "row"
-    if module in REPLICATED_MODULES or module.endswith("layernorm") or module.endswith("_norm"):
-        return "replicated"
-    raise ValueError(f"no sharding rule for parameter {name!r} (module {module!r}); see docs/conventions.md")
+    return kind
+
+
+def rules_table() -> str:
+    """The sharding table as Markdown, one row per kind (docs/conventions.md prints this)."""
+    by_kind: dict[str, list[str]] = {}
+    for module, kind in RULES.items():
+        by_kind.setdefault(kind, []).append(f"`{module}`")
+    return "\n".join(f"| {kind} | {', '.join(sorted(mods))} |" for kind, mods in sorted(by_kind.items()))
 
 
 def tp_dim_of(name: str) -> int | None:
@@ -119,61 +129,9 @@ def stage_of(name: str, pp_layers: Sequence[int] | None) -> int:
     raise ValueError(f"{name}: layer {layer} is beyond the pipeline split {list(pp_layers)} (sum {acc})")
 
 
-# ---------------------------------------------------------------------------------------------
-# names and shapes of each family, in HF state-dict order
 def _family_params(d: ModelDims) -> list[tuple[str, tuple[int, ...], int, str]]:
     """(name, shape, unit, unit_name) of every parameter of the HF model for these dims."""
-    H, out = d.hidden_size, []
-    add = lambda n, s, unit=1, unit_name="rows": out.append((n, tuple(s), unit, unit_name))  # noqa: E731
-    add("model.embed_tokens.weight", (d.vocab_size, H))
-    for i in range(d.num_layers):
-        p = f"model.layers.{i}."
-        if d.is_mla:
-            qk = d.qk_nope_head_dim + d.qk_rope_head_dim
-            if d.q_lora_rank:
-                add(p + "self_attn.q_a_proj.weight", (d.q_lora_rank, H))
-                add(p + "self_attn.q_a_layernorm.weight", (d.q_lora_rank,))
-                add(p + "self_attn.q_b_proj.weight", (d.num_heads * qk, d.q_lora_rank), qk, "heads")
-            else:
-                add(p + "self_attn.q_proj.weight", (d.num_heads * qk, H), qk, "heads")
-            add(p + "self_attn.kv_a_proj_with_mqa.weight", (d.kv_lora_rank + d.qk_rope_head_dim, H))
-            add(p + "self_attn.kv_a_layernorm.weight", (d.kv_lora_rank,))
-            add(p + "self_attn.kv_b_proj.weight",
-                (d.num_heads * (d.qk_nope_head_dim + d.v_head_dim), d.kv_lora_rank),
-                d.qk_nope_head_dim + d.v_head_dim, "heads")
-            add(p + "self_attn.o_proj.weight", (H, d.num_heads * d.v_head_dim), d.v_head_dim, "heads")
-        else:
-            hd, q, kv = d.head_dim, d.num_heads * d.head_dim, d.num_kv_heads * d.head_dim
-            for proj, rows, unit_name in (("q_proj", q, "heads"), ("k_proj", kv, "kv heads"), ("v_proj", kv, "kv heads")):
-                add(p + f"self_attn.{proj}.weight", (rows, H), hd, unit_name)
-                if d.attention_bias:
-                    add(p + f"self_attn.{proj}.bias", (rows,), hd, unit_name)
-            add(p + "self_attn.o_proj.weight", (H, q), hd, "heads")
-            if d.family == "qwen3_moe":
-                add(p + "self_attn.q_norm.weight", (hd,))
-                add(p + "self_attn.k_norm.weight", (hd,))
-        if d.is_moe and i >= d.first_k_dense:
-            E, I = d.num_experts, d.moe_intermediate_size
-            add(p + "mlp.experts.gate_up_proj", (E, 2 * I, H), 1, "experts")
-            add(p + "mlp.experts.down_proj", (E, H, I), 1, "experts")
-            add(p + "mlp.gate.weight", (E, H))
-            if d.family == "deepseek_v3":
-                add(p + "mlp.gate.e_score_correction_bias", (E,))
-            if d.num_shared_experts:
-                S = d.num_shared_experts * I
-                add(p + "mlp.shared_experts.gate_proj.weight", (S, H))
-                add(p + "mlp.shared_experts.up_proj.weight", (S, H))
-                add(p + "mlp.shared_experts.down_proj.weight", (H, S))
-        else:
-            add(p + "mlp.gate_proj.weight", (d.intermediate_size, H))
-            add(p + "mlp.up_proj.weight", (d.intermediate_size, H))
-            add(p + "mlp.down_proj.weight", (H, d.intermediate_size))
-        add(p + "input_layernorm.weight", (H,))
-        add(p + "post_attention_layernorm.weight", (H,))
-    add("model.norm.weight", (H,))
-    if not d.tie_embeddings:
-        add("lm_head.weight", (d.vocab_size, H))
-    return out
+    return get_family(d.family).hf_params(d)
 
 
 def _make_spec(name: str, shape: tuple[int, ...], pp_layers, unit: int = 1, unit_name: str = "rows") -> ParamSpec:

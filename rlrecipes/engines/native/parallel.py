@@ -30,13 +30,12 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from rlrecipes.models.sharding import kind_of
+
 # ---------------------------------------------------------------------------------------------
-# Name -> sharding rule (docs/conventions.md). Kept local so the engines do not wait on
-# rlrecipes.models.sharding; the two must agree (a test checks local_shards against slices).
+# Name -> sharding rule: derived from the model families' one table (rlrecipes/models/families).
 # ---------------------------------------------------------------------------------------------
-_COL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "q_b_proj", "kv_b_proj")
-_ROW = ("o_proj", "down_proj")
-_REPL = ("q_a_proj", "kv_a_proj_with_mqa")
+_RULE_OF_KIND = {"column": "col", "vocab": "vocab", "row": "row", "replicated": "replicate", "expert": "expert"}
 
 
 def param_rule(name: str) -> str:
@@ -47,21 +46,7 @@ def param_rule(name: str) -> str:
     >>> param_rule("model.layers.1.mlp.experts.gate_up_proj")
     'expert'
     """
-    parts = name.split(".")
-    if ".mlp.experts." in f".{name}" and parts[-1] in ("gate_up_proj", "down_proj", "gate_up_proj_bias",
-                                                      "down_proj_bias"):
-        return "expert"
-    if len(parts) >= 2 and parts[-2] == "embed_tokens":
-        return "vocab"
-    if parts[0] == "lm_head":
-        return "col"
-    if len(parts) >= 2 and parts[-1] in ("weight", "bias"):
-        mod = parts[-2]
-        if mod in _COL:
-            return "col"
-        if mod in _ROW:
-            return "row"
-    return "replicate"
+    return _RULE_OF_KIND[kind_of(name)]
 
 
 def tp_dim(name: str) -> int | None:
