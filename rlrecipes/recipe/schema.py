@@ -1,4 +1,4 @@
-"""Recipe schema, YAML loading with inheritance, typed ``a.b=value`` overrides, and the registry.
+"""The recipe schema: one pydantic model per section, every field with its docstring.
 
 A recipe folder holds ``recipe.yaml`` (the full-scale run) and ``smoke.yaml`` (the same recipe
 at tiny size on CPU), which inherits ``recipe.yaml`` through ``defaults: [recipe.yaml]`` and
@@ -7,17 +7,13 @@ prints the merged result.
 """
 from __future__ import annotations
 
-import difflib
-import os
-from importlib import resources
 from pathlib import Path
 from typing import Any, Literal, Optional
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from .algos.registry import TABLES as _ALG_TABLES
-from .models import FAMILIES, PRESETS, SMOKE, ModelDims, smoke_dims
+from ..algos.registry import TABLES as _ALG_TABLES
+from ..models import FAMILIES, PRESETS, SMOKE, ModelDims, smoke_dims
 
 
 class RecipeError(ValueError):
@@ -405,199 +401,3 @@ class Recipe(_Strict):
     @property
     def folder(self) -> Optional[Path]:
         return getattr(self, "_folder", None)
-
-
-# ---------------------------------------------------------------------------------------------
-# loading
-# ---------------------------------------------------------------------------------------------
-def _deep_merge(base: dict, over: dict) -> dict:
-    out = dict(base)
-    for k, v in over.items():
-        if isinstance(v, dict) and isinstance(out.get(k), dict):
-            out[k] = _deep_merge(out[k], v)
-        else:
-            out[k] = v
-    return out
-
-
-def load_yaml_tree(path: Path, _seen: tuple = ()) -> dict:
-    """Load a YAML file and the files it names in ``defaults:`` (merged first, in order)."""
-    path = path.resolve()
-    if path in _seen:
-        raise RecipeError(f"{path}: `defaults` forms a cycle ({' -> '.join(p.name for p in _seen + (path,))})")
-    if not path.is_file():
-        raise RecipeError(f"{path}: no such recipe file")
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f":{mark.line + 1}" if mark else ""
-        raise RecipeError(f"{path}{where}: invalid YAML: {getattr(e, 'problem', e)}") from None
-    if not isinstance(data, dict):
-        raise RecipeError(f"{path}: top level must be a mapping of sections (model:, data:, ...)")
-    defaults = data.pop("defaults", []) or []
-    if isinstance(defaults, str):
-        defaults = [defaults]
-    merged: dict = {}
-    for d in defaults:
-        merged = _deep_merge(merged, load_yaml_tree(path.parent / d, _seen + (path,)))
-    return _deep_merge(merged, data)
-
-
-def _fields_at(loc: tuple) -> list[str]:
-    """Valid field names at a location of the Recipe model tree (for 'did you mean')."""
-    model: Any = Recipe
-    for part in loc[:-1]:
-        if isinstance(part, int):
-            continue
-        field = getattr(model, "model_fields", {}).get(part)
-        if field is None:
-            return []
-        ann = field.annotation
-        for cand in getattr(ann, "__args__", ()) or (ann,):
-            if isinstance(cand, type) and issubclass(cand, BaseModel):
-                ann = cand
-                break
-        model = ann
-    return list(getattr(model, "model_fields", {}))
-
-
-def _format_errors(err: ValidationError, source: str, origins: dict[str, str]) -> str:
-    lines = []
-    for e in err.errors():
-        loc = tuple(p for p in e["loc"] if not (isinstance(p, str) and p.startswith("function-after")))
-        key = ".".join(str(p) for p in loc) or "(top level)"
-        src = origins.get(key, source)
-        if e["type"] == "extra_forbidden":
-            choices = _fields_at(loc)
-            close = difflib.get_close_matches(str(loc[-1]), choices, n=1)
-            hint = f"; did you mean `{'.'.join(map(str, loc[:-1] + (close[0],)))}`?" if close else (
-                f"; valid keys here: {', '.join(choices)}" if choices else "")
-            lines.append(f"{src}: unknown key `{key}`{hint}")
-        elif e["type"] == "missing":
-            lines.append(f"{src}: missing required key `{key}`")
-        else:
-            got = e.get("input")
-            got_s = "" if isinstance(got, dict) else f" (got {got!r})"
-            lines.append(f"{src}: `{key}`: {e['msg']}{got_s}")
-    return "\n".join(lines)
-
-
-def parse_override(text: str) -> tuple[list[str], Any]:
-    """Parse ``a.b.c=value``; the value is YAML-typed (1 -> int, true -> bool, [1,2] -> list)."""
-    if "=" not in text:
-        raise RecipeError(f"override {text!r}: expected KEY=VALUE, e.g. trainer.steps=20")
-    key, raw = text.split("=", 1)
-    key = key.strip()
-    if not key or any(not p for p in key.split(".")):
-        raise RecipeError(f"override {text!r}: empty key part; write dotted keys like actor.layout.tp=2")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
-        value = raw
-    return key.split("."), value
-
-
-def apply_overrides(data: dict, overrides: list[str], origins: dict[str, str]) -> dict:
-    data = _deep_merge({}, data)
-    for text in overrides:
-        path, value = parse_override(text)
-        node = data
-        for i, p in enumerate(path[:-1]):
-            nxt = node.get(p)
-            if nxt is None:
-                nxt = node[p] = {}
-            elif not isinstance(nxt, dict):
-                raise RecipeError(f"override {text!r}: `{'.'.join(path[:i + 1])}` is a value, not a section")
-            node = nxt
-        node[path[-1]] = value
-        origins[".".join(path)] = f"override `{text}`"
-    return data
-
-
-def recipe_roots() -> list[Path]:
-    """Where registered recipes live: $RLRECIPES_PATH, the source checkout's recipes/, the wheel's copy."""
-    roots: list[Path] = []
-    for p in filter(None, os.environ.get("RLRECIPES_PATH", "").split(os.pathsep)):
-        roots.append(Path(p))
-    src = Path(__file__).resolve().parent.parent / "recipes"
-    if src.is_dir():
-        roots.append(src)
-    try:
-        packaged = Path(str(resources.files("rlrecipes") / "_recipes"))
-        if packaged.is_dir():
-            roots.append(packaged)
-    except (ModuleNotFoundError, TypeError):  # pragma: no cover
-        pass
-    return roots
-
-
-def registry() -> dict[str, Path]:
-    """Registered recipe name -> folder (first root wins)."""
-    found: dict[str, Path] = {}
-    for root in recipe_roots():
-        for d in sorted(root.iterdir()):
-            if (d / "recipe.yaml").is_file() and d.name not in found:
-                found[d.name] = d
-    return found
-
-
-def find_recipe(name_or_path: str) -> Path:
-    """A recipe folder from a registered name or a path to a folder (or to a YAML file's folder)."""
-    p = Path(name_or_path)
-    if p.is_dir() and (p / "recipe.yaml").is_file():
-        return p.resolve()
-    if p.is_dir() and name_or_path not in registry():
-        if not (p / "recipe.yaml").is_file():
-            raise RecipeError(f"{p}: not a recipe folder (no recipe.yaml). Create one with `rlrecipes cp <recipe> {p}`")
-        return p.resolve()
-    if p.suffix in (".yaml", ".yml") and p.is_file():
-        return p.resolve().parent
-    reg = registry()
-    if name_or_path in reg:
-        return reg[name_or_path]
-    close = difflib.get_close_matches(name_or_path, list(reg), n=1)
-    hint = f"did you mean `{close[0]}`? " if close else ""
-    raise RecipeError(f"unknown recipe {name_or_path!r}: {hint}registered recipes: {', '.join(reg) or '(none)'}; "
-                      "or pass a path to a recipe folder")
-
-
-def load_recipe(name_or_path: str, *, smoke: bool = False, overrides: list[str] | None = None,
-                file: str | None = None) -> Recipe:
-    """Load, merge (defaults + overrides) and validate a recipe.
-
-    ``file`` picks a YAML inside the folder; by default ``smoke.yaml`` with ``smoke=True``,
-    otherwise ``recipe.yaml``. A path to a YAML file loads that file.
-    """
-    folder = find_recipe(name_or_path)
-    p = Path(name_or_path)
-    if file is None and p.suffix in (".yaml", ".yml") and p.is_file():
-        yaml_path = p.resolve()
-    else:
-        yaml_path = folder / (file or ("smoke.yaml" if smoke else "recipe.yaml"))
-    data = load_yaml_tree(yaml_path)
-    origins: dict[str, str] = {}
-    data = apply_overrides(data, list(overrides or []), origins)
-    try:
-        recipe = Recipe.model_validate(data)
-    except ValidationError as e:
-        raise RecipeError(_format_errors(e, str(yaml_path), origins)) from None
-    object.__setattr__(recipe, "_folder", folder)
-    object.__setattr__(recipe, "_source", yaml_path)
-    return recipe
-
-
-def resolve_path(recipe: Recipe, path: str) -> Path:
-    """A path from a recipe, relative to its folder unless absolute."""
-    p = Path(os.path.expanduser(path))
-    if not p.is_absolute() and recipe.folder is not None:
-        p = recipe.folder / p
-    return p
-
-
-def dump_yaml(recipe: Recipe) -> str:
-    return yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False)
-
-
-__all__ = ["Recipe", "RecipeError", "load_recipe", "find_recipe", "registry", "recipe_roots",
-           "parse_override", "dump_yaml", "resolve_path", "SMOKE", "FAMILIES"]
