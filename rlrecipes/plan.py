@@ -25,7 +25,8 @@ GiB = 1024 ** 3
 NODE_INDEPENDENT_RULES = {"inference settings supported by vllm-ascend", "rollout PP = 1",
                           "engine keeps ref/critic on the actor layout", "engine serves the role here",
                           "engine has pipeline parallelism", "engine has expert parallelism",
-                          "engine keeps EP inside the TP group", "GRPO needs a group per prompt"}
+                          "engine keeps EP inside the TP group", "GRPO needs a group per prompt",
+                          "engine runs this model here"}
 DTYPE_BYTES = 2  # weights and activations in bf16 on accelerators
 
 
@@ -278,6 +279,32 @@ def _render_inference(recipe: Recipe, dims: ModelDims, violations: list) -> Opti
     return {"vllm_ascend": version, "additional_config": r.additional_config, "engine_kwargs": r.engine_kwargs}
 
 
+def _model_checks(recipe: Recipe, dims: ModelDims) -> list[Violation]:
+    """Model features an engine's kernels cannot take on this device (e.g. vLLM CPU head sizes)."""
+    out: list[Violation] = []
+    device = recipe.resources.device
+    for key, name in (("actor.engine", recipe.actor.engine), ("rollout.engine", recipe.rollout.engine)):
+        if name not in BACKENDS:
+            continue
+        caps = capabilities(name)
+        if dims.is_mla:
+            latent = dims.kv_lora_rank + dims.qk_rope_head_dim
+            for dev, sizes in caps.mla_latent_sizes_by_device:
+                if dev == device and latent not in sizes:
+                    out.append(Violation("engine runs this model here",
+                                         f"{key}={name} on {device}: its MLA kernels take a latent (kv_lora_rank + "
+                                         f"qk_rope_head_dim) of {'/'.join(map(str, sizes))} only, this model's is "
+                                         f"{latent}; use {key.split('.')[0]}.engine=native on {device}"))
+            continue
+        for dev, low in caps.min_head_dim_by_device:
+            if dev == device and dims.head_dim < low:
+                out.append(Violation("engine runs this model here",
+                                     f"{key}={name} on {device}: attention head size {dims.head_dim} < {low}, the "
+                                     f"smallest its kernels take; use head_dim >= {low} (model.smoke.head_dim={low}) "
+                                     f"or another engine"))
+    return out
+
+
 def _engine_checks(recipe: Recipe, engines: dict[str, str]) -> tuple[list[Violation], list[str]]:
     """Engines that cannot serve a role are violations; engines not installed here are listed apart."""
     violations, missing = [], []
@@ -322,6 +349,7 @@ def build_plan(recipe: Recipe, nodes: Optional[int] = None, devices_per_node: Op
 
     engines = {role: (recipe.rollout.engine if role == "rollout" else recipe.actor.engine) for role in roles}
     violations, missing_here = _engine_checks(recipe, engines)
+    violations += _model_checks(recipe, dims)
     caps = {role: capabilities(name) for role, name in engines.items() if name in BACKENDS}
     train_caps = caps.get("actor")
     if train_caps is not None and not train_caps.separate_ref_layout:

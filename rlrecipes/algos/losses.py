@@ -124,6 +124,7 @@ def ppo_clip_policy_loss(
     clip_ratio_high: float | None = None,
     dual_clip_c: float | None = 3.0,
     loss_agg_mode: str = "token-mean",
+    token_weights: torch.Tensor | None = None,
     **agg_kwargs,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate with clip-higher (DAPO) and dual-clip (Ye et al. 2020).
@@ -138,6 +139,8 @@ def ppo_clip_policy_loss(
         response_mask: ``[batch, seq]``.
         clip_ratio_low, clip_ratio_high: eps_low and eps_high (``None`` -> eps_low).
         dual_clip_c: dual-clip constant, > 1, or ``None``.
+        token_weights: ``[batch, seq]`` detached per-token weights applied to the loss (the
+            rollout-mismatch importance weights of :func:`rlrecipes.algos.rollout_correction`).
         loss_agg_mode, **agg_kwargs: passed to :func:`aggregate_loss` (``global_tokens``, ...).
     Returns:
         ``(loss 0-dim, metrics)``; metrics (detached, local masked means): ``clipfrac`` (share of
@@ -165,6 +168,8 @@ def ppo_clip_policy_loss(
     else:
         lower_active = torch.zeros_like(clip_active)
         loss_mat = clipped
+    if token_weights is not None:
+        loss_mat = loss_mat * masked_select_zero(token_weights.detach(), response_mask)
     loss = aggregate_loss(loss_mat, response_mask, loss_agg_mode, **agg_kwargs)
     with torch.no_grad():
         metrics = {

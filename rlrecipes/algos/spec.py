@@ -17,6 +17,7 @@ from ._util import unknown_name_error
 from .kl import apply_kl_penalty, scores_to_token_rewards
 from .losses import entropy_bonus, kl_loss, value_loss
 from .registry import get_adv_estimator, get_policy_loss
+from .rollout_correction import importance_weights, mismatch_stats
 
 
 @dataclass(frozen=True)
@@ -165,11 +166,22 @@ def actor_loss_fn(cfg, *, agg: dict, kl_coef: float, use_ref: bool, dp_size: int
         mask = mb["response_mask"].to(logp.device)
         adv = torch.where(mask.bool(), mb["advantages"].to(logp.device), 0.0)
         old = mb["old_log_probs"].to(logp.device) if "old_log_probs" in mb else logp.detach()
+        metrics, weights = {}, None
+        if "rollout_log_probs" in mb:  # old == pi_train under the weights that generated the batch
+            rl = mb["rollout_log_probs"].to(logp.device)
+            mm = mismatch_stats(old, rl, mask)
+            metrics.update({"rollout/logprob_diff_sum": float(mm["diff_sum"]),
+                            "rollout/logprob_diff_max": float(mm["diff_max"]),
+                            "rollout/tokens_sum": float(mm["tokens"])})
+            if cfg.rollout_correction != "none":
+                weights, im = importance_weights(old, rl, mask, cfg.rollout_correction, cfg.rollout_correction_cap)
+                metrics.update({"rollout/is_weight_sum": float(im["weight_sum"]),
+                                "rollout/is_capped_sum": float(im["capped"])})
         loss, m = policy_loss(logp, old, adv, mask, clip_ratio_low=cfg.clip_ratio_low,
                               clip_ratio_high=cfg.clip_ratio_high, dual_clip_c=cfg.dual_clip_c,
-                              loss_agg_mode=cfg.loss_agg_mode, **agg)
-        metrics = {"actor/pg_loss": float(loss.detach()), "actor/clipfrac": float(m["clipfrac"]),
-                   "actor/ppo_kl": float(m["ppo_kl"])}
+                              loss_agg_mode=cfg.loss_agg_mode, token_weights=weights, **agg)
+        metrics.update({"actor/pg_loss": float(loss.detach()), "actor/clipfrac": float(m["clipfrac"]),
+                        "actor/ppo_kl": float(m["ppo_kl"])})
         if use_ref:
             kl = kl_loss(logp, mb["ref_log_probs"].to(logp.device), mask, cfg.kl_estimator, cfg.loss_agg_mode, **agg)
             if cfg.use_kl_loss:

@@ -66,6 +66,10 @@ class Capabilities:
     """Extra modules per device type, e.g. ``(("npu", ("mindspeed",)),)``."""
     install: str = ""
     """How to install what ``requires`` names (shown when it is missing)."""
+    min_head_dim_by_device: tuple[tuple[str, int], ...] = ()
+    """``(device, smallest attention head size its kernels take)`` (vLLM's CPU attention: 32)."""
+    mla_latent_sizes_by_device: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    """``(device, MLA latent sizes kv_lora_rank + qk_rope_head_dim its kernels take)`` (vLLM CPU: 576)."""
     implemented: bool = True
     """False while a backend is declared but not written: ``plan`` reports it and ``run`` refuses."""
 
@@ -193,7 +197,7 @@ class TrainEngine(_Parallel):
 
         Returns ``<role>/loss``, ``<role>/grad_norm``, ``<role>/lr``, ``<role>/skipped_step`` (1.0
         when a non-finite loss or gradient skipped the update on every rank),
-        ``<role>/micro_batches`` (how many ran on every rank) and the closure's metrics averaged
+        ``<role>/micro_batches`` (how many ran on every rank) and the closure's metrics reduced by :func:`reduce_closure_metric`
         over those micro-batches. Collective on every rank, even one with no samples."""
 
     @abc.abstractmethod
@@ -260,5 +264,16 @@ class RolloutEngine(_Parallel):
     def wake(self) -> None: ...
 
 
-__all__ = ["Capabilities", "EngineSpec", "LossFn", "RolloutEngine", "RolloutOutput", "SamplingParams", "SeqBatch",
+def reduce_closure_metric(key: str, values: Sequence[float]) -> float:
+    """How a train engine reduces a loss closure's metric over its micro-batches: keys ending in
+    ``_sum`` are summed, ``_max`` maxed, anything else averaged. (Across DP ranks the workflow
+    reduces them the same way.)"""
+    if key.endswith("_sum"):
+        return float(sum(values))
+    if key.endswith("_max"):
+        return float(max(values))
+    return float(sum(values) / len(values))
+
+
+__all__ = ["reduce_closure_metric", "Capabilities", "EngineSpec", "LossFn", "RolloutEngine", "RolloutOutput", "SamplingParams", "SeqBatch",
            "TrainEngine"]

@@ -177,6 +177,13 @@ class AlgorithmConfig(_Strict):
     """Optimizer passes over each rollout batch. 1 (with one mini-batch) is on-policy."""
     skip_old_log_prob: Literal["auto", "true", "false"] = "auto"
     """Skip the old-log-prob forward when on-policy (auto decides from ppo_epochs and mini-batches)."""
+    rollout_correction: Literal["none", "tis", "mis"] = "none"
+    """Rollout-train mismatch correction per token, with w = pi_train / pi_rollout of the sampled token:
+    tis multiplies the policy loss by min(w, cap) (truncated importance sampling); mis by w where
+    w <= cap and 0 past it (masked importance sampling). The mismatch is reported either way
+    (rollout/logprob_diff_mean, _max)."""
+    rollout_correction_cap: float = Field(2.0, gt=1.0)
+    """The cap C of tis / mis (> 1)."""
     dynamic_sampling: DynamicSampling = Field(default_factory=DynamicSampling)
     overlong: Overlong = Field(default_factory=Overlong)
 
@@ -281,8 +288,6 @@ class InferenceSettings(_Strict):
     """Share of device memory the rollout may take (weights + KV cache)."""
     max_num_batched_tokens: Optional[int] = None
     """Chunked-prefill budget per scheduler step."""
-    decode_only: bool = False
-    """This instance serves decode only (disaggregated prefill/decode)."""
     vllm_ascend_version: Optional[str] = None
     """vllm-ascend release the settings are rendered and checked for; null: the installed one (if any)."""
 

@@ -89,6 +89,7 @@ def metrics_row(ctx: Context, st: StepState, gathered: list[dict], step_s: float
         "response_length/mean": upd.get("response_tokens", 0) / max(upd.get("samples", 0), 1),
         "samples": int(upd.get("samples", 0)),
         **{k: v for k, v in crit.items() if k.startswith("critic/")},
+        **{k: v for k, v in upd.items() if k.startswith("rollout/")},
         "mem/peak_gb": round(max(g["peak"] for g in gathered) / 2 ** 30, 4),
         "reshard/min_bytes": ctx.reshard_plan.min_bytes(0),
     }

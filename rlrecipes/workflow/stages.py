@@ -190,7 +190,7 @@ def update(ctx: Context, st: StepState) -> None:
     """Actor: LR warm-up, then one optimizer step per mini-batch, ppo_epochs passes over the batch."""
     r, alg, actor = ctx.recipe, ctx.recipe.algorithm, ctx.actor
     cached = (["ref_log_probs"] if ctx.use_ref else []) + ([] if ctx.skip_old else ["old_log_probs"])
-    data = train_rows(ctx, actor, "update", ["prompt_ids", "response_ids", "advantages"], cached)
+    data = train_rows(ctx, actor, "update", ["prompt_ids", "response_ids", "advantages", "rollout_log_probs"], cached)
     kl_coef = getattr(ctx.kl_ctl, "value", alg.kl_coef)
     if r.trainer.warmup_steps:
         actor.set_lr(r.trainer.lr * min(1.0, (ctx.step + 1) / r.trainer.warmup_steps))
@@ -199,9 +199,10 @@ def update(ctx: Context, st: StepState) -> None:
     t0 = time.perf_counter()
     out: dict = {}
     totals = [0.0, 0.0, 0.0]
+    mismatch: dict[str, list[float]] = {}  # rollout-vs-train sums/maxes over the mini-batches of epoch 0
     for epoch in range(alg.ppo_epochs):
         for idx in chunks:
-            batch = seq_batch(subset(data, idx), per_token=cached)
+            batch = seq_batch(subset(data, idx), per_token=cached + ["rollout_log_probs"])
             g_tokens, g_seqs, g_prompt = global_counts(actor, batch)
             if epoch == 0:
                 totals = [totals[0] + g_tokens, totals[1] + g_seqs, totals[2] + g_prompt]
@@ -211,8 +212,31 @@ def update(ctx: Context, st: StepState) -> None:
                        dp_size=actor.dp_size)
             loss_fn = actor_loss_fn(alg, agg=agg, kl_coef=kl_coef, use_ref=ctx.use_ref, dp_size=actor.dp_size)
             out = actor.train_step(batch, loss_fn, with_entropy=bool(alg.entropy_coef))
+            if epoch == 0:
+                for k in [k for k in out if k.startswith("rollout/")]:
+                    mismatch.setdefault(k, []).append(out.pop(k))
+            out = {k: v for k, v in out.items() if not k.startswith("rollout/")}
     ctx.timer.add_compute("update", time.perf_counter() - t0)
     st.update = _update_metrics(ctx, out, totals)
+    st.update.update(_mismatch_metrics(ctx, mismatch))
+
+
+def _mismatch_metrics(ctx: Context, parts: dict[str, list[float]]) -> dict:
+    """``rollout/logprob_diff_mean`` / ``_max`` (|pi_train - pi_rollout| over response tokens) and the
+    importance-weight statistics, reduced over mini-batches and DP ranks (data leaders only)."""
+    keys = ["rollout/logprob_diff_sum", "rollout/tokens_sum", "rollout/is_weight_sum", "rollout/is_capped_sum"]
+    lead = ctx.actor.is_data_leader
+    sums = torch.tensor([sum(parts.get(k, [0.0])) if lead else 0.0 for k in keys], dtype=torch.float64)
+    mx = torch.tensor([max(parts.get("rollout/logprob_diff_max", [0.0]))], dtype=torch.float64)
+    dist.all_reduce(sums)
+    dist.all_reduce(mx, op=dist.ReduceOp.MAX)
+    diff, tokens, wsum, capped = sums.tolist()
+    if not tokens:
+        return {}
+    out = {"rollout/logprob_diff_mean": diff / tokens, "rollout/logprob_diff_max": float(mx)}
+    if ctx.recipe.algorithm.rollout_correction != "none":
+        out.update({"rollout/is_weight_mean": wsum / tokens, "rollout/is_capped_frac": capped / tokens})
+    return out
 
 
 def _update_metrics(ctx: Context, out: dict, totals: list[float]) -> dict:

