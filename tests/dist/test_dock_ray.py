@@ -62,7 +62,7 @@ def test_ray_semantics_match_local(dock):
     rows = dock.add_groups(4, 2)
     lens = [10, 10, 1, 1, 5, 5, 6, 4]
     dock.put({"ids": [ids(r, n) for r, n in zip(rows, lens)]}, rows)
-    dock.put({"s": torch.arange(8.)}, rows, rank=3)
+    dock.put({"s": torch.arange(8.)}, rows)
     bins = [dock.get("adv", ["ids", "s"], None, dp_rank=r, dp_size=2, whole_groups=True, timeout=5)
             for r in (1, 0)]
     assert sorted(bins[0].rows + bins[1].rows) == rows

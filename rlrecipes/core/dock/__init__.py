@@ -1,0 +1,102 @@
+"""TransferDock: the sample flow between RL stages without a central driver.
+
+Modules: ``client.py`` (the :class:`DockClient` API, :class:`Batch`), ``metadata.py`` (controller
+bookkeeping and the balanced hand-out), ``balance.py`` (LPT / Karmarkar-Karp), ``packing.py`` (columns
+as numpy arrays, the column store), ``local.py`` (in-process backend), ``ray_backend.py`` (controller
+and per-node warehouse actors); :class:`TransferDock` (here) constructs either.
+
+One row per sample; columns (``prompt_ids``, ``response_ids``, ``scores``, ``ref_log_probs``, ...)
+are written by the stage that produces them and read by every stage that needs them.
+
+Two backends, one API (:class:`DockClient`):
+
+* ``TransferDock.local()`` -- in-process and thread-safe (one lock + condition); unit tests and
+  single-process runs.
+* ``TransferDock.ray()`` -- a *controller* actor that holds metadata only (per-column readiness,
+  per-consumer consumption, row -> warehouse map, groups, per-row token lengths, cache holders) and
+  one *warehouse* actor per Ray node, pinned there with ``NodeAffinitySchedulingStrategy``, that
+  holds the tensors of the rows assigned to it. Clients (worker actors, each with the same
+  picklable handle) ask the controller *which* rows and *where*, then write to / read from the
+  warehouses directly. The driver never touches sample data. A put is one client round trip per
+  warehouse: the warehouse stores the rows and commits them (marks them ready) at the controller
+  before answering, so readiness never runs ahead of the data.
+
+Data travels as flat numpy arrays (one per column and warehouse call); arrays above Ray's inline
+threshold go through the shared-memory object store and are read back zero-copy, so the tensors of
+a :class:`Batch` may be read-only views of object-store memory: ``clone()`` before writing in place
+(or pass ``copy=True`` to :meth:`DockClient.get`).
+
+Balancing (documented choice): ``get(consumer, cols, count=None, dp_rank=r, dp_size=k)`` means
+"everything of this stage". The first rank of the consumer to ask waits until every live row that
+the consumer has not taken yet has ``cols`` ready, then partitions those rows (or whole groups)
+into ``k`` bins by token count -- greedy LPT with equal row counts per bin (``equal_count=True``,
+default; what micro-batched training wants) or Karmarkar-Karp differencing (``equal_count=False``)
+-- and every rank receives its own bin. The partition is deterministic (ties broken by row id).
+``count=N`` streams: the rank takes the first ``N`` ready rows nobody of that consumer took yet.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from .balance import partition_kk, partition_lpt
+from .client import Batch, DockClient
+from .errors import DEFAULT_TIMEOUT_S, DockError, DockTimeout
+from .local import LocalDock
+from .ray_backend import RayDock, _Controller, _Warehouse
+
+__all__ = [
+    "Batch", "DEFAULT_TIMEOUT_S", "DockClient", "DockError", "DockTimeout", "LocalDock", "RayDock", "TransferDock",
+    "partition_kk", "partition_lpt",
+]
+
+
+class TransferDock:
+    """Constructors of the two backends."""
+
+    @staticmethod
+    def local(*, equal_count: bool = True) -> LocalDock:
+        """In-process dock (threads). ``equal_count``: balanced bins hold equal row counts (LPT);
+        False: Karmarkar-Karp on tokens only."""
+        return LocalDock(equal_count=equal_count)
+
+    @staticmethod
+    def ray(*, name: str | None = None, nodes: Sequence[str] | None = None,
+            placement: str = "round_robin", equal_count: bool = True) -> RayDock:
+        """Start the controller and one warehouse per alive Ray node (or per id in ``nodes``).
+
+        ``placement``: ``round_robin`` assigns prompt groups to warehouses in turn;
+        ``writer_node`` puts the groups on the warehouse of the node that calls ``add_groups``.
+        ``name``: a name prefix for the actors (findable with ``ray.get_actor``).
+        Needs ``ray.init`` first. Call ``shutdown()`` on the returned client to stop the actors.
+        """
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        if not ray.is_initialized():
+            raise DockError("TransferDock.ray(): Ray is not initialised; call ray.init() (or "
+                            "rlrecipes.cluster) first, or use TransferDock.local()")
+        if placement not in ("round_robin", "writer_node"):
+            raise DockError(f"TransferDock.ray(placement={placement!r}): expected round_robin or writer_node")
+        if nodes is None:
+            nodes = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
+        nodes = list(nodes)
+        if not nodes:
+            raise DockError("TransferDock.ray(): no alive Ray nodes")
+        opts = {"num_cpus": 0, "max_restarts": 0}
+        ctl_opts = dict(opts)
+        if name:
+            ctl_opts["name"] = f"{name}:controller"
+        controller = ray.remote(_Controller).options(**ctl_opts).remote(len(nodes), equal_count)
+        warehouses = []
+        for i, node in enumerate(nodes):
+            w_opts = dict(opts, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False))
+            if name:
+                w_opts["name"] = f"{name}:warehouse{i}"
+            warehouses.append(ray.remote(_Warehouse).options(**w_opts).remote(i, controller))
+        got = ray.get([w.node_id.remote() for w in warehouses])
+        if got != nodes:  # NodeAffinity with soft=False guarantees this; check anyway
+            raise DockError(f"warehouses landed on {got}, expected {nodes}")
+        dock = RayDock(controller, warehouses, nodes, placement)
+        dock._owner = True
+        dock.reset(0)
+        return dock

@@ -1,0 +1,141 @@
+"""The API every backend implements (:class:`DockClient`) and what a get returns (:class:`Batch`)."""
+from __future__ import annotations
+
+import abc
+import math
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from .errors import DEFAULT_TIMEOUT_S
+from .packing import Packed, pack_column
+
+
+# ----------------------------------------------------------------------------------------------
+# The client-facing API.
+# ----------------------------------------------------------------------------------------------
+
+@dataclass
+class Batch:
+    """Rows handed to one consumer rank.
+
+    ``columns[name]`` is a stacked tensor ``[rows, *shape]`` for columns put stacked, else a list of
+    per-row tensors (unpadded). Cached columns are not in ``columns``; ``holders[name][i]`` is the
+    rank whose TensorCache holds row ``rows[i]`` (fetch with ``TensorCache.exchange``).
+    """
+
+    rows: list[int]
+    columns: dict[str, torch.Tensor | list[torch.Tensor]]
+    holders: dict[str, list[int]] = field(default_factory=dict)
+    # count=None only: the rows of every dp rank in this round (entry r = rank r's rows), e.g. for
+    # TensorCache.exchange(columns, batch.partition) without gathering the wants first.
+    partition: list[list[int]] | None = None
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, name: str):
+        return self.columns[name]
+
+    def lengths(self, name: str) -> torch.Tensor:
+        """Row lengths (first dim) of a column; ``[rows]`` int64."""
+        col = self.columns[name]
+        if isinstance(col, torch.Tensor):
+            return torch.full((col.shape[0],), col.shape[1] if col.dim() > 1 else 1, dtype=torch.int64)
+        return torch.tensor([t.shape[0] if t.dim() else 1 for t in col], dtype=torch.int64)
+
+    def padded(self, name: str, pad_value: float | int = 0, *, left: bool = False,
+               max_len: int | None = None) -> torch.Tensor:
+        """A list column right- (or left-) padded into ``[rows, max_len]`` (a copy)."""
+        col = self.columns[name]
+        if isinstance(col, torch.Tensor):
+            return col.clone()
+        if not col:
+            return torch.zeros(0, max_len or 0)
+        n = max_len if max_len is not None else max(t.shape[0] for t in col)
+        out = torch.full((len(col), n, *col[0].shape[1:]), pad_value, dtype=col[0].dtype)  # [rows, n]
+        for i, t in enumerate(col):
+            t = t[:n]
+            if left:
+                out[i, n - t.shape[0]:] = t
+            else:
+                out[i, : t.shape[0]] = t
+        return out
+
+    def mask(self, name: str, *, left: bool = False, max_len: int | None = None) -> torch.Tensor:
+        """``[rows, max_len]`` bool mask of real (unpadded) positions of a list column."""
+        lens = self.lengths(name)
+        n = max_len if max_len is not None else int(lens.max()) if len(lens) else 0
+        ar = torch.arange(n)
+        return (ar[None, :] >= n - lens[:, None]) if left else (ar[None, :] < lens[:, None])
+
+
+class DockClient(abc.ABC):
+    """The API every backend implements. See the module docstring for the semantics."""
+
+    @abc.abstractmethod
+    def reset(self, step: int) -> None:
+        ...
+
+    @abc.abstractmethod
+    def add_groups(self, n_groups: int, group_size: int) -> list[int]:
+        ...
+
+    @abc.abstractmethod
+    def put(self, columns: dict[str, torch.Tensor | list[torch.Tensor]], rows: Sequence[int]) -> None:
+        """Store ``columns`` for ``rows`` and mark them ready; the data goes to each row's warehouse
+        whoever writes it."""
+        ...
+
+    @abc.abstractmethod
+    def get(self, consumer: str, columns: Sequence[str], count: int | None = None, *, dp_rank: int = 0,
+            dp_size: int = 1, whole_groups: bool = False, timeout: float = DEFAULT_TIMEOUT_S,
+            copy: bool = False) -> Batch:
+        ...
+
+    @abc.abstractmethod
+    def mark_cached(self, columns: dict[str, Sequence[int] | None] | Sequence[str], rows: Sequence[int],
+                    rank: int) -> None:
+        ...
+
+    @abc.abstractmethod
+    def cached_on(self, column: str, rows: Sequence[int]) -> list[int | None]:
+        ...
+
+    @abc.abstractmethod
+    def all_consumed(self, consumer: str) -> bool:
+        ...
+
+    @abc.abstractmethod
+    def drop_rows(self, rows: Sequence[int]) -> None:
+        ...
+
+    @abc.abstractmethod
+    def stats(self) -> dict:
+        ...
+
+    def shutdown(self) -> None:
+        pass
+
+
+def _put_meta(columns: dict[str, Any], rows: Sequence[int], own: bool) -> tuple[dict, dict[str, Packed]]:
+    packed = {c: pack_column(c, v, len(rows), own) for c, v in columns.items()}
+    meta = {c: (p.dtype, p.stacked, [math.prod(s[:1]) if s else 1 for s in p.shapes])
+            for c, p in packed.items()}
+    return meta, packed
+
+
+def _cached_meta(columns, rows) -> dict:
+    if isinstance(columns, dict):
+        return {c: ("", False, list(l) if l is not None else [1] * len(rows)) for c, l in columns.items()}
+    return {c: ("", False, [1] * len(rows)) for c in columns}
+
+
+def _empty_batch(stored: dict, cached: dict) -> Batch:
+    cols = {}
+    for c in stored["columns"]:
+        dtype, stacked = stored["kinds"][c]
+        cols[c] = torch.empty(0, dtype=getattr(torch, dtype)) if stacked else []
+    return Batch([], cols, {c: [] for c in cached}, stored["partition"])

@@ -1,0 +1,289 @@
+"""Controller-side bookkeeping: per-column readiness, per-consumer consumption, groups, row -> warehouse
+map, token lengths, cache holders, and the balanced hand-out of rows to DP ranks."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from .errors import DockError
+from .balance import partition_lpt, partition_kk
+
+
+# ----------------------------------------------------------------------------------------------
+# Metadata: the controller's state, shared by both backends. Pure Python, no tensors, no locking.
+# ----------------------------------------------------------------------------------------------
+
+@dataclass
+class _ConsumerState:
+    taken: np.ndarray                      # [rows] bool: row already handed to some dp rank
+    dp_size: int | None = None
+    partitions: list[list[list[int]]] = field(default_factory=list)   # [round][dp_rank] -> rows
+    cursor: dict[int, int] = field(default_factory=dict)              # dp_rank -> next round
+
+
+class _Meta:
+    """Readiness / consumption / groups / placement of the rows of one step."""
+
+    def __init__(self, n_warehouses: int = 1, equal_count: bool = True):
+        self.n_warehouses = n_warehouses
+        self.equal_count = equal_count
+        self.reset(0)
+
+    def reset(self, step: int):
+        self.step = int(step)
+        self.n_rows = 0
+        self.group_of = np.zeros(0, np.int64)        # [rows]
+        self.groups: list[tuple[int, int]] = []      # group -> (first row, size)
+        self.dropped = np.zeros(0, bool)             # [rows]
+        self.warehouse = np.zeros(0, np.int64)       # [rows] -> warehouse index
+        self.ready: dict[str, np.ndarray] = {}       # col -> [rows] bool
+        self.holder: dict[str, np.ndarray] = {}      # col -> [rows] int: cache rank, -1 = in store
+        self.lengths: dict[str, np.ndarray] = {}     # col -> [rows] token count (numel of the row)
+        self.kinds: dict[str, tuple[str, bool]] = {} # col -> (dtype, stacked)
+        self.consumers: dict[str, _ConsumerState] = {}
+        self.next_wh = 0
+        self.version = 0                             # bumped on every change waiters care about
+        self.last_partition: list[list[int]] | None = None   # of the last count=None claim
+
+    # -- allocation ----------------------------------------------------------------------------
+    def _grow(self, n: int):
+        def grow(a, fill):
+            out = np.full(n, fill, a.dtype)
+            out[: a.size] = a
+            return out
+        self.group_of = grow(self.group_of, -1)
+        self.dropped = grow(self.dropped, False)
+        self.warehouse = grow(self.warehouse, 0)
+        for d, fill in ((self.ready, False), (self.holder, -1), (self.lengths, 0)):
+            for c in d:
+                d[c] = grow(d[c], fill)
+        for cs in self.consumers.values():
+            cs.taken = grow(cs.taken, False)
+
+    def add_groups(self, n_groups: int, group_size: int, warehouse: int | None = None) -> list[int]:
+        if n_groups < 0 or group_size < 1:
+            raise DockError(f"add_groups(n_groups={n_groups}, group_size={group_size}): "
+                            "need n_groups >= 0 and group_size >= 1")
+        start = self.n_rows
+        self.n_rows += n_groups * group_size
+        self._grow(self.n_rows)
+        for g in range(n_groups):
+            first = start + g * group_size
+            gid = len(self.groups)
+            self.groups.append((first, group_size))
+            self.group_of[first:first + group_size] = gid
+            if warehouse is None:  # round robin by group range
+                wh = self.next_wh % self.n_warehouses
+                self.next_wh += 1
+            else:
+                wh = warehouse
+            self.warehouse[first:first + group_size] = wh
+        self.version += 1
+        return list(range(start, self.n_rows))
+
+    def _check_rows(self, rows: Sequence[int], what: str) -> np.ndarray:
+        r = np.asarray(list(rows), np.int64)
+        if r.size and (r.min() < 0 or r.max() >= self.n_rows):
+            bad = [int(x) for x in r if x < 0 or x >= self.n_rows][:8]
+            raise DockError(f"{what}: rows {bad} were never allocated in step {self.step} "
+                            f"({self.n_rows} rows; call add_groups first)")
+        if r.size and self.dropped[r].any():
+            bad = [int(x) for x in r if self.dropped[x]][:8]
+            raise DockError(f"{what}: rows {bad} were dropped in step {self.step}")
+        return r
+
+    def placement(self, rows: Sequence[int]) -> list[int]:
+        r = self._check_rows(rows, "put")
+        return self.warehouse[r].tolist()
+
+    # -- writes --------------------------------------------------------------------------------
+    def mark_ready(self, columns: dict[str, tuple[str, bool, Sequence[int]]], rows: Sequence[int],
+                   holder: int = -1):
+        """``columns``: name -> (dtype, stacked, per-row numel). ``holder`` >= 0: cached on rank."""
+        r = self._check_rows(rows, "put")
+        for col, (dtype, stacked, lens) in columns.items():
+            if lens is not None and len(lens) != r.size:
+                raise DockError(f"column {col!r}: {len(lens)} lengths for {r.size} rows")
+            kind = (dtype, stacked)
+            if dtype and col in self.kinds and self.kinds[col] != kind:
+                old = self.kinds[col]
+                raise DockError(f"put column {col!r}: step {self.step} already has it as "
+                                f"{'stacked' if old[1] else 'list'} {old[0]}, got "
+                                f"{'stacked' if stacked else 'list'} {dtype}")
+        for col, (dtype, stacked, lens) in columns.items():
+            if dtype:
+                self.kinds.setdefault(col, (dtype, stacked))
+            for d, fill in ((self.ready, False), (self.holder, -1), (self.lengths, 0)):
+                if col not in d:
+                    d[col] = np.full(self.n_rows, fill, {False: bool, -1: np.int64, 0: np.int64}[fill])
+            self.ready[col][r] = True
+            self.holder[col][r] = holder
+            if lens is not None:
+                self.lengths[col][r] = np.asarray(list(lens), np.int64)
+        self.version += 1
+
+    def drop_rows(self, rows: Sequence[int]) -> dict[int, list[int]]:
+        r = np.asarray(list(rows), np.int64)
+        if r.size and (r.min() < 0 or r.max() >= self.n_rows):
+            raise DockError(f"drop_rows: rows outside 0..{self.n_rows - 1} in step {self.step}")
+        self.dropped[r] = True
+        self.version += 1
+        by_wh: dict[int, list[int]] = {}
+        for x in r.tolist():
+            by_wh.setdefault(int(self.warehouse[x]), []).append(x)
+        return by_wh
+
+    # -- reads ---------------------------------------------------------------------------------
+    def _consumer(self, consumer: str) -> _ConsumerState:
+        cs = self.consumers.get(consumer)
+        if cs is None:
+            cs = self.consumers[consumer] = _ConsumerState(np.zeros(self.n_rows, bool))
+        return cs
+
+    def _ready_all(self, columns: Sequence[str]) -> np.ndarray:
+        ok = ~self.dropped
+        for c in columns:
+            if c not in self.ready:
+                return np.zeros(self.n_rows, bool)
+            ok = ok & self.ready[c]
+        return ok
+
+    def row_tokens(self, columns: Sequence[str]) -> np.ndarray:
+        """Balancing weight per row: summed numel of the requested columns that vary in length,
+        else of every column that does; at least 1."""
+        var = [c for c in self.lengths if c in self.kinds and not self.kinds[c][1]] + \
+              [c for c in self.lengths if c not in self.kinds]  # cached columns: lengths given
+        use = [c for c in columns if c in var] or var
+        w = np.zeros(self.n_rows, np.int64)
+        for c in use:
+            w += self.lengths[c]
+        return np.maximum(w, 1)
+
+    def try_claim(self, consumer: str, columns: Sequence[str], count: int | None, dp_rank: int,
+                  dp_size: int, whole_groups: bool) -> list[int] | None:
+        """Rows for this rank now, or None when the caller has to wait."""
+        if dp_size < 1 or not 0 <= dp_rank < dp_size:
+            raise DockError(f"get({consumer!r}): dp_rank {dp_rank} not in 0..{dp_size - 1}")
+        if count is not None and count < 1:
+            raise DockError(f"get({consumer!r}): count must be >= 1 or None, got {count}")
+        cs = self._consumer(consumer)
+        self.last_partition = None
+        live = ~self.dropped
+        untaken = live & ~cs.taken
+        avail = untaken & self._ready_all(columns)
+        if count is None:
+            if cs.dp_size is None:
+                cs.dp_size = dp_size
+            elif cs.dp_size != dp_size:
+                raise DockError(f"get({consumer!r}, count=None): dp_size {dp_size} differs from "
+                                f"the {cs.dp_size} this consumer used before in step {self.step}")
+            rnd = cs.cursor.get(dp_rank, 0)
+            if rnd < len(cs.partitions):
+                cs.cursor[dp_rank] = rnd + 1
+                self.last_partition = cs.partitions[rnd]
+                return cs.partitions[rnd][dp_rank]
+            # New round: everything not taken must be ready (so whole groups are complete).
+            if not untaken.any() or (avail != untaken).any():
+                return None
+            rows = np.flatnonzero(avail)
+            w = self.row_tokens(columns)
+            if whole_groups:
+                units = self._groups_of(rows)
+            else:
+                units = [[int(x)] for x in rows]
+            weights = [float(w[u].sum()) for u in units]
+            bins = (partition_lpt(weights, dp_size, True) if self.equal_count
+                    else partition_kk(weights, dp_size))
+            part = [sorted(x for i in b for x in units[i]) for b in bins]
+            cs.taken[rows] = True
+            cs.partitions.append(part)
+            cs.cursor[dp_rank] = rnd + 1
+            self.version += 1
+            self.last_partition = part
+            return part[dp_rank]
+        # Streaming: the first `count` ready rows (or whole groups) nobody of this consumer took.
+        if whole_groups:
+            chosen: list[int] = []
+            remaining_units = 0
+            for g in self._groups_of(np.flatnonzero(untaken)):
+                remaining_units += 1
+                if avail[g].all() and len(chosen) + len(g) <= count:
+                    chosen.extend(g)
+            all_left_ready = remaining_units > 0 and bool((avail == untaken).all())
+            if not chosen or (len(chosen) < count and not all_left_ready):
+                return None
+        else:
+            rows = np.flatnonzero(avail)
+            n_left = int(untaken.sum())
+            if rows.size < count and not (rows.size == n_left and n_left > 0):
+                return None
+            chosen = rows[:count].tolist()
+        cs.taken[chosen] = True
+        self.version += 1
+        return chosen
+
+    def _groups_of(self, rows: np.ndarray) -> list[list[int]]:
+        """Rows grouped by prompt group; only groups whose every live row is in ``rows``."""
+        rowset = set(rows.tolist())
+        out = []
+        for gid in sorted({int(self.group_of[r]) for r in rowset}):
+            first, size = self.groups[gid]
+            members = [x for x in range(first, first + size) if not self.dropped[x]]
+            if members and all(x in rowset for x in members):
+                out.append(members)
+        return out
+
+    def diagnose(self, consumer: str, columns: Sequence[str], count, dp_rank, dp_size) -> dict:
+        cs = self._consumer(consumer)
+        live = ~self.dropped
+        return {
+            "step": self.step, "total": self.n_rows, "live": int(live.sum()),
+            "taken": int((cs.taken & live).sum()), "dp_rank": dp_rank, "dp_size": dp_size,
+            "wanted": "all remaining" if count is None else count,
+            "ready": {c: int((self.ready[c] & live).sum()) if c in self.ready else 0 for c in columns},
+            "ready_all": int((self._ready_all(columns) & ~cs.taken).sum()),
+        }
+
+    def where(self, columns: Sequence[str], rows: Sequence[int]) -> tuple[dict, dict]:
+        """(cached: col -> holder rank per row, stored: warehouse -> rows) for a claimed batch."""
+        r = np.asarray(list(rows), np.int64)
+        cached, stored_cols = {}, []
+        for c in columns:
+            h = self.holder[c][r] if c in self.holder else np.full(r.size, -1)
+            if (h >= 0).any():
+                if (h < 0).any():
+                    raise DockError(f"column {c!r}: rows {r[h < 0][:8].tolist()} are in the dock "
+                                    f"but rows {r[h >= 0][:8].tolist()} are cached on ranks; "
+                                    "a column must be either cached or stored for a whole batch")
+                cached[c] = h.tolist()
+            else:
+                stored_cols.append(c)
+        by_wh: dict[int, list[int]] = {}
+        for x in r.tolist():
+            by_wh.setdefault(int(self.warehouse[x]), []).append(x)
+        kinds = {c: self.kinds.get(c, ("float32", True)) for c in stored_cols}
+        return cached, {"columns": stored_cols, "by_warehouse": by_wh, "kinds": kinds,
+                        "partition": self.last_partition}
+
+    def cached_on(self, column: str, rows: Sequence[int]) -> list[int | None]:
+        r = self._check_rows(rows, "cached_on")
+        if column not in self.holder:
+            return [None] * r.size
+        return [int(h) if h >= 0 else None for h in self.holder[column][r]]
+
+    def all_consumed(self, consumer: str) -> bool:
+        cs = self._consumer(consumer)
+        return bool((cs.taken | self.dropped).all())
+
+    def stats(self) -> dict:
+        live = ~self.dropped
+        return {
+            "step": self.step, "rows": self.n_rows, "live_rows": int(live.sum()),
+            "groups": len(self.groups), "dropped_rows": int(self.dropped.sum()),
+            "ready": {c: int((a & live).sum()) for c, a in self.ready.items()},
+            "cached": {c: int(((h >= 0) & live).sum()) for c, h in self.holder.items() if (h >= 0).any()},
+            "consumed": {c: int((cs.taken & live).sum()) for c, cs in self.consumers.items()},
+            "rows_per_warehouse": np.bincount(self.warehouse[live], minlength=self.n_warehouses).tolist(),
+        }

@@ -1,0 +1,187 @@
+"""Columns as flat numpy arrays (one per column and warehouse call), and the column store a warehouse holds."""
+from __future__ import annotations
+
+import math
+import warnings
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from .errors import DockError
+
+
+# ----------------------------------------------------------------------------------------------
+# Packing tensors for transport and storage: one flat numpy array per (column, call).
+# ----------------------------------------------------------------------------------------------
+
+_NUMPY_FREE = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8, torch.float8_e5m2: torch.uint8}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _to_numpy(t: torch.Tensor) -> np.ndarray:
+    t = t.detach().to("cpu").contiguous()
+    if t.dtype in _NUMPY_FREE:
+        t = t.view(_NUMPY_FREE[t.dtype])
+    return t.numpy()
+
+
+def _from_numpy(a: np.ndarray, dtype_name: str, copy: bool) -> torch.Tensor:
+    dtype = getattr(torch, dtype_name)
+    if copy:
+        a = a.copy()
+    with warnings.catch_warnings():  # object-store arrays are read-only; see module docstring
+        warnings.simplefilter("ignore", UserWarning)
+        t = torch.from_numpy(a)
+    return t.view(dtype) if t.dtype != dtype else t
+
+
+@dataclass
+class Packed:
+    """Rows of one column: ``flat`` holds them back to back; row i has shape ``shapes[i]``."""
+
+    flat: np.ndarray            # [sum of row numels]
+    shapes: list[tuple]         # per row
+    dtype: str                  # torch dtype name
+    stacked: bool               # put as one stacked tensor [rows, *shape] (else a list)
+
+    @property
+    def offsets(self) -> np.ndarray:
+        sizes = [math.prod(s) for s in self.shapes]
+        return np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)]).astype(np.int64)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.flat.nbytes)
+
+
+def pack_column(name: str, value: Any, n_rows: int, own: bool = False) -> Packed:
+    """``own``: copy a stacked tensor so later in-place writes by the caller cannot reach the dock
+    (list columns are concatenated, which copies anyway)."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() == 0 or value.shape[0] != n_rows:
+            raise DockError(f"put column {name!r}: stacked tensor of shape {tuple(value.shape)} "
+                            f"must have its first dim equal to the number of rows ({n_rows})")
+        row_shape = tuple(value.shape[1:])
+        flat = _to_numpy(value).reshape(-1)
+        return Packed(flat.copy() if own else flat, [row_shape] * n_rows, _dtype_name(value.dtype), True)
+    if isinstance(value, (list, tuple)):
+        if len(value) != n_rows:
+            raise DockError(f"put column {name!r}: {len(value)} tensors for {n_rows} rows")
+        if n_rows == 0:
+            return Packed(np.zeros(0, np.float32), [], "float32", False)
+        dtypes = {t.dtype for t in value if isinstance(t, torch.Tensor)}
+        if len(dtypes) != 1 or not all(isinstance(t, torch.Tensor) for t in value):
+            raise DockError(f"put column {name!r}: a list column needs tensors of one dtype, got "
+                            f"{sorted(str(d) for d in dtypes) or [type(v).__name__ for v in value[:3]]}")
+        dtype = dtypes.pop()
+        flat = _to_numpy(torch.cat([t.reshape(-1) for t in value])) if value else np.zeros(0)
+        return Packed(flat, [tuple(t.shape) for t in value], _dtype_name(dtype), False)
+    raise DockError(f"put column {name!r}: expected a tensor [rows, ...] or a list of tensors, "
+                    f"got {type(value).__name__}")
+
+
+def slice_packed(p: Packed, idx: Sequence[int]) -> Packed:
+    """The rows ``idx`` (positions in ``p``) as a new Packed; one gather copy."""
+    off = p.offsets
+    if len(idx) == len(p.shapes) and list(idx) == list(range(len(p.shapes))):
+        return p
+    if idx:
+        flat = np.concatenate([p.flat[off[i]:off[i + 1]] for i in idx])
+    else:
+        flat = p.flat[:0]
+    return Packed(flat, [p.shapes[i] for i in idx], p.dtype, p.stacked)
+
+
+def concat_packed(parts: Sequence[Packed]) -> Packed:
+    if len(parts) == 1:
+        return parts[0]
+    flat = np.concatenate([p.flat for p in parts]) if parts else np.zeros(0)
+    return Packed(flat, [s for p in parts for s in p.shapes], parts[0].dtype,
+                  all(p.stacked for p in parts))
+
+
+def unpack(p: Packed, copy: bool) -> torch.Tensor | list[torch.Tensor]:
+    t = _from_numpy(p.flat, p.dtype, copy)  # [sum of numels]
+    if p.stacked and len(set(p.shapes)) <= 1:
+        shape = p.shapes[0] if p.shapes else ()
+        return t.reshape(len(p.shapes), *shape)  # [rows, *row_shape]
+    off = p.offsets.tolist()
+    return [t[off[i]:off[i + 1]].view(p.shapes[i]) for i in range(len(p.shapes))]
+
+
+class _ColumnStore:
+    """Tensors of some rows, by column: appended chunks plus a (column, row) -> position index.
+
+    Used by the local backend and by every warehouse. Not thread-safe on its own.
+    """
+
+    def __init__(self):
+        self.chunks: dict[str, list[Packed]] = {}
+        self.index: dict[str, dict[int, tuple[int, int]]] = {}   # col -> row -> (chunk, position)
+        self.live_bytes = 0
+
+    def clear(self):
+        self.__init__()
+
+    def write(self, col: str, rows: Sequence[int], p: Packed) -> list:
+        """Store ``p`` (one row per entry of ``rows``); returns what :meth:`undo` needs."""
+        chunks = self.chunks.setdefault(col, [])
+        idx = self.index.setdefault(col, {})
+        chunks.append(p)
+        c = len(chunks) - 1
+        before = [(col, int(r), idx.get(int(r))) for r in rows]
+        for j, r in enumerate(rows):
+            idx[int(r)] = (c, j)
+        self.live_bytes += p.nbytes
+        return before
+
+    def undo(self, before: list) -> None:
+        """Point the rows of a rejected write back at what they held before it."""
+        for col, r, old in reversed(before):
+            if old is None:
+                self.index[col].pop(r, None)
+            else:
+                self.index[col][r] = old
+
+    def read(self, col: str, rows: Sequence[int]) -> Packed:
+        idx = self.index.get(col, {})
+        missing = [r for r in rows if r not in idx]
+        if missing:
+            raise DockError(f"column {col!r} has no data for rows {missing[:8]}"
+                            f"{' ...' if len(missing) > 8 else ''} in this store")
+        # Group consecutive reads from the same chunk so the gather is a few slices.
+        parts: list[Packed] = []
+        run_chunk, run_pos = None, []
+        for r in rows:
+            c, j = idx[int(r)]
+            if c != run_chunk and run_pos:
+                parts.append(slice_packed(self.chunks[col][run_chunk], run_pos))
+                run_pos = []
+            run_chunk = c
+            run_pos.append(j)
+        if run_pos:
+            parts.append(slice_packed(self.chunks[col][run_chunk], run_pos))
+        if not parts:
+            return Packed(np.zeros(0, np.float32), [], "float32", True)
+        return concat_packed(parts)
+
+    def drop(self, rows: Sequence[int]):
+        for idx in self.index.values():
+            for r in rows:
+                idx.pop(int(r), None)
+        # Free chunks no row points to any more.
+        for col, idx in self.index.items():
+            used = {c for c, _ in idx.values()}
+            for c, p in enumerate(self.chunks[col]):
+                if c not in used and p.flat.size:
+                    self.live_bytes -= p.nbytes
+                    self.chunks[col][c] = Packed(p.flat[:0], [], p.dtype, p.stacked)
+
+    def stats(self) -> dict:
+        return {"bytes": int(self.live_bytes), "columns": {c: len(i) for c, i in self.index.items()}}
