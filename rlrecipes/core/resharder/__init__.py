@@ -1,0 +1,28 @@
+"""Resharding of trained weights from the train layout to the rollout layout (DESIGN §3.2).
+
+Three layers, each usable alone (modules: ``layout.py``, ``plan.py``, ``transfer.py``, ``executor.py``):
+
+1. :class:`Layout` and :func:`plan_reshard` -- a *pure* plan. From the train layout
+   ``(tp, pp, ep, dp)``, the rollout layout ``(tp, ep, dp)`` (pp = 1) and the parameter specs
+   (:mod:`rlrecipes.models.sharding`) it computes, for every rank, which slices it keeps locally,
+   receives (from whom) and sends (to whom), with bytes. Every impossible pair raises
+   :class:`ReshardError` here, before any process communicates. :func:`reshard_bytes_summary`
+   gives per-rank byte figures for real model sizes (DeepSeek-V3 on 256 ranks) by aggregating
+   parameters into classes instead of enumerating transfers.
+2. :class:`Resharder` -- executors over ``torch.distributed`` (gloo / nccl / hccl): the strategies
+   in :data:`STRATEGIES` plus ``auto``. ``Resharder.reshard(local_shards)`` yields the rollout
+   shards bucket by bucket, so a rollout engine loads them as they arrive.
+3. ``Resharder.swap_out`` / ``swap_in`` -- move training weights, grads and optimizer state to host
+   memory and release their device storage (``untyped_storage().resize_(0)``), then bring them back
+   bit-exactly before the next update.
+
+Rank order and sharding follow ``docs/conventions.md``:
+``rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank``, ``ep_rank = (dp_rank * tp + tp_rank) % ep``,
+TP shards are equal contiguous chunks along ``tp_dim``, experts are chunks of dim 0 over EP.
+"""
+from __future__ import annotations
+
+from .layout import AUTO, Layout, Piece, ReshardError, STRATEGIES, _interval, local_shape, shard_for  # noqa: F401
+from .plan import ReshardPlan, plan_reshard, reshard_bytes_summary  # noqa: F401
+from .transfer import HostSwap, ReshardStats  # noqa: F401
+from .executor import Resharder, reshard_to_dict  # noqa: F401
