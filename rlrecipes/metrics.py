@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -55,23 +56,52 @@ def tps_per_card(tokens: int, seconds: float, cards: float) -> float:
     return tokens / seconds / cards if seconds > 0 and cards > 0 else 0.0
 
 
-class MetricsWriter:
-    """Appends one JSON object per line to ``<run>/metrics.jsonl`` (flushed per line)."""
+class MetricsError(RuntimeError):
+    """metrics.jsonl cannot be written, vanished or was replaced during a run (the message names it)."""
 
-    def __init__(self, path: Path, truncate_after_step: int | None = None) -> None:
+
+class MetricsWriter:
+    """Appends one JSON object per line to ``<run>/metrics.jsonl``, flushed per line.
+
+    ``rows`` (on resume) replaces the file's content first, atomically (write + rename). Before
+    each write the path is checked to still be the file this writer opened: a metrics file that
+    vanished or was replaced during the run is an error, never a silent loss of every later row.
+    """
+
+    def __init__(self, path: Path, rows: list[dict] | None = None) -> None:
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        if truncate_after_step is not None and self.path.exists():
-            # a resumed run continues after its checkpoint: drop lines of steps it will redo
-            keep = [ln for ln in self.path.read_text().splitlines()
-                    if ln.strip() and json.loads(ln).get("step", 0) <= truncate_after_step]
-            self.path.write_text("".join(ln + "\n" for ln in keep))
-        self._f = self.path.open("a")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if rows is not None:
+                tmp = self.path.with_name(f".{self.path.name}.tmp")
+                tmp.write_text("".join(json.dumps(_clean(r)) + "\n" for r in rows))
+                os.replace(tmp, self.path)
+            self._f = self.path.open("a")
+        except OSError as e:
+            raise MetricsError(f"{self.path}: cannot write the metrics file ({e.strerror})") from None
+        self._ino = os.fstat(self._f.fileno()).st_ino
 
     def write(self, row: dict) -> None:
-        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
-        self._f.write(json.dumps(clean) + "\n")
-        self._f.flush()
+        try:
+            now = os.stat(self.path).st_ino
+        except FileNotFoundError:
+            now = None
+        if now != self._ino:
+            what = "was deleted" if now is None else "was replaced by another file"
+            raise MetricsError(f"{self.path} {what} while the run was writing it; the rows from step "
+                               f"{row.get('step')} on would be lost. Leave a run's metrics.jsonl alone until it ends")
+        try:
+            self._f.write(json.dumps(_clean(row)) + "\n")
+            self._f.flush()
+        except OSError as e:
+            raise MetricsError(f"{self.path}: cannot write step {row.get('step')} ({e.strerror})") from None
 
     def close(self) -> None:
-        self._f.close()
+        try:
+            self._f.close()
+        except OSError:
+            pass
+
+
+def _clean(row: dict) -> dict:
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}

@@ -447,7 +447,10 @@ def nearest_valid_nodes(recipe: Recipe, nodes: int, devices_per_node: int, keep_
 
 
 class PlanError(RuntimeError):
-    """Raised by `run` when the plan has violations (the message lists all of them)."""
+    """Raised by `run` when the plan has violations (the message lists all of them). Exit code 1, as
+    `plan` itself exits on violations; bad input (a recipe or override error) exits 2 in both."""
+
+    code = 1
 
 
 def format_violations(plan: Plan) -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Callable
 
 from ._util import Registry
-from .advantages import ADV_ESTIMATORS, CRITIC_ESTIMATORS
+from .advantages import ADV_ESTIMATORS
 from .kl import KL_CONTROLLERS, KL_ESTIMATORS
 from .losses import LOSS_AGG, POLICY_LOSSES
 

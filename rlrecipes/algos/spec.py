@@ -8,7 +8,7 @@ The losses, estimators and aggregations come from the registries in ``algos/regi
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch

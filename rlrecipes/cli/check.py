@@ -21,6 +21,8 @@ def register(app: typer.Typer) -> None:
               hardware: str = typer.Option("cpu", "--hardware", help="Entry of baseline.json to compare with.")) -> None:
         from ..baseline import BaselineError, check_run
 
+        if not run_dir.is_dir():
+            die(f"{run_dir}: no such run folder; pass the folder a `rlrecipes run` wrote")
         if baseline is None:
             cfg = run_dir / "recipe_dir.txt"
             if not cfg.is_file():

@@ -18,9 +18,14 @@ def register(app: typer.Typer) -> None:
            dest: Path = typer.Argument(..., help="New folder; must not exist.")) -> None:
         from ..recipe import find_recipe, load_recipe
 
+        from ..inputs import writable_dir
+
         src = find_recipe(recipe)
-        if dest.exists():
+        if dest.is_dir():
             die(f"{dest} already exists; refusing to overwrite it. Choose a new folder or remove it first.")
+        bad = writable_dir(dest, "destination")
+        if bad:
+            die(bad[0])
         load_recipe(str(src))
         shutil.copytree(src, dest, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "__init__.py"))
         launch = dest / "launch.sh"

@@ -14,7 +14,7 @@ from ._common import console, die, user_errors
 def summarize(rows: list[dict]) -> dict:
     """Summary numbers of a run: first/last-5 reward, median TPS/card, mean stage times and overhead share."""
     def mean(key, rs):
-        vals = [r[key] for r in rs if key in r]
+        vals = [r[key] for r in rs if isinstance(r.get(key), (int, float))]  # null (NaN) values are skipped
         return statistics.fmean(vals) if vals else float("nan")
 
     stages = sorted({k.split("/", 1)[1] for r in rows for k in r if k.startswith("timing_s/") and k != "timing_s/step"})
@@ -22,11 +22,13 @@ def summarize(rows: list[dict]) -> dict:
         "steps": len(rows),
         "reward_first5": mean("reward/mean", rows[:5]),
         "reward_last5": mean("reward/mean", rows[-5:]),
-        "tps_per_card_median": statistics.median([r["perf/tps_per_card"] for r in rows if "perf/tps_per_card" in r] or [float("nan")]),
+        "tps_per_card_median": statistics.median([r["perf/tps_per_card"] for r in rows
+                                                  if isinstance(r.get("perf/tps_per_card"), (int, float))]
+                                                 or [float("nan")]),
         "step_s_mean": mean("timing_s/step", rows),
         "stage_s_mean": {s: mean(f"timing_s/{s}", rows) for s in stages},
     }
-    overhead = [r.get("perf/overhead_share") for r in rows if "perf/overhead_share" in r]
+    overhead = [r["perf/overhead_share"] for r in rows if isinstance(r.get("perf/overhead_share"), (int, float))]
     if overhead:
         out["overhead_share_mean"] = statistics.fmean(overhead)
     return out
@@ -38,16 +40,19 @@ def write_png(rows: list[dict], path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    def col(key):
+        return [v if isinstance(v := r.get(key), (int, float)) else float("nan") for r in rows]
+
     steps = [r["step"] for r in rows]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    axes[0].plot(steps, [r.get("reward/mean", float("nan")) for r in rows], marker="o", ms=3)
+    axes[0].plot(steps, col("reward/mean"), marker="o", ms=3)
     axes[0].set_title("reward/mean")
-    axes[1].plot(steps, [r.get("perf/tps_per_card", float("nan")) for r in rows], marker="o", ms=3, color="tab:green")
+    axes[1].plot(steps, col("perf/tps_per_card"), marker="o", ms=3, color="tab:green")
     axes[1].set_title("perf/tps_per_card")
     stages = sorted({k for r in rows for k in r if k.startswith("timing_s/") and k != "timing_s/step"})
     bottom = [0.0] * len(rows)
     for s in stages:
-        vals = [r.get(s, 0.0) for r in rows]
+        vals = [v if v == v else 0.0 for v in col(s)]
         axes[2].bar(steps, vals, bottom=bottom, label=s.split("/", 1)[1])
         bottom = [b + v for b, v in zip(bottom, vals)]
     axes[2].set_title("stage seconds per step")
@@ -68,14 +73,18 @@ def register(app: typer.Typer) -> None:
     def report(run_dir: Path = typer.Argument(..., help="A run folder (holds metrics.jsonl)."),
                out: Optional[Path] = typer.Option(None, "--out", "-o", help="PNG path (default: <run>/report.png).")) -> None:
         from ..baseline import BaselineError, read_metrics
+        from ..inputs import writable_file
 
+        png = out or run_dir / "report.png"
         try:
             rows = read_metrics(run_dir)
         except BaselineError as e:
             die(str(e))
         if not rows:
             die(f"{run_dir}/metrics.jsonl is empty: the run recorded no step yet")
-        png = out or run_dir / "report.png"
+        bad = writable_file(png, "--out")
+        if bad:
+            die(bad[0])
         write_png(rows, png, run_dir.name)
         s = summarize(rows)
         t = Table(title=f"{run_dir.name}: {s['steps']} steps")

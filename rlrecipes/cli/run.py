@@ -63,6 +63,8 @@ class RunView:
                                   highlight=False, soft_wrap=True)
             if self.live is not None:
                 self.live.update(self._table(ev.step, ev.stage))
+        elif isinstance(ev, E.Notice):
+            err_console.print(f"[yellow]{ev.text}[/]", highlight=False, soft_wrap=True)
         elif isinstance(ev, E.Interrupted):
             self.stop()
             err_console.print("[yellow]interrupted: stopping workers[/]")
@@ -140,10 +142,12 @@ def register(app: typer.Typer) -> None:
         ovr = list(overrides or [])
         if steps is not None:
             ovr.append(f"trainer.steps={steps}")
-        if resume is not None and not (resume / "config.yaml").is_file():
-            raise PlanError(f"--resume {resume}: not a run folder (no config.yaml); pass the folder a previous "
-                            "`rlrecipes run` printed")
-        r = load_recipe(recipe, smoke=smoke, overrides=ovr)
+        if resume is not None:
+            from ..workflow.driver import resumed_recipe
+
+            r = resumed_recipe(resume, ovr)  # the run's own config.yaml; only resumable keys may change
+        else:
+            r = load_recipe(recipe, smoke=smoke, overrides=ovr)
         plan = build_plan(r, nodes, devices_per_node, keep_batch=keep_batch)
         if dry_run:
             render_plan(plan)
@@ -158,4 +162,4 @@ def register(app: typer.Typer) -> None:
         from ..workflow.driver import run_recipe
 
         run_recipe(r, plan, RunView(quiet), out=out, resume=resume, embedded=smoke and address is None,
-                   address=address)
+                   address=address, overrides=ovr)

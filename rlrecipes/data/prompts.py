@@ -189,7 +189,7 @@ class PromptDataset:
         if not self.items:
             raise DataError(
                 f"no prompts left: {len(self.rows)} rows, {self.n_dropped_too_long} longer than "
-                f"max_prompt_len={self.max_prompt_len}; raise data.max_prompt_len"
+                f"max_prompt_len={self.max_prompt_len}; raise data.max_prompt_length"
             )
 
     def __len__(self) -> int:

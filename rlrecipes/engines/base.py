@@ -216,6 +216,11 @@ class TrainEngine(_Parallel):
         """The process group the resharder runs its collectives in (None: the default world)."""
         return None
 
+    def weights_finite(self) -> bool:
+        """True when every weight this rank holds is finite (the caller reduces over ranks).
+        Checked before a checkpoint or an HF export, which never store nan/inf weights."""
+        return all(bool(torch.isfinite(t).all()) for t in self.local_shards().values())
+
     # ---- memory, persistence, export
     @abc.abstractmethod
     def offload(self) -> None:

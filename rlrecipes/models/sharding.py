@@ -21,8 +21,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from rlrecipes.models import ModelDims, dims_from_hf_config
 from rlrecipes.models.families import FAMILY_TABLE, get_family

@@ -26,27 +26,65 @@ def _deep_merge(base: dict, over: dict) -> dict:
     return out
 
 
-def load_yaml_tree(path: Path, _seen: tuple = ()) -> dict:
-    """Load a YAML file and the files it names in ``defaults:`` (merged first, in order)."""
+def _key_lines(node, prefix: str, path: Path, out: dict[str, str]) -> None:
+    """Record ``dotted.key -> file:line`` for every mapping key; a key given twice is an error."""
+    if not isinstance(node, yaml.MappingNode):
+        return
+    seen: dict[str, int] = {}
+    for k, v in node.value:
+        if not isinstance(k, yaml.ScalarNode):
+            continue
+        key, line = str(k.value), k.start_mark.line + 1
+        dotted = f"{prefix}{key}"
+        if key in seen:
+            raise RecipeError(f"{path}:{line}: duplicate key `{dotted}` (first given on line {seen[key]}); YAML keeps "
+                              "only the last one, which would silently replace the first: merge them into one")
+        seen[key] = line
+        out[dotted] = f"{path}:{line}"
+        _key_lines(v, dotted + ".", path, out)
+
+
+def load_yaml_tree(path: Path, _seen: tuple = (), origins: dict[str, str] | None = None) -> dict:
+    """Load a YAML file and the files it names in ``defaults:`` (merged first, in order).
+
+    ``origins`` (if given) receives ``dotted.key -> file:line`` of the file that set each key last.
+    Duplicate keys in one mapping are an error naming both lines.
+    """
     path = path.resolve()
     if path in _seen:
         raise RecipeError(f"{path}: `defaults` forms a cycle ({' -> '.join(p.name for p in _seen + (path,))})")
     if not path.is_file():
-        raise RecipeError(f"{path}: no such recipe file")
+        raise RecipeError(f"{path}: no such recipe file" + (" (it is a folder)" if path.is_dir() else ""))
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise RecipeError(f"{path}: not UTF-8 text (byte {e.start}); is this a recipe YAML?") from None
+    lines: dict[str, str] = {}
+    try:
+        loader = yaml.SafeLoader(text)
+        try:
+            node = loader.get_single_node()
+            if node is not None:
+                _key_lines(node, "", path, lines)
+            data = loader.construct_document(node) if node is not None else {}
+        finally:
+            loader.dispose()
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f":{mark.line + 1}" if mark else ""
         raise RecipeError(f"{path}{where}: invalid YAML: {getattr(e, 'problem', e)}") from None
+    data = data or {}
     if not isinstance(data, dict):
-        raise RecipeError(f"{path}: top level must be a mapping of sections (model:, data:, ...)")
+        raise RecipeError(f"{path}: top level must be a mapping of sections (model:, data:, ...), "
+                          f"not a {type(data).__name__}")
     defaults = data.pop("defaults", []) or []
     if isinstance(defaults, str):
         defaults = [defaults]
     merged: dict = {}
     for d in defaults:
-        merged = _deep_merge(merged, load_yaml_tree(path.parent / d, _seen + (path,)))
+        merged = _deep_merge(merged, load_yaml_tree(path.parent / d, _seen + (path,), origins))
+    if origins is not None:
+        origins.update({k: v for k, v in lines.items() if k != "defaults"})
     return _deep_merge(merged, data)
 
 
@@ -68,12 +106,28 @@ def _fields_at(loc: tuple) -> list[str]:
     return list(getattr(model, "model_fields", {}))
 
 
+def _origin(key: str, origins: dict[str, str], source: str) -> str:
+    """Where ``key`` was set: an override, or the file:line that set it (or the deepest key under it)."""
+    if key in origins:
+        return origins[key]
+    below = [k for k in origins if k.startswith(key + ".")]
+    over = [k for k in below if origins[k].startswith("override")]
+    if over or below:
+        return origins[(over or below)[0]]
+    parts = key.split(".")
+    for n in range(len(parts) - 1, 0, -1):
+        parent = ".".join(parts[:n])
+        if parent in origins:
+            return origins[parent]
+    return source
+
+
 def _format_errors(err: ValidationError, source: str, origins: dict[str, str]) -> str:
     lines = []
     for e in err.errors():
         loc = tuple(p for p in e["loc"] if not (isinstance(p, str) and p.startswith("function-after")))
         key = ".".join(str(p) for p in loc) or "(top level)"
-        src = origins.get(key, source)
+        src = _origin(key, origins, source)
         if e["type"] == "extra_forbidden":
             choices = _fields_at(loc)
             close = difflib.get_close_matches(str(loc[-1]), choices, n=1)
@@ -181,8 +235,8 @@ def load_recipe(name_or_path: str, *, smoke: bool = False, overrides: list[str] 
         yaml_path = p.resolve()
     else:
         yaml_path = folder / (file or ("smoke.yaml" if smoke else "recipe.yaml"))
-    data = load_yaml_tree(yaml_path)
     origins: dict[str, str] = {}
+    data = load_yaml_tree(yaml_path, origins=origins)
     data = apply_overrides(data, list(overrides or []), origins)
     try:
         recipe = Recipe.model_validate(data)
@@ -191,6 +245,14 @@ def load_recipe(name_or_path: str, *, smoke: bool = False, overrides: list[str] 
     object.__setattr__(recipe, "_folder", folder)
     object.__setattr__(recipe, "_source", yaml_path)
     return recipe
+
+
+def recipe_from_dict(data: dict, source: str, origins: dict[str, str] | None = None) -> Recipe:
+    """Validate a merged recipe mapping (e.g. a run's config.yaml); errors name ``source`` and the key."""
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as e:
+        raise RecipeError(_format_errors(e, source, origins or {})) from None
 
 
 def resolve_path(recipe: Recipe, path: str) -> Path:

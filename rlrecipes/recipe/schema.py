@@ -13,7 +13,7 @@ from typing import Any, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..algos.registry import TABLES as _ALG_TABLES
-from ..models import FAMILIES, PRESETS, SMOKE, ModelDims, smoke_dims
+from ..models import PRESETS, ModelDims, smoke_dims
 
 
 class RecipeError(ValueError):
@@ -21,7 +21,7 @@ class RecipeError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)  # inf/nan: an error
 
 
 # ---------------------------------------------------------------------------------------------
@@ -89,15 +89,15 @@ class DataConfig(_Strict):
     """JSONL or Parquet files of prompts, relative to the recipe folder or absolute."""
     synthetic: Optional[Literal["copy", "reverse", "add"]] = None
     """Use the bundled deterministic synthetic digit task instead of files (smoke runs)."""
-    synthetic_digits: int = 3
+    synthetic_digits: int = Field(3, ge=1)
     """Digits per synthetic prompt."""
-    synthetic_size: int = 2048
+    synthetic_size: int = Field(2048, ge=1)
     """Number of synthetic prompts generated from the seed."""
     prompt_key: str = "prompt"
     """Field holding the prompt text (or chat messages)."""
     answer_key: str = "answer"
     """Field holding the reference answer given to the reward function."""
-    max_prompt_length: int = 2048
+    max_prompt_length: int = Field(2048, ge=1)
     """Prompts longer than this (in tokens) are dropped and counted."""
     apply_chat_template: bool = True
     """Wrap prompts with the tokenizer's chat template when it has one."""
@@ -110,6 +110,9 @@ class DataConfig(_Strict):
     def _some_data(self) -> "DataConfig":
         if not self.train_files and self.synthetic is None:
             raise ValueError("set data.train_files (JSONL/Parquet) or data.synthetic: copy")
+        if self.train_files and self.synthetic is not None:
+            raise ValueError(f"data.synthetic={self.synthetic} and data.train_files are both set, and the synthetic "
+                             "task would silently win; set data.synthetic=null to train on the files")
         return self
 
 
@@ -121,16 +124,16 @@ class DynamicSampling(_Strict):
     """DAPO: drop groups whose scores are all equal and generate more until the batch is full."""
     metric: Literal["score", "acc"] = "score"
     """Per-sample metric a group must vary in to be kept: score (shaped reward) or acc (raw reward)."""
-    max_gen_batches: int = 4
+    max_gen_batches: int = Field(4, ge=1)
     """Cap on generation rounds per step; the step trains on what it has when the cap is hit."""
 
 
 class Overlong(_Strict):
     enabled: bool = False
     """DAPO overlong reward shaping: a linear penalty in the last `buffer_len` tokens."""
-    buffer_len: int = 512
+    buffer_len: int = Field(512, ge=1)
     """Length of the soft-penalty zone before the response length limit."""
-    penalty_factor: float = 1.0
+    penalty_factor: float = Field(1.0, ge=0)
     """Penalty at the hard limit."""
 
 
@@ -141,9 +144,9 @@ class AlgorithmConfig(_Strict):
     """Advantage: group-normalised outcome (grpo), without std (Dr. GRPO), or GAE with a critic (ppo)."""
     norm_adv_by_std: bool = True
     """GRPO: divide by the group std (+1e-6)."""
-    gamma: float = 1.0
+    gamma: float = Field(1.0, ge=0, le=1)
     """GAE discount."""
-    lam: float = 1.0
+    lam: float = Field(1.0, ge=0, le=1)
     """GAE lambda."""
     clip_ratio_low: float = 0.2
     """PPO clip eps below 1."""
@@ -155,11 +158,11 @@ class AlgorithmConfig(_Strict):
     """Dual-clip bound for negative advantages; null disables."""
     loss_agg_mode: str = "token-mean"
     """How token losses are aggregated; invariant to the DP/micro-batch split."""
-    entropy_coef: float = 0.0
+    entropy_coef: float = Field(0.0, ge=0)
     """Entropy bonus coefficient."""
     use_kl_loss: bool = True
     """Add a KL(actor || ref) term to the loss."""
-    kl_coef: float = 0.001
+    kl_coef: float = Field(0.001, ge=0)
     """KL coefficient (initial value for the adaptive controller)."""
     kl_estimator: str = "low_var_kl"
     """KL estimator."""
@@ -167,13 +170,13 @@ class AlgorithmConfig(_Strict):
     """Subtract the KL penalty from the token rewards instead of (or as well as) the loss."""
     kl_controller: str = "fixed"
     """KL coefficient controller."""
-    kl_target: float = 0.1
+    kl_target: float = Field(0.1, gt=0)
     """Adaptive controller: target KL."""
-    kl_horizon: int = 10000
+    kl_horizon: int = Field(10000, ge=1)
     """Adaptive controller: horizon."""
-    value_clip: float = 0.5
+    value_clip: float = Field(0.5, gt=0)
     """PPO critic value clipping range."""
-    ppo_epochs: int = 1
+    ppo_epochs: int = Field(1, ge=1)
     """Optimizer passes over each rollout batch. 1 (with one mini-batch) is on-policy."""
     skip_old_log_prob: Literal["auto", "true", "false"] = "auto"
     """Skip the old-log-prob forward when on-policy (auto decides from ppo_epochs and mini-batches)."""
@@ -245,9 +248,9 @@ class ActorConfig(_Strict):
     engine: Literal["native", "megatron"] = "native"
     """Training engine: native (HF + FSDP2 + DTensor TP/EP, any device) or megatron (megatron-core / MindSpeed)."""
     layout: TrainLayout = Field(default_factory=TrainLayout)
-    weight_decay: float = 0.0
+    weight_decay: float = Field(0.0, ge=0)
     """AdamW weight decay."""
-    grad_clip: float = 1.0
+    grad_clip: float = Field(1.0, ge=0)
     """Global gradient-norm clip."""
     offload_optimizer: bool = False
     """Keep optimizer state on host during training (megatron swap-optimizer); the planner counts it off-device."""
@@ -265,7 +268,7 @@ class RefConfig(_Strict):
 class CriticConfig(_Strict):
     layout: Optional[TrainLayout] = None
     """Critic layout (PPO); null reuses the actor layout."""
-    lr: float = 1e-5
+    lr: float = Field(1e-5, gt=0)
     """Critic learning rate."""
 
 
@@ -282,7 +285,7 @@ class InferenceSettings(_Strict):
     """Capture decode in a graph (torchair / ACL graph)."""
     enforce_eager: bool = False
     """Disable graph capture entirely."""
-    max_num_seqs: int = 256
+    max_num_seqs: int = Field(256, ge=1)
     """Max concurrent sequences per instance."""
     gpu_memory_utilization: float = Field(0.6, gt=0, le=1)
     """Share of device memory the rollout may take (weights + KV cache)."""
@@ -299,7 +302,7 @@ class SamplingConfig(_Strict):
     """Nucleus sampling."""
     top_k: int = -1
     """Top-k sampling; -1 disables."""
-    max_new_tokens: int = 2048
+    max_new_tokens: int = Field(2048, ge=1)
     """Response length limit."""
 
 
@@ -348,20 +351,23 @@ class TrainerConfig(_Strict):
     """Prompts per optimizer step; global_batch / mini_batch optimizer steps per rollout batch."""
     micro_batch: int = Field(4, ge=1)
     """Samples per forward/backward on one DP rank (gradient accumulation)."""
-    lr: float = 1e-6
+    lr: float = Field(1e-6, gt=0)
     """Actor AdamW learning rate."""
-    warmup_steps: int = 0
+    warmup_steps: int = Field(0, ge=0)
     """Linear LR warm-up steps."""
     seed: int = 1234
     """Seed of data order, sampling and initialisation."""
-    checkpoint_interval: int = 0
+    checkpoint_interval: int = Field(0, ge=0)
     """Save the train state every K steps (0: never)."""
     out_dir: str = "runs"
     """Where run folders are created."""
     export_hf: bool = True
     """At the end of the run, write the trained actor as an HF folder (<run>/actor_hf) that transformers loads."""
-    dock_timeout_s: float = 600.0
+    dock_timeout_s: float = Field(600.0, gt=0)
     """A stage waiting longer than this on the TransferDock fails with a named error."""
+    fail_when_bad_share: float = Field(1.0, gt=0, le=1)
+    """The run exits non-zero when this share of its steps skipped the update (non-finite loss or
+    gradient), or this share of its samples' rewards raised; 1.0: only when all of them did."""
 
     @model_validator(mode="after")
     def _batches(self) -> "TrainerConfig":

@@ -22,11 +22,11 @@ from typing import Optional
 
 import yaml
 
-from ..metrics import MetricsWriter
+from ..metrics import MetricsError, MetricsWriter
 from ..plan import Plan, refuse_missing_engines, resolve
 from ..recipe import Recipe, resolve_path
 from . import checkpoint
-from .events import EventSink, Interrupted, Progress, RunError, RunFinished, RunStarted
+from .events import EventSink, Interrupted, Notice, Progress, RunError, RunFinished, RunStarted
 from .worker import Worker
 
 
@@ -57,49 +57,124 @@ def _run_dir(recipe: Recipe, out: Optional[Path], resume: Optional[Path], smoke:
 
 
 def _absolute_data(recipe: Recipe) -> Recipe:
-    files = [str(resolve_path(recipe, f).resolve()) for f in recipe.data.train_files]
-    for f in files:
-        if not Path(f).is_file():
-            raise RunError(f"data.train_files: {f} does not exist; fix the path in the recipe or pass "
-                           f"data.train_files=[...] (relative paths are relative to the recipe folder)")
     r = recipe.model_copy(deep=True)
-    r.data.train_files = files
+    r.data.train_files = [str(resolve_path(recipe, f).resolve()) for f in recipe.data.train_files]
     return r
 
 
+#: what may change when a run continues (--resume): its length and its bookkeeping, not what it trains
+RESUMABLE_KEYS = ("trainer.steps", "trainer.checkpoint_interval", "trainer.export_hf", "trainer.dock_timeout_s")
+
+
+def resumed_recipe(run_dir: Path, overrides: list[str]) -> Recipe:
+    """The run's own config.yaml plus the overrides a resume may change; anything else is refused."""
+    from ..recipe import RecipeError, apply_overrides, parse_override, recipe_from_dict
+
+    if not (run_dir / "config.yaml").is_file():
+        raise RunError(f"--resume {run_dir}: not a run folder (no config.yaml); pass the folder a previous "
+                       "`rlrecipes run` printed")
+    refused = []
+    for text in overrides:
+        key = ".".join(parse_override(text)[0])
+        if key not in RESUMABLE_KEYS:
+            refused.append(text)
+    if refused:
+        raise RunError(f"--resume continues the run as its config.yaml says; it cannot change "
+                       f"{', '.join(f'`{t}`' for t in refused)}. It takes only {', '.join(RESUMABLE_KEYS)}; "
+                       "start a new run (with --out) to change anything else")
+    cfg = run_dir / "config.yaml"
+    try:
+        saved = yaml.safe_load(cfg.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        mark = getattr(e, "problem_mark", None)
+        raise RunError(f"{cfg}{f':{mark.line + 1}' if mark else ''}: damaged, not valid YAML "
+                       f"({getattr(e, 'problem', e)}); restore it from a copy, or start a new run") from None
+    if not isinstance(saved, dict):
+        raise RunError(f"{cfg}: damaged (top level is not a mapping); restore it, or start a new run")
+    origins: dict[str, str] = {}
+    try:
+        return recipe_from_dict(apply_overrides(saved, overrides, origins), str(cfg), origins)
+    except RecipeError as e:
+        raise RunError(f"--resume {run_dir}: its config.yaml does not validate:\n{e}") from None
+
+
+def _reconcile(run_dir: Path, ckpt: Path, start: int) -> tuple[list[dict], list[str]]:
+    """metrics.jsonl as the checkpoint says it should be: rows before ``start`` (from the file, or
+    re-emitted from the checkpoint's own copy), nothing from ``start`` on. Returns the rows and notes."""
+    from ..baseline import BaselineError, read_metrics
+
+    f = run_dir / "metrics.jsonl"
+    notes: list[str] = []
+    have: list[dict] = []
+    if f.is_file():
+        try:
+            have = read_metrics(run_dir, allow_partial_last=True)
+        except BaselineError as e:
+            raise RunError(f"{e}; fix or remove that line, then --resume again") from None
+        text = f.read_bytes()
+        if text and not text.endswith(b"\n"):
+            notes.append("dropped a half-written last line (the run was stopped mid-write)")
+    covered = {r["step"]: r for r in checkpoint.covered_rows(ckpt)}
+    kept = {r["step"]: r for r in have if r["step"] < start}
+    missing = sorted(s for s in covered if s not in kept and s < start)
+    extra = sorted(r["step"] for r in have if r["step"] >= start)
+    for s in missing:
+        kept[s] = covered[s]
+    if missing:
+        notes.append(f"re-emitted rows of steps {_span(missing)} from checkpoint {ckpt.name}")
+    if extra:
+        notes.append(f"dropped rows of steps {_span(extra)}, which come after checkpoint {ckpt.name} and run again")
+    return [kept[s] for s in sorted(kept)], notes
+
+
+def _span(steps: list[int]) -> str:
+    return f"{steps[0]}-{steps[-1]}" if len(steps) > 1 else str(steps[0])
+
+
 def run_recipe(recipe: Recipe, plan: Plan, on_event: EventSink, out: Optional[Path] = None,
-               resume: Optional[Path] = None, embedded: bool = True, address: Optional[str] = None) -> Path:
+               resume: Optional[Path] = None, embedded: bool = True, address: Optional[str] = None,
+               overrides: Optional[list[str]] = None) -> Path:
     """Run ``recipe`` as ``plan`` resolved it: on an embedded local Ray (smoke), or on the existing
-    cluster at ``address`` (None: RAY_ADDRESS or auto)."""
+    cluster at ``address`` (None: RAY_ADDRESS or auto). With ``resume``, the run folder's own
+    config.yaml is what runs, changed only by the resumable ``overrides``.
+
+    Every input (files, folders, the run folder, a resume's config and checkpoint) is checked in one
+    pass before anything is written, connected or placed."""
     import ray
 
     from .. import device as dev
     from ..cluster import ClusterError, check_resources, cluster_resources, connect, placement_group, start_hint
     from ..core.dock import TransferDock
+    from ..inputs import run_inputs
 
     smoke = recipe.model.smoke is not None
     refuse_missing_engines(plan)  # before anything is written or placed
-    recipe = _absolute_data(resolve(recipe, plan))
+    recipe = resolve(recipe, plan)
     run_dir = _run_dir(recipe, out, resume, smoke)
     ckpt = None
     if resume is not None:
+        recipe = resumed_recipe(run_dir, list(overrides or []))
+        why = checkpoint.resume_problem(run_dir)
+        if why:
+            raise RunError(why)
         ckpt = checkpoint.latest(run_dir)
-        if ckpt is None:
-            raise RunError(f"--resume {run_dir}: no complete checkpoint (checkpoints/{checkpoint.CKPT_LATEST} "
-                           "missing); set trainer.checkpoint_interval and run again")
-        saved = yaml.safe_load((run_dir / "config.yaml").read_text())
-        recipe = Recipe.model_validate({**saved, "trainer": {**saved["trainer"], "steps": recipe.trainer.steps}})
-    elif run_dir.exists() and any(run_dir.iterdir()):
-        raise RunError(f"--out {run_dir} already holds a run; pick a new folder or continue it with --resume {run_dir}")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False))
-    (run_dir / "plan.json").write_text(json.dumps(plan.to_json(), indent=2))
-    if recipe.folder is not None:
-        (run_dir / "recipe_dir.txt").write_text(str(recipe.folder))
-    if smoke and not (run_dir / "tokenizer").is_dir():
-        from ..data import build_smoke_tokenizer
+    problems = run_inputs(recipe, run_dir=run_dir, resume=resume)
+    if problems:
+        raise RunError("nothing was started; fix these first:\n  - " + "\n  - ".join(problems))
+    recipe = _absolute_data(recipe)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if resume is None:
+            (run_dir / "config.yaml").write_text(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False))
+            (run_dir / "plan.json").write_text(json.dumps(plan.to_json(), indent=2))
+            if recipe.folder is not None:
+                (run_dir / "recipe_dir.txt").write_text(str(recipe.folder))
+        if smoke and not (run_dir / "tokenizer").is_dir():
+            from ..data import build_smoke_tokenizer
 
-        build_smoke_tokenizer(run_dir / "tokenizer")
+            build_smoke_tokenizer(run_dir / "tokenizer")
+    except OSError as e:
+        raise RunError(f"{e.filename or run_dir}: cannot write the run folder ({e.strerror})") from None
 
     world = plan.world
     device_type = dev.resolve(recipe.resources.device)
@@ -117,6 +192,7 @@ def run_recipe(recipe: Recipe, plan: Plan, on_event: EventSink, out: Optional[Pa
     writer = None
     workers: list = []
     dock = None
+    progress = None
     rows: list = []
     t0 = time.time()
     try:
@@ -144,14 +220,23 @@ def run_recipe(recipe: Recipe, plan: Plan, on_event: EventSink, out: Optional[Pa
         total = recipe.trainer.steps
         if start >= total:
             raise RunError(f"{run_dir} is already at step {start} of {total}; pass --steps N with N > {start}")
-        writer = MetricsWriter(run_dir / "metrics.jsonl", truncate_after_step=start - 1 if resume else None)
+        prior = None
+        if resume is not None:
+            prior, notes = _reconcile(run_dir, ckpt, start)
+            for n in notes:
+                on_event(Notice(f"metrics.jsonl: {n}"))
+            (run_dir / "config.yaml").write_text(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False))
+        writer = MetricsWriter(run_dir / "metrics.jsonl", rows=prior)
         on_event(RunStarted(recipe.name, recipe.algorithm.name, run_dir, world, plan.roles["actor"].describe(),
                             plan.roles["rollout"].describe(), info[0]["stages"], info[0]["data"], start, total))
         futures = [w.run.remote(start, total) for w in workers]
         _watch(futures, progress, writer, rows, on_event)
     except KeyboardInterrupt:
+        _drain(progress, writer, rows)  # every row the workers finished reaches metrics.jsonl
         on_event(Interrupted(run_dir))
         raise
+    except MetricsError as e:
+        raise RunError(str(e), code=1) from None
     finally:
         if writer is not None:
             writer.close()
@@ -168,7 +253,43 @@ def run_recipe(recipe: Recipe, plan: Plan, on_event: EventSink, out: Optional[Pa
         if started_here:
             ray.shutdown()
     on_event(RunFinished(recipe.name, run_dir, rows, time.time() - t0))
+    bad = _bad_run(recipe, rows)
+    if bad:
+        raise RunError(bad, code=1)
     return run_dir
+
+
+def _bad_run(recipe: Recipe, rows: list[dict]) -> Optional[str]:
+    """Why a finished run did not really train (trainer.fail_when_bad_share), or None."""
+    if not rows:
+        return None
+    limit = recipe.trainer.fail_when_bad_share
+    skipped = sum(1 for r in rows if r.get("actor/skipped_step")) / len(rows)
+    if skipped >= limit:
+        return (f"{skipped:.0%} of the steps skipped their update (non-finite loss or gradient; "
+                f"trainer.fail_when_bad_share={limit}); lower trainer.lr or check the data. Metrics are in the run folder")
+    errors = sum(r.get("reward/errors") or 0 for r in rows)
+    scored = sum(r.get("reward/samples") or 0 for r in rows)
+    if scored and errors / scored >= limit:
+        first = next((r["reward/first_error"] for r in rows if r.get("reward/first_error")), "")
+        return (f"the reward function raised on {errors / scored:.0%} of the samples (trainer.fail_when_bad_share="
+                f"{limit}), so nothing was learned; first error: {first}. Fix reward.fn")
+    return None
+
+
+def _drain(progress, writer, rows: list) -> None:
+    """After Ctrl-C: write the rows rank 0 already sent (best effort; the workers may be gone)."""
+    import ray
+
+    if progress is None or writer is None:
+        return
+    try:
+        _, _, new = ray.get(progress.poll.remote(len(rows)), timeout=5)
+    except Exception:  # noqa: BLE001 - interrupted anyway
+        return
+    for row in new:
+        writer.write(row)
+        rows.append(row)
 
 
 def _wait(futures, progress, phase: str, tick=None, poll_s: float = 0.5) -> list:

@@ -54,5 +54,12 @@ class Interrupted:
     run_dir: Path
 
 
-Event = Union[RunStarted, Progress, RunFinished, Interrupted]
+@dataclass
+class Notice:
+    """Something the user should know that does not stop the run (e.g. metrics reconciled on resume)."""
+
+    text: str
+
+
+Event = Union[RunStarted, Progress, RunFinished, Interrupted, Notice]
 EventSink = Callable[[Event], None]

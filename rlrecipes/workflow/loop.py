@@ -80,6 +80,7 @@ def metrics_row(ctx: Context, st: StepState, gathered: list[dict], step_s: float
         "perf/overhead_share": round(max(0.0, 1.0 - compute / step_s), 4) if step_s > 0 else 0.0,
         "reward/mean": rsum / rn if rn else float("nan"),
         "reward/errors": sum(g["errors"] for g in gathered),
+        "reward/samples": rn,
         "actor/loss": upd.get("actor/loss"),
         "actor/pg_loss": upd.get("actor/pg_loss"),
         "actor/kl": upd.get("actor/kl", 0.0),

@@ -91,6 +91,7 @@ class Worker:
         build_engines(ctx)
         build_resharder(ctx)
         start_step = checkpoint.load(ctx, Path(resume_from)) if resume_from else 0
+        self.rows = checkpoint.covered_rows(Path(resume_from)) if resume_from and self.rank == 0 else []
         reshard(ctx)  # rollout weights = actor weights before the first rollout
         return {"rank": self.rank, "device": str(device), "start_step": start_step,
                 "data": {"prompts": len(ctx.dataset), "dropped_too_long": ctx.dataset.n_dropped_too_long,
@@ -106,17 +107,31 @@ class Worker:
             ctx.step = step
             try:
                 last = train_step(ctx, step)
+                if self.rank == 0:
+                    self.rows.append(last)
                 k = self.recipe.trainer.checkpoint_interval
                 if k and (step + 1) % k == 0:
                     ctx.report("checkpoint")
-                    checkpoint.save(ctx, step)
+                    self._require_finite(step, "checkpointed")
+                    checkpoint.save(ctx, step, self.rows)
             except Exception as e:
                 raise self._fail(e, f"stage {ctx.stage!r} of step {step}") from e
         if self.recipe.trainer.export_hf and end_step > start_step:
             ctx.report("export")
+            try:
+                self._require_finite(end_step - 1, "exported")
+            except RuntimeError as e:
+                raise self._fail(e, "export") from e
             self.export_hf(self.run_dir / "actor_hf")
         ctx.report("done")
         return {"rank": self.rank, "last": last}
+
+    def _require_finite(self, step: int, what: str) -> None:
+        ok = torch.tensor([1.0 if self.ctx.actor.weights_finite() else 0.0])
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        if ok.item() == 0:
+            raise RuntimeError(f"the actor's weights hold nan/inf after step {step}, so they are not {what} (the "
+                               "last checkpoint is kept); lower trainer.lr or set actor.grad_clip")
 
     def export_hf(self, folder: Path) -> None:
         """The trained actor as an HF folder (safetensors + config + tokenizer): collective."""

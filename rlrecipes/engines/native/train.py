@@ -286,6 +286,10 @@ class NativeTrainEngine(MeshRanks, base.TrainEngine):
         """
         return par.local_shards(self.model)
 
+    def weights_finite(self) -> bool:
+        """Local check of this rank's shards (no gather)."""
+        return all(bool(torch.isfinite(par._local(p.data)).all()) for p in self.model.parameters())
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded tensors on every rank (collective; small models and tests)."""
         return par.full_state_dict(self.model)

@@ -1,0 +1,125 @@
+"""Faults against the metrics file and the checkpoints: nothing a checkpoint covers is ever lost.
+
+* SIGINT right after a checkpoint: every row the checkpoint covers is in metrics.jsonl, and the
+  resumed run equals an uninterrupted one row for row.
+* A metrics file that lost rows and ends in a half-written line is reconciled on --resume (rows
+  re-emitted from the checkpoint, the partial line dropped, both reported).
+* metrics.jsonl deleted during a run stops the run with a message naming it.
+* A reward that raises on every sample ends the run non-zero with the reason.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+KEYS = ("reward/mean", "actor/loss", "actor/grad_norm", "actor/kl", "perf/tokens")
+
+
+def env():
+    return dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
+
+
+def cli(*args, check=True, extra_env=None):
+    out = subprocess.run([sys.executable, "-m", "rlrecipes", *args], capture_output=True, text=True, timeout=600,
+                         env={**env(), **(extra_env or {})})
+    if check and out.returncode != 0:
+        raise AssertionError(f"rlrecipes {' '.join(args)} exited {out.returncode}\n{out.stderr[-3000:]}")
+    return out
+
+
+def rows(run: Path) -> list[dict]:
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+
+
+def start(run: Path, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "rlrecipes", "run", "qwen25_7b", "--smoke", "--steps", "200",
+                             "--out", str(run), "--quiet", *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env())
+
+
+def wait_for(cond, proc, timeout=300):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if cond():
+            return
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    raise AssertionError("timed out")
+
+
+def latest(run: Path) -> str:
+    f = run / "checkpoints" / "latest"
+    return f.read_text().strip() if f.is_file() else ""
+
+
+def test_sigint_right_after_a_checkpoint_loses_no_row_and_resumes_exactly(tmp_path):
+    run = tmp_path / "int"
+    proc = start(run, "trainer.checkpoint_interval=1")
+    try:
+        wait_for(lambda: latest(run) >= "step_000002", proc)
+        proc.send_signal(signal.SIGINT)  # right after the checkpoint that covers steps 0 and 1
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130 and "Traceback" not in err, err[-2000:]
+    covered = int(latest(run).split("_")[1])  # steps 0 .. covered-1
+    steps = [r["step"] for r in rows(run)]
+    assert steps[:covered] == list(range(covered)), (steps, covered)
+    n = covered + 2
+    res = cli("run", "qwen25_7b", "--smoke", "--steps", str(n), "--resume", str(run), "--quiet")
+    got = rows(run)
+    assert [r["step"] for r in got] == list(range(n)), res.stderr
+    ref = tmp_path / "ref"
+    cli("run", "qwen25_7b", "--smoke", "--steps", str(n), "--out", str(ref), "--quiet", "trainer.checkpoint_interval=1")
+    for x, y in zip(rows(ref), got):
+        for k in KEYS:
+            assert x[k] == pytest.approx(y[k], rel=1e-5, abs=1e-7), (x["step"], k)
+
+
+def test_resume_reconciles_lost_rows_and_a_half_written_line(tmp_path):
+    run = tmp_path / "r"
+    cli("run", "qwen25_7b", "--smoke", "--steps", "4", "--out", str(run), "--quiet", "trainer.checkpoint_interval=2")
+    full = rows(run)
+    assert latest(run) == "step_000004"
+    # lose rows 2 and 3 (both covered by the checkpoint) and leave a half-written line behind
+    text = "".join(json.dumps(r) + "\n" for r in full[:2]) + '{"step": 2, "perf/tok'
+    (run / "metrics.jsonl").write_text(text)
+    res = cli("run", "qwen25_7b", "--smoke", "--steps", "5", "--resume", str(run), "--quiet")
+    assert "re-emitted rows of steps 2-3" in res.stderr and "half-written" in res.stderr, res.stderr
+    got = rows(run)
+    assert [r["step"] for r in got] == [0, 1, 2, 3, 4]
+    assert got[2] == full[2] and got[3] == full[3]
+
+
+def test_metrics_file_deleted_during_the_run_is_an_error(tmp_path):
+    run = tmp_path / "gone"
+    proc = start(run)
+    try:
+        wait_for(lambda: (run / "metrics.jsonl").is_file() and len(rows(run)) >= 1, proc)
+        (run / "metrics.jsonl").unlink()
+        _, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, err[-2000:]
+    assert "metrics.jsonl was deleted while the run was writing it" in " ".join(err.split()), err[-2000:]
+
+
+def test_reward_failing_on_every_sample_exits_non_zero(tmp_path):
+    mod = tmp_path / "badreward.py"
+    mod.write_text("def score(text, answer):\n    raise ValueError('no parser for this answer format')\n")
+    run = tmp_path / "bad"
+    out = cli("run", "qwen25_7b", "--smoke", "--steps", "2", "--out", str(run), "--quiet", "reward.fn=badreward:score",
+              check=False, extra_env={"PYTHONPATH": str(tmp_path)})
+    assert out.returncode == 1, out.stderr[-2000:]
+    flat = " ".join(out.stderr.split())
+    assert "reward function raised on 100% of the samples" in flat and "no parser" in flat, flat[-2000:]
+    assert len(rows(run)) == 2  # the metrics are kept
