@@ -483,4 +483,6 @@ def resolve(recipe: Recipe, plan: Plan) -> Recipe:
 def refuse_missing_engines(plan: Plan) -> None:
     """``run``'s check, before anything is placed: every engine the plan names must run here."""
     if plan.missing_here:
-        raise PlanError("cannot run here:\n" + "\n".join(f"  - {m}" for m in plan.missing_here))
+        err = PlanError("cannot run here:\n" + "\n".join(f"  - {m}" for m in plan.missing_here))
+        err.code = 2  # this machine lacks an engine (install it); the layout itself is valid
+        raise err
