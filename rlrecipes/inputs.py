@@ -100,6 +100,9 @@ def run_inputs(recipe: Recipe, *, run_dir: Path, resume: Optional[Path]) -> list
         problems += tokenizer_folder(m.tokenizer, "model.tokenizer")
     for i, f in enumerate(recipe.data.train_files):
         problems += data_file(resolve_path(recipe, f), f"data.train_files[{i}]")
+    from .loggers import missing as missing_loggers
+
+    problems += missing_loggers(recipe.trainer.loggers)
     try:
         from .rewards import resolve_reward
 

@@ -80,6 +80,7 @@ class MetricsWriter:
         except OSError as e:
             raise MetricsError(f"{self.path}: cannot write the metrics file ({e.strerror})") from None
         self._ino = os.fstat(self._f.fileno()).st_ino
+        self.loggers: list = []  # extra sinks (TensorBoard, W&B) that receive the same rows
 
     def write(self, row: dict) -> None:
         try:
@@ -95,8 +96,15 @@ class MetricsWriter:
             self._f.flush()
         except OSError as e:
             raise MetricsError(f"{self.path}: cannot write step {row.get('step')} ({e.strerror})") from None
+        for lg in self.loggers:
+            lg.log(row)
 
     def close(self) -> None:
+        for lg in self.loggers:
+            try:
+                lg.close()
+            except Exception:  # noqa: BLE001 - a logger's shutdown must not hide the run's outcome
+                pass
         try:
             self._f.close()
         except OSError:

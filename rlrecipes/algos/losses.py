@@ -181,6 +181,65 @@ def ppo_clip_policy_loss(
     return loss, metrics
 
 
+ppo_clip_policy_loss.clip_keys = ("clip_ratio_low", "clip_ratio_high")  # the recipe keys of its clip range
+
+
+@POLICY_LOSSES.register("gspo")
+def gspo_policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    clip_ratio_low: float = 3e-4,
+    clip_ratio_high: float | None = 4e-4,
+    dual_clip_c: float | None = None,
+    loss_agg_mode: str = "seq-mean-token-mean",
+    token_weights: torch.Tensor | None = None,
+    **agg_kwargs,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GSPO (Zheng et al. 2025): one importance ratio per sequence, clipped per sequence.
+
+    ``s_i = exp(mean_t(logp - old_logp))`` over sequence ``i``'s response tokens (the length-normalised
+    log-ratio). In token form, ``s_it = sg[s_i] * exp(logp_t - sg[logp_t])`` has the value ``s_i``
+    and the gradient ``s_i * grad logp_t``, so with ``seq-mean-token-mean`` aggregation (the paper's
+    ``1/G sum_i 1/|y_i| sum_t``) it is exactly GSPO's gradient, and any aggregation mode still works.
+    ``L_it = max(-A_i s_it, -A_i clip(s_it, 1 - eps_low, 1 + eps_high))``: the clip range is much
+    narrower than PPO's (``algorithm.gspo_clip_low/high``, 3e-4 / 4e-4 in the paper).
+    ``dual_clip_c`` is ignored (sequence ratios are already bounded by the clip).
+
+    Returns ``(loss, metrics)``: ``clipfrac`` (share of sequences whose ratio is clipped),
+    ``ppo_kl`` (mean ``old - new`` log-ratio over tokens), ``ratio_mean`` (mean ``s_i``).
+    """
+    check_same_shape(logp=logp, old_logp=old_logp, advantages=advantages, response_mask=response_mask)
+    eps_high = clip_ratio_low if clip_ratio_high is None else clip_ratio_high
+    logp, old_logp, advantages = (masked_select_zero(t, response_mask) for t in (logp, old_logp, advantages))
+    mask = response_mask.to(logp.dtype)  # [batch, seq]
+    lengths = mask.sum(-1).clamp(min=1.0)  # [batch]
+    seq_log_ratio = (logp - old_logp).sum(-1) / lengths  # [batch]
+    s_seq = seq_log_ratio.clamp(min=-20.0, max=20.0).exp()  # [batch]
+    s_tok = s_seq.detach()[:, None] * (logp - logp.detach()).exp()  # [batch, seq]: value s_i
+    pg1 = -advantages * s_tok
+    pg2 = -advantages * s_tok.clamp(1.0 - clip_ratio_low, 1.0 + eps_high)
+    loss_mat = torch.maximum(pg1, pg2)  # [batch, seq]
+    if token_weights is not None:
+        loss_mat = loss_mat * masked_select_zero(token_weights.detach(), response_mask)
+    loss = aggregate_loss(loss_mat, response_mask, loss_agg_mode, **agg_kwargs)
+    with torch.no_grad():
+        has = response_mask.bool().any(-1)
+        clipped = ((s_seq < 1.0 - clip_ratio_low) | (s_seq > 1.0 + eps_high)) & has
+        metrics = {
+            "clipfrac": clipped.float().sum() / has.float().sum().clamp(min=1.0),
+            "clipfrac_lower": torch.zeros(()),
+            "ppo_kl": masked_mean(-(logp - old_logp), response_mask),
+            "ratio_mean": s_seq[has].mean() if has.any() else torch.ones(()),
+        }
+    return loss, metrics
+
+
+gspo_policy_loss.clip_keys = ("gspo_clip_low", "gspo_clip_high")
+
+
 def value_loss(
     values: torch.Tensor,
     old_values: torch.Tensor,

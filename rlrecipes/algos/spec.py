@@ -161,6 +161,7 @@ def gae_advantages(cfg, *, scores: torch.Tensor, responses: list[torch.Tensor], 
 def actor_loss_fn(cfg, *, agg: dict, kl_coef: float, use_ref: bool, dp_size: int):
     """The policy loss closure ``(logp, entropy, mb) -> (loss, metrics)`` for one micro-batch."""
     policy_loss = get_policy_loss(cfg.policy_loss)
+    lo_key, hi_key = getattr(policy_loss, "clip_keys", ("clip_ratio_low", "clip_ratio_high"))
 
     def loss_fn(logp, entropy, mb):
         mask = mb["response_mask"].to(logp.device)
@@ -177,8 +178,8 @@ def actor_loss_fn(cfg, *, agg: dict, kl_coef: float, use_ref: bool, dp_size: int
                 weights, im = importance_weights(old, rl, mask, cfg.rollout_correction, cfg.rollout_correction_cap)
                 metrics.update({"rollout/is_weight_sum": float(im["weight_sum"]),
                                 "rollout/is_capped_sum": float(im["capped"])})
-        loss, m = policy_loss(logp, old, adv, mask, clip_ratio_low=cfg.clip_ratio_low,
-                              clip_ratio_high=cfg.clip_ratio_high, dual_clip_c=cfg.dual_clip_c,
+        loss, m = policy_loss(logp, old, adv, mask, clip_ratio_low=getattr(cfg, lo_key),
+                              clip_ratio_high=getattr(cfg, hi_key), dual_clip_c=cfg.dual_clip_c,
                               loss_agg_mode=cfg.loss_agg_mode, token_weights=weights, **agg)
         metrics.update({"actor/pg_loss": float(loss.detach()), "actor/clipfrac": float(m["clipfrac"]),
                         "actor/ppo_kl": float(m["ppo_kl"])})

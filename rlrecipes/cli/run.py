@@ -43,6 +43,11 @@ class RunView:
 
         if isinstance(ev, E.RunStarted):
             self.started = ev
+            if ev.data.get("chat_joined"):
+                err_console.print(f"[yellow]{ev.data['chat_joined']} prompts are chat messages but the tokenizer has no "
+                                  "chat template: their contents are joined with newlines (set model.tokenizer to a "
+                                  "tokenizer with a template to render them as the model was trained)[/]",
+                                  highlight=False, soft_wrap=True)
             if not self.quiet:
                 console.print(f"[bold]{ev.recipe}[/] · {ev.workers} workers · actor {ev.actor_layout} -> rollout "
                               f"{ev.rollout_layout} · stages: {' -> '.join(ev.stages)} · run folder {ev.run_dir}")

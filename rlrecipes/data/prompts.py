@@ -171,11 +171,15 @@ class PromptDataset:
     tokenizer: Any = None
     max_prompt_len: int | None = None
     n_dropped_too_long: int = field(init=False, default=0)
+    n_chat_joined: int = field(init=False, default=0)
+    """Chat-message prompts rendered without a template (the tokenizer has none): contents joined."""
     items: list[dict] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
         chat = self.tokenizer is not None and bool(getattr(self.tokenizer, "chat_template", None))
         for i, row in enumerate(self.rows):
+            if not chat and not isinstance(row["prompt"], str):
+                self.n_chat_joined += 1
             text = render_prompt(row["prompt"], self.tokenizer)
             item = {"prompt_text": text, "answer": row["answer"], "source": row.get("source", f"row {i}")}
             if self.tokenizer is not None:

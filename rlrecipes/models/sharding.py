@@ -110,6 +110,26 @@ def fused_expert_key(name: str) -> tuple[str, int, str] | None:
     return f"{m.group('prefix')}.{fused}", int(m.group("e")), part.removesuffix("_proj")
 
 
+def checkpoint_items(name: str, t):
+    """One in-memory (transformers v5) tensor -> the ``(name, tensor)`` pairs of the on-disk checkpoint
+    format that HF hub checkpoints, transformers' loader and vLLM all read: a fused
+    ``mlp.experts.gate_up_proj [E, 2I, H]`` becomes ``mlp.experts.<e>.gate_proj.weight`` (rows
+    ``[0, I)``) and ``up_proj.weight`` (rows ``[I, 2I)``); ``down_proj [E, H, I]`` becomes
+    ``experts.<e>.down_proj.weight``. Every other tensor passes through. Yields views, no copies.
+    The inverse of :func:`fused_expert_key`."""
+    prefix, _, leaf = name.rpartition(".")
+    if not prefix.endswith("mlp.experts") or leaf not in ("gate_up_proj", "down_proj"):
+        yield name, t
+        return
+    for e in range(t.shape[0]):
+        if leaf == "down_proj":
+            yield f"{prefix}.{e}.down_proj.weight", t[e]
+        else:
+            gate, up = t[e].chunk(2, dim=0)
+            yield f"{prefix}.{e}.gate_proj.weight", gate
+            yield f"{prefix}.{e}.up_proj.weight", up
+
+
 def stage_of(name: str, pp_layers: Sequence[int] | None) -> int:
     """Pipeline stage of a parameter under a layer split (None: one stage)."""
     if not pp_layers or len(pp_layers) == 1:
@@ -190,7 +210,7 @@ def param_specs(source: Any, pp_layers: Sequence[int] | None = None) -> list[Par
     return [_make_spec(n, s, pp_layers, u, un) for n, s, u, un in _family_params(dims)]
 
 
-__all__ = ["Kind", "ParamSpec", "fused_expert_key", "is_expert", "kind_of", "layer_of", "param_specs",
+__all__ = ["Kind", "ParamSpec", "checkpoint_items", "fused_expert_key", "is_expert", "kind_of", "layer_of", "param_specs",
            "split_layers", "stage_of", "tp_dim_of"]
 
 

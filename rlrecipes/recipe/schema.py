@@ -7,6 +7,7 @@ prints the merged result.
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Literal, Optional
 
@@ -79,9 +80,21 @@ class ModelConfig(_Strict):
             return PRESETS[self.preset]
         from transformers import AutoConfig
 
-        from .models import dims_from_hf_config
+        from ..models import dims_from_hf_config
 
-        return dims_from_hf_config(AutoConfig.from_pretrained(self.path, local_files_only=True))
+        if not self.path:
+            raise RecipeError("model: set model.preset (a pinned real model), model.path (a local HF folder) "
+                              "or model.smoke")
+        folder = Path(os.path.expanduser(self.path))
+        if not (folder / "config.json").is_file():
+            what = "does not exist" if not folder.exists() else ("is a file" if not folder.is_dir() else
+                                                                  "has no config.json")
+            raise RecipeError(f"model.path: {folder} {what}; pass a local HF model folder (config.json + "
+                              "*.safetensors), or set model.preset to plan a pinned real model")
+        try:
+            return dims_from_hf_config(AutoConfig.from_pretrained(str(folder), local_files_only=True))
+        except ValueError as e:
+            raise RecipeError(f"model.path: {folder}/config.json: {e}") from None
 
 
 class DataConfig(_Strict):
@@ -153,7 +166,12 @@ class AlgorithmConfig(_Strict):
     clip_ratio_high: float = 0.2
     """PPO clip eps above 1 (DAPO clip-higher: 0.28)."""
     policy_loss: str = "ppo_clip"
-    """Policy loss, by its name in rlrecipes/algos/registry.py."""
+    """Policy loss, by its registered name: ppo_clip (token ratios, clip_ratio_low/high) or gspo
+    (one length-normalised ratio per sequence, gspo_clip_low/high; use loss_agg_mode seq-mean-token-mean)."""
+    gspo_clip_low: float = Field(3e-4, ge=0, lt=1)
+    """GSPO: clip range below 1 of the sequence ratio."""
+    gspo_clip_high: float = Field(4e-4, ge=0)
+    """GSPO: clip range above 1 of the sequence ratio."""
     dual_clip_c: Optional[float] = 3.0
     """Dual-clip bound for negative advantages; null disables."""
     loss_agg_mode: str = "token-mean"
@@ -341,6 +359,11 @@ class ResourcesConfig(_Strict):
 
 
 class TrainerConfig(_Strict):
+    @field_validator("loggers")
+    @classmethod
+    def _jsonl_always(cls, v: list) -> list:
+        return list(dict.fromkeys(["jsonl", *v]))
+
     steps: int = Field(100, ge=1)
     """Training steps (one rollout batch each)."""
     global_batch: int = Field(32, ge=1)
@@ -365,6 +388,9 @@ class TrainerConfig(_Strict):
     """At the end of the run, write the trained actor as an HF folder (<run>/actor_hf) that transformers loads."""
     dock_timeout_s: float = Field(600.0, gt=0)
     """A stage waiting longer than this on the TransferDock fails with a named error."""
+    loggers: list[Literal["jsonl", "tensorboard", "wandb"]] = Field(default_factory=lambda: ["jsonl"])
+    """Where per-step metrics go: jsonl (<run>/metrics.jsonl, always on), tensorboard (<run>/tensorboard),
+    wandb (online when logged in, else offline in <run>/wandb). tensorboard / wandb are extras."""
     fail_when_bad_share: float = Field(1.0, gt=0, le=1)
     """The run exits non-zero when this share of its steps skipped the update (non-finite loss or
     gradient), or this share of its samples' rewards raised; 1.0: only when all of them did."""

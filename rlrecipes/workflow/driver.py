@@ -22,6 +22,7 @@ from typing import Optional
 
 import yaml
 
+from ..loggers import build as build_loggers
 from ..metrics import MetricsError, MetricsWriter
 from ..plan import Plan, refuse_missing_engines, resolve
 from ..recipe import Recipe, resolve_path
@@ -63,7 +64,8 @@ def _absolute_data(recipe: Recipe) -> Recipe:
 
 
 #: what may change when a run continues (--resume): its length and its bookkeeping, not what it trains
-RESUMABLE_KEYS = ("trainer.steps", "trainer.checkpoint_interval", "trainer.export_hf", "trainer.dock_timeout_s")
+RESUMABLE_KEYS = ("trainer.steps", "trainer.checkpoint_interval", "trainer.export_hf", "trainer.dock_timeout_s",
+                  "trainer.loggers")
 
 
 def resumed_recipe(run_dir: Path, overrides: list[str]) -> Recipe:
@@ -227,6 +229,8 @@ def run_recipe(recipe: Recipe, plan: Plan, on_event: EventSink, out: Optional[Pa
                 on_event(Notice(f"metrics.jsonl: {n}"))
             (run_dir / "config.yaml").write_text(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False))
         writer = MetricsWriter(run_dir / "metrics.jsonl", rows=prior)
+        writer.loggers = build_loggers(recipe.trainer.loggers, run_dir, project=recipe.name,
+                                       config=recipe.model_dump(mode="json"), resume=resume is not None)
         on_event(RunStarted(recipe.name, recipe.algorithm.name, run_dir, world, plan.roles["actor"].describe(),
                             plan.roles["rollout"].describe(), info[0]["stages"], info[0]["data"], start, total))
         futures = [w.run.remote(start, total) for w in workers]

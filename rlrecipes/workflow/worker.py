@@ -95,6 +95,7 @@ class Worker:
         reshard(ctx)  # rollout weights = actor weights before the first rollout
         return {"rank": self.rank, "device": str(device), "start_step": start_step,
                 "data": {"prompts": len(ctx.dataset), "dropped_too_long": ctx.dataset.n_dropped_too_long,
+                         "chat_joined": ctx.dataset.n_chat_joined,
                          "skipped_malformed": ctx.data_skipped},
                 "skip_old_log_prob": ctx.skip_old, "stages": [s.name for s in ctx.stages],
                 "reshard_min_bytes": ctx.reshard_plan.min_bytes(self.rank)}

@@ -136,6 +136,10 @@ CASES = [
       "loss_agg_mode"),
     C("plan-rollout-correction-cap", lambda w: ["plan", "qwen25_7b", *SMOKE, "algorithm.rollout_correction_cap=1"],
       "rollout_correction_cap"),
+    C("plan-model-path-missing-no-preset", lambda w: ["plan", "qwen25_7b", "model.preset=null", f"model.path={w}/nope"],
+      "model.path", "does not exist"),
+    C("plan-model-path-is-file", lambda w: (w / "m").write_text("x") and
+      ["plan", "qwen25_7b", "model.preset=null", f"model.path={w}/m"], "model.path", "is a file"),
     # ---- plan: recipe files
     C("plan-yaml-duplicate-top-key", lambda w: _dup(w, top=True), "recipe.yaml", "trainer", "line"),
     C("plan-yaml-duplicate-nested-key", lambda w: _dup(w, top=False), "recipe.yaml", "steps"),
@@ -184,6 +188,8 @@ CASES = [
                                               "--out", str(w / "o")], "reward.fn", "no_such_mod"),
     C("run-reward-unknown-name", lambda w: ["run", "qwen25_7b", *SMOKE, "reward.fn=mathh", "--out", str(w / "o")],
       "reward.fn", "mathh"),
+    C("run-logger-unknown", lambda w: ["run", "qwen25_7b", *SMOKE, "trainer.loggers=[jsonl,mlflow]",
+                                       "--out", str(w / "o")], "trainer.loggers", "mlflow"),
     # ---- run --resume
     C("resume-not-a-run", lambda w: (w / "r").mkdir() or ["run", "qwen25_7b", *SMOKE, "--resume", str(w / "r")],
       "not a run folder"),
@@ -312,3 +318,14 @@ def test_report_and_check_accept_the_nulls_run_writes(tmp_path):
     b.write_text(GOOD_BASELINE)
     res = runner.invoke(app, ["check", str(run), "--baseline", str(b)])
     assert res.exit_code == 0 and "OK" in res.output, res.output
+
+
+def test_logger_not_installed_is_refused_with_the_extra_to_install(tmp_path, monkeypatch):
+    from rlrecipes import loggers
+
+    monkeypatch.setitem(loggers.REQUIRES, "tensorboard", ("no_such_module_for_this_test", "tensorboard"))
+    res = runner.invoke(app, ["run", "qwen25_7b", "--smoke", "trainer.loggers=[tensorboard]", "--out",
+                              str(tmp_path / "o")])
+    flat = " ".join(res.output.split())
+    assert res.exit_code == 2 and 'pip install -e ".[tensorboard]"' in flat, res.output
+    assert not (tmp_path / "o").exists()

@@ -335,3 +335,40 @@ def test_empty_rank_still_steps_in_collectives():
     actor = build_train_engine("native", EngineSpec(model=SMOKE["qwen2"], role="actor", device=torch.device("cpu")))
     assert actor.forward(SeqBatch([], [])) == ([], None)
     assert actor.train_step(SeqBatch([], []), lambda *a: (torch.zeros(()), {}))["actor/skipped_step"] == 1.0
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_trained_moe_and_mla_export_loads_with_per_expert_keys_and_same_logits(tmp_path, family):
+    """Train a few steps, export, load with from_pretrained: per-expert keys on disk, equal logits."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from rlrecipes.engines.native.train import NativeTrainEngine
+
+    eng = NativeTrainEngine(SMOKE[family], layout=(1, 1), device="cpu", lr=1e-2, seed=5)
+    before = {k: v.clone() for k, v in eng.full_state_dict().items()}
+    ids = torch.randint(1, 32, (2, 9), generator=torch.Generator().manual_seed(1))
+    mb = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "response_mask": torch.ones(2, 4)}
+    for _ in range(3):
+        eng.train_micro_batches([mb], lambda lp, ent, b: (-lp.mean(), {}))
+    trained = eng.full_state_dict()
+    experts = [k for k in trained if k.endswith("mlp.experts.gate_up_proj")]
+    assert experts and not torch.equal(trained[experts[0]], before[experts[0]]), "the experts must have trained"
+    eng.export_hf(tmp_path / "out")
+    with safe_open(str(tmp_path / "out" / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    E = SMOKE[family].num_experts
+    layer = experts[0].rsplit(".mlp.", 1)[0]
+    for e in range(E):
+        for part in ("gate_proj", "up_proj", "down_proj"):
+            assert f"{layer}.mlp.experts.{e}.{part}.weight" in keys
+    assert not any(k.endswith("experts.gate_up_proj") for k in keys)
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "out", local_files_only=True).eval()
+    for k, v in back.state_dict().items():
+        assert torch.equal(v, trained[k]), k
+    x = torch.randint(1, 32, (2, 11), generator=torch.Generator().manual_seed(2))
+    eng.model.eval()
+    with torch.no_grad():
+        want = eng.model(input_ids=x).logits
+        got = back(input_ids=x).logits
+    assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()

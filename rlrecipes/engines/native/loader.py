@@ -79,10 +79,14 @@ def save_hf_folder(state_dict: dict[str, torch.Tensor], config, folder: str | os
                    tokenizer_from: str | os.PathLike | None = None, dtype: torch.dtype | None = None) -> Path:
     """Write ``model.safetensors`` + ``config.json`` (+ tokenizer files copied from ``tokenizer_from``).
 
-    ``state_dict`` holds full tensors with HF names; a tied ``lm_head.weight`` is dropped, as
-    ``save_pretrained`` does. The result loads with ``AutoModelForCausalLM.from_pretrained``.
+    ``state_dict`` holds full tensors with HF (transformers v5) names; a tied ``lm_head.weight`` is
+    dropped, as ``save_pretrained`` does. Fused MoE experts are written with per-expert keys
+    (``mlp.experts.<e>.gate_proj.weight`` ...), the format of published checkpoints that transformers,
+    vLLM and other converters read. The result loads with ``AutoModelForCausalLM.from_pretrained``.
     """
     from safetensors.torch import save_file
+
+    from rlrecipes.models.sharding import checkpoint_items
 
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)
@@ -94,7 +98,8 @@ def save_hf_folder(state_dict: dict[str, torch.Tensor], config, folder: str | os
         t = t.detach().cpu()
         if dtype is not None and t.is_floating_point() and "e_score_correction_bias" not in name:
             t = t.to(dtype)
-        tensors[name] = t.contiguous()
+        for key, part in checkpoint_items(name, t):
+            tensors[key] = part.contiguous()
     tmp = out / "model.safetensors.tmp"
     save_file(tensors, str(tmp), metadata={"format": "pt"})
     os.replace(tmp, out / "model.safetensors")  # never leave a half-written weights file

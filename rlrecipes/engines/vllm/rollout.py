@@ -29,6 +29,8 @@ import torch.distributed as dist
 
 from ... import device as devmod
 from .. import base
+from rlrecipes.models.sharding import checkpoint_items
+
 from . import CAPABILITIES
 
 log = logging.getLogger(__name__)
@@ -198,27 +200,11 @@ class VllmRolloutEngine(base.RolloutEngine):
         dist.all_gather(parts, t, group=self._tp_group)
         return torch.cat(parts, dim=dim)
 
-    @staticmethod
-    def _checkpoint_names(name: str, t: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
-        """transformers-v5 fused experts -> the per-expert checkpoint names every vLLM MoE loader
-        reads: ``gate_up_proj [E, 2I, H]`` -> ``experts.<e>.gate_proj`` (rows ``[0, I)``) and
-        ``up_proj`` (rows ``[I, 2I)``); ``down_proj [E, H, I]`` -> ``experts.<e>.down_proj``. Views."""
-        prefix, _, leaf = name.rpartition(".")
-        if not prefix.endswith("mlp.experts") or leaf not in ("gate_up_proj", "down_proj"):
-            yield name, t
-            return
-        for e in range(t.shape[0]):
-            if leaf == "down_proj":
-                yield f"{prefix}.{e}.down_proj.weight", t[e]
-            else:
-                gate, up = t[e].chunk(2, dim=0)
-                yield f"{prefix}.{e}.gate_proj.weight", gate
-                yield f"{prefix}.{e}.up_proj.weight", up
-
     def _stream(self, buckets: Iterable[Sequence[tuple[str, torch.Tensor]]]) -> Iterator[tuple[str, torch.Tensor]]:
         for bucket in buckets:
             for name, t in bucket:
-                yield from self._checkpoint_names(name, self._full(name, t).to(self._dtype))
+                # fused v5 experts -> per-expert checkpoint names, which every vLLM MoE loader reads
+                yield from checkpoint_items(name, self._full(name, t).to(self._dtype))
 
     def update_weights(self, buckets: Iterable[Sequence[tuple[str, torch.Tensor]]]) -> None:
         if self._asleep and not self._weights_awake:
