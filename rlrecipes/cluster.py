@@ -33,6 +33,20 @@ class ClusterResources:
         return f"{self.nodes} node(s), {self.total_devices} {self.resource} device(s) (per node: {per}), {self.cpus:g} CPUs"
 
 
+def _token_auth_like_ray_start() -> None:
+    """Ray >= 2.5x: `ray start` turns token authentication on when a token exists (RAY_AUTH_TOKEN,
+    RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token) and RAY_AUTH_MODE is unset, but a driver joining with
+    ``ray.init(address=...)`` does not, and is refused ("InvalidAuthToken"). Apply `ray start`'s own
+    rule (it also refreshes Ray's cached config, which an environment variable alone would not)."""
+    try:
+        from ray._private.authentication.authentication_token_setup import (
+            maybe_enable_token_auth_if_token_available,
+        )
+    except ImportError:  # a Ray without token authentication
+        return
+    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+
+
 def connect(address: Optional[str] = None, *, embedded: bool = False, num_cpus: Optional[int] = None,
             resources: Optional[dict] = None) -> str:
     """Initialise Ray; returns 'embedded' or the address joined."""
@@ -46,6 +60,7 @@ def connect(address: Optional[str] = None, *, embedded: bool = False, num_cpus: 
                  configure_logging=False, namespace="rlrecipes")
         return "embedded"
     target = address or os.environ.get("RAY_ADDRESS") or "auto"
+    _token_auth_like_ray_start()
     host, sep, port = target.rpartition(":")
     if sep and port.isdigit() and "://" not in target:  # fail fast instead of Ray's minutes of retries
         import socket

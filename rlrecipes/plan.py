@@ -26,7 +26,7 @@ NODE_INDEPENDENT_RULES = {"inference settings supported by vllm-ascend", "rollou
                           "engine keeps ref/critic on the actor layout", "engine serves the role here",
                           "engine has pipeline parallelism", "engine has expert parallelism",
                           "engine keeps EP inside the TP group", "GRPO needs a group per prompt",
-                          "engine runs this model here"}
+                          "engine runs this model here", "routing replay has what it needs"}
 DTYPE_BYTES = 2  # weights and activations in bf16 on accelerators
 
 
@@ -350,6 +350,14 @@ def build_plan(recipe: Recipe, nodes: Optional[int] = None, devices_per_node: Op
     engines = {role: (recipe.rollout.engine if role == "rollout" else recipe.actor.engine) for role in roles}
     violations, missing_here = _engine_checks(recipe, engines)
     violations += _model_checks(recipe, dims)
+    if recipe.algorithm.routing_replay:
+        why = []
+        if not dims.is_moe:
+            why.append(f"the model ({dims.family}) has no experts to route")
+        for key, name in (("actor.engine", recipe.actor.engine), ("rollout.engine", recipe.rollout.engine)):
+            if name != "native":
+                why.append(f"{key}={name} does not record/replay routing in this release (the native engines do)")
+        violations += [Violation("routing replay has what it needs", f"algorithm.routing_replay: {w}") for w in why]
     caps = {role: capabilities(name) for role, name in engines.items() if name in BACKENDS}
     train_caps = caps.get("actor")
     if train_caps is not None and not train_caps.separate_ref_layout:

@@ -12,6 +12,15 @@ MASTER_ADDR="${MASTER_ADDR:?set MASTER_ADDR to the head node IP}"
 RAY_PORT="${RAY_PORT:-6379}"
 NPUS_PER_NODE="${NPUS_PER_NODE:-16}"          # dies visible to Ray on each A3 node
 JOIN_TIMEOUT_S="${JOIN_TIMEOUT_S:-600}"
+RAY_START_ARGS="${RAY_START_ARGS:-}"          # extra `ray start` flags, e.g. "--num-cpus 32 --temp-dir /data/ray"
+
+# --- Ray token authentication -------------------------------------------------------------
+# Ray >= 2.5x turns token auth on for `ray start --head` when a token exists (~/.ray/auth_token,
+# RAY_AUTH_TOKEN_PATH or RAY_AUTH_TOKEN), but a joining `ray start --address` does not and is refused:
+# use one mode on every node (copy the token file to every node with the same path).
+if [[ -z "${RAY_AUTH_MODE:-}" && ( -n "${RAY_AUTH_TOKEN:-}" || -f "${RAY_AUTH_TOKEN_PATH:-${HOME}/.ray/auth_token}" ) ]]; then
+  export RAY_AUTH_MODE=token
+fi
 
 # --- Ascend / HCCL environment -----------------------------------------------------------
 if [[ -f /usr/local/Ascend/ascend-toolkit/set_env.sh ]]; then
@@ -40,9 +49,11 @@ wait_for_cluster() {
   local deadline=$((SECONDS + JOIN_TIMEOUT_S))
   local want_npus=$((NNODES * NPUS_PER_NODE))
   while true; do
-    read -r nodes npus < <(python3 - <<'PY'
+    read -r nodes npus < <(RAY_HEAD="${MASTER_ADDR}:${RAY_PORT}" python3 - <<'PY'
+import os
 import ray
-ray.init(address="auto", logging_level="ERROR")
+from rlrecipes.cluster import connect  # joins as `ray start` does (token auth included)
+connect(os.environ["RAY_HEAD"])
 alive = [n for n in ray.nodes() if n["Alive"]]
 print(len(alive), int(sum(n["Resources"].get("NPU", 0) for n in alive)))
 PY
@@ -59,13 +70,14 @@ PY
 
 if [[ "${NODE_RANK}" == "0" ]]; then
   ray start --head --port="${RAY_PORT}" --node-ip-address="${MASTER_ADDR}" \
-    --resources="{\"NPU\": ${NPUS_PER_NODE}}" --disable-usage-stats
+    --resources="{\"NPU\": ${NPUS_PER_NODE}}" --disable-usage-stats ${RAY_START_ARGS}
   wait_for_cluster
   status=0
-  rlrecipes run "${RECIPE_DIR}" --nodes "${NNODES}" --devices-per-node "${NPUS_PER_NODE}" "$@" || status=$?
+  rlrecipes run "${RECIPE_DIR}" --address "${MASTER_ADDR}:${RAY_PORT}" --nodes "${NNODES}" \
+    --devices-per-node "${NPUS_PER_NODE}" "$@" || status=$?
   ray stop
   exit "${status}"
 else
   ray start --address="${MASTER_ADDR}:${RAY_PORT}" \
-    --resources="{\"NPU\": ${NPUS_PER_NODE}}" --disable-usage-stats --block
+    --resources="{\"NPU\": ${NPUS_PER_NODE}}" --disable-usage-stats ${RAY_START_ARGS} --block
 fi

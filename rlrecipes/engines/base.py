@@ -81,13 +81,16 @@ class Capabilities:
 class SeqBatch:
     """Samples as unpadded sequences: prompt ids ``[P_i]`` and response ids ``[R_i]`` per sample.
 
-    ``per_token[c][i]`` has shape ``[R_i]``; ``per_sample[c]`` has shape ``[n]``.
+    ``per_token[c][i]`` has shape ``[R_i]``; ``per_sample[c]`` has shape ``[n]``;
+    ``routed_experts[i]`` (MoE routing replay, optional) has shape ``[P_i + R_i, moe_layers, k]``
+    with ``-1`` where a token's routing was not recorded.
     """
 
     prompts: list[torch.Tensor]
     responses: list[torch.Tensor]
     per_token: dict[str, list[torch.Tensor]] = field(default_factory=dict)
     per_sample: dict[str, torch.Tensor] = field(default_factory=dict)
+    routed_experts: Optional[list[torch.Tensor]] = None
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -96,7 +99,8 @@ class SeqBatch:
         sel = torch.tensor(list(idx), dtype=torch.long)
         return SeqBatch([self.prompts[i] for i in idx], [self.responses[i] for i in idx],
                         {c: [v[i] for i in idx] for c, v in self.per_token.items()},
-                        {c: v[sel] for c, v in self.per_sample.items()})
+                        {c: v[sel] for c, v in self.per_sample.items()},
+                        [self.routed_experts[i] for i in idx] if self.routed_experts is not None else None)
 
     def response_tokens(self) -> int:
         return sum(int(r.numel()) for r in self.responses)
@@ -125,6 +129,8 @@ class RolloutOutput:
     responses: list[torch.Tensor]
     log_probs: list[torch.Tensor]
     metrics: dict = field(default_factory=dict)
+    routed_experts: Optional[list[torch.Tensor]] = None
+    """MoE routing replay: per sample ``[P_i + R_i, moe_layers, k]`` experts the rollout used."""
 
 
 @dataclass

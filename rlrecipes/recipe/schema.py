@@ -198,6 +198,9 @@ class AlgorithmConfig(_Strict):
     """Optimizer passes over each rollout batch. 1 (with one mini-batch) is on-policy."""
     skip_old_log_prob: Literal["auto", "true", "false"] = "auto"
     """Skip the old-log-prob forward when on-policy (auto decides from ppo_epochs and mini-batches)."""
+    routing_replay: bool = False
+    """MoE rollout routing replay (R3): the rollout records each token's routed experts and the actor's
+    training forwards use exactly those experts (native engines, MoE models)."""
     rollout_correction: Literal["none", "tis", "mis"] = "none"
     """Rollout-train mismatch correction per token, with w = pi_train / pi_rollout of the sampled token:
     tis multiplies the policy loss by min(w, cap) (truncated importance sampling); mis by w where

@@ -54,8 +54,9 @@ def seq_batch(data: dict, per_token: Sequence[str] = (), per_sample: Sequence[st
         v = data[c]
         sample_cols[c] = (v.reshape(-1) if isinstance(v, torch.Tensor)
                           else torch.stack([a.reshape(()) for a in v]) if len(v) else torch.zeros(0)).float()
+    routed = list(data["routed_experts"]) if "routed_experts" in data else None  # MoE routing replay
     return SeqBatch(list(data.get("prompt_ids", [])), list(data.get("response_ids", [])),
-                    {c: list(data[c]) for c in per_token}, sample_cols)
+                    {c: list(data[c]) for c in per_token}, sample_cols, routed)
 
 
 def subset(data: dict, idx: list[int]) -> dict:

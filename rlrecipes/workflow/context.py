@@ -109,9 +109,10 @@ def build_engines(ctx: Context) -> None:
     r, alg = ctx.recipe, ctx.recipe.algorithm
     spec = get_algorithm(alg.name)
     a = r.actor.layout
+    replay = {"routing_replay": True} if alg.routing_replay else {}
     ctx.actor = build_train_engine(r.actor.engine, _spec(
         ctx, "actor", a, lr=r.trainer.lr, weight_decay=r.actor.weight_decay, grad_clip=r.actor.grad_clip,
-        recompute=r.actor.recompute, offload_optimizer=r.actor.offload_optimizer))
+        recompute=r.actor.recompute, offload_optimizer=r.actor.offload_optimizer, options=replay))
     ctx.use_ref = r.ref.enabled and (alg.use_kl_loss or alg.use_kl_in_reward)
     if ctx.use_ref:
         ctx.ref = build_train_engine(r.actor.engine, _spec(ctx, "ref", r.ref.layout or a))
@@ -119,7 +120,7 @@ def build_engines(ctx: Context) -> None:
         ctx.critic = build_train_engine(r.actor.engine, _spec(ctx, "critic", r.critic.layout or a, lr=r.critic.lr,
                                                                grad_clip=r.actor.grad_clip))
     ctx.rollout = build_rollout_engine(r.rollout.engine, _spec(ctx, "rollout", r.rollout.layout,
-                                                               options={"inference": r.rollout.inference}))
+                                                               options={"inference": r.rollout.inference, **replay}))
     ctx.n_mini = mini_batches_per_rollout(r.trainer.global_batch, r.trainer.mini_batch)
     ctx.skip_old = resolve_skip_old_log_prob(alg.skip_old_log_prob, alg.ppo_epochs, ctx.n_mini)
     ctx.stages = spec.stages(alg, use_ref=ctx.use_ref, skip_old=ctx.skip_old)

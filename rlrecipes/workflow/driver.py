@@ -214,7 +214,9 @@ def run_recipe(recipe: Recipe, plan: Plan, on_event: EventSink, out: Optional[Pa
             workers.append(RayWorker.options(**opts).remote(rank, world, recipe.model_dump(mode="json"),
                                                             str(run_dir.resolve()), dock, progress))
         pids = ray.get([w.pid.remote() for w in workers])
-        (run_dir / "workers.json").write_text(json.dumps({"pids": pids}))
+        nodes = ray.get([w.node_id.remote() for w in workers])
+        (run_dir / "workers.json").write_text(json.dumps({"pids": pids, "nodes": nodes,
+                                                          "dock_warehouse_nodes": dock.warehouse_nodes}))
         addr = ray.get(workers[0].node_ip.remote())
         port = ray.get(workers[0].open_store.remote())
         info = _wait([w.setup.remote(addr, port, str(ckpt) if ckpt else None) for w in workers], progress, "setup")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -67,9 +67,12 @@ def rollout(ctx: Context, st: StepState) -> None:
                                 top_k=s.top_k, eos_token_id=ctx.eos_id, pad_token_id=ctx.pad_id)
         out = eng.generate(prompts, params, seed=seed_of(r.trainer.seed, st.step, st.round))
         if eng.is_data_leader:
-            ctx.dock.put({"prompt_ids": prompts, "response_ids": out.responses,
-                          "prompt_index": torch.tensor([prompt_idx[g] for g in mine for _ in range(n)]),
-                          "rollout_log_probs": out.log_probs}, my_rows)
+            cols = {"prompt_ids": prompts, "response_ids": out.responses,
+                    "prompt_index": torch.tensor([prompt_idx[g] for g in mine for _ in range(n)]),
+                    "rollout_log_probs": out.log_probs}
+            if out.routed_experts is not None:  # MoE routing replay: the experts every token used
+                cols["routed_experts"] = out.routed_experts
+            ctx.dock.put(cols, my_rows)
     eng.sleep()
     ctx.timer.add_compute("rollout", time.perf_counter() - t0)
     st.gen_groups += st.target
@@ -132,8 +135,13 @@ def dynamic_sampling(ctx: Context, st: StepState) -> None:
 
 
 # ------------------------------------------------------------------------------ forward passes
-def _forward_stage(ctx: Context, engine, consumer: str, out_col: str) -> None:
-    data = train_rows(ctx, engine, consumer, ["prompt_ids", "response_ids"])
+def _routed(ctx: Context) -> list[str]:
+    """The routing-replay column the actor's forwards read (when ``algorithm.routing_replay``)."""
+    return ["routed_experts"] if ctx.recipe.algorithm.routing_replay else []
+
+
+def _forward_stage(ctx: Context, engine, consumer: str, out_col: str, extra: Sequence[str] = ()) -> None:
+    data = train_rows(ctx, engine, consumer, ["prompt_ids", "response_ids", *extra])
     if not data["rows"] and engine.dp_size == 1:
         return
     t0 = time.perf_counter()
@@ -149,7 +157,7 @@ def ref(ctx: Context, st: StepState) -> None:
 
 
 def old(ctx: Context, st: StepState) -> None:
-    _forward_stage(ctx, ctx.actor, "old", "old_log_probs")
+    _forward_stage(ctx, ctx.actor, "old", "old_log_probs", _routed(ctx))
 
 
 def values(ctx: Context, st: StepState) -> None:
@@ -190,7 +198,8 @@ def update(ctx: Context, st: StepState) -> None:
     """Actor: LR warm-up, then one optimizer step per mini-batch, ppo_epochs passes over the batch."""
     r, alg, actor = ctx.recipe, ctx.recipe.algorithm, ctx.actor
     cached = (["ref_log_probs"] if ctx.use_ref else []) + ([] if ctx.skip_old else ["old_log_probs"])
-    data = train_rows(ctx, actor, "update", ["prompt_ids", "response_ids", "advantages", "rollout_log_probs"], cached)
+    data = train_rows(ctx, actor, "update", ["prompt_ids", "response_ids", "advantages", "rollout_log_probs",
+                                             *_routed(ctx)], cached)
     kl_coef = getattr(ctx.kl_ctl, "value", alg.kl_coef)
     if r.trainer.warmup_steps:
         actor.set_lr(r.trainer.lr * min(1.0, (ctx.step + 1) / r.trainer.warmup_steps))

@@ -56,6 +56,11 @@ class Worker:
     def pid(self) -> int:
         return os.getpid()
 
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
     def _timeout(self) -> timedelta:
         return timedelta(seconds=max(60.0, self.recipe.trainer.dock_timeout_s))
 

@@ -159,6 +159,11 @@ class RayDock(DockClient):
         # write is taken back and redone at the right warehouse). One warehouse: nothing to learn.
         self._wh_of: dict[int, int] = {}
 
+    @property
+    def warehouse_nodes(self) -> list[str]:
+        """The Ray node id of each warehouse (one per node)."""
+        return list(self._node_ids)
+
     def __getstate__(self):
         d = dict(self.__dict__)
         d["_owner"] = False   # only the creator kills the actors

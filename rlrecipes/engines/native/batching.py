@@ -66,6 +66,13 @@ def padded_micro_batch(batch: SeqBatch, pad_id: int) -> dict:
         mb[c] = v.float()[:, None].expand(-1, R)  # [b, R]
     for c, rows in batch.per_token.items():
         mb[c] = pad_rows(rows, R)  # [b, R]
+    if batch.routed_experts is not None:  # [P_i + R_i, layers, k] -> aligned with input_ids [b, T]
+        P = mb["input_ids"].shape[1] - R
+        first = batch.routed_experts[0]
+        routed = torch.full((len(batch), P + R, *first.shape[1:]), -1, dtype=torch.int32)  # [b, T, layers, k]
+        for i, (p, x) in enumerate(zip(batch.prompts, batch.routed_experts)):
+            routed[i, P - p.numel():P - p.numel() + x.shape[0]] = x
+        mb["routed_experts"] = routed
     return mb
 
 

@@ -167,7 +167,18 @@ class NativeRolloutEngine(MeshRanks, base.RolloutEngine):
 
     @classmethod
     def create(cls, spec: base.EngineSpec) -> "NativeRolloutEngine":
-        return cls(spec.model, layout=(spec.tp, spec.ep), device=spec.device, seed=spec.seed, dtype=spec.dtype)
+        eng = cls(spec.model, layout=(spec.tp, spec.ep), device=spec.device, seed=spec.seed, dtype=spec.dtype)
+        if (spec.options or {}).get("routing_replay"):
+            eng.record_routing()
+        return eng
+
+    def record_routing(self) -> None:
+        """Record every token's routed experts (MoE routing replay); see ``routing.py``."""
+        from .routing import RoutingHooks
+
+        self.routing = RoutingHooks(self.model)
+        if not self.routing.layers:
+            raise ValueError("routing replay needs an MoE model (no top-k router found)")
 
     @property
     def weight_dtype(self) -> torch.dtype:
@@ -318,6 +329,9 @@ class NativeRolloutEngine(MeshRanks, base.RolloutEngine):
         has_eos = bool(eos.numel())
         t0 = time.perf_counter()
         prefill = self._prefill_fast if self._fast is not None else self._prefill_hf
+        routing = getattr(self, "routing", None)
+        if routing is not None:
+            routing.start_recording()
         logits, step = prefill(ids, pmask, pos, max_new_tokens)  # [B, V], step(tok [B], t) -> [B, V]
         steps = 0
         toks: list[torch.Tensor] = []
@@ -357,9 +371,15 @@ class NativeRolloutEngine(MeshRanks, base.RolloutEngine):
         responses = [row[:n] for row, n in zip(out_tok.unbind(0), n_of)]
         logps = [row[:n] for row, n in zip(out_lp.unbind(0), n_of)]
         gen = int(lengths.sum())
+        routed = None
+        if routing is not None:
+            from .routing import per_sample_routing
+
+            routed = per_sample_routing(routing.recorded(), [int(p.numel()) for p in prompts], P, n_of)
+            routing.stop()
         return RolloutOutput(responses, logps, {"rollout/tokens": gen, "rollout/seconds": dt,
                                                 "rollout/tokens_per_s": gen / max(dt, 1e-9),
-                                                "rollout/steps": steps})
+                                                "rollout/steps": steps}, routed)
 
 
 __all__ = ["NativeRolloutEngine", "left_pad", "sample_next"]

@@ -137,9 +137,20 @@ class NativeTrainEngine(MeshRanks, base.TrainEngine):
         if spec.pp != 1:
             raise ValueError(f"{spec.role}: the native engine has no pipeline parallelism (PP{spec.pp})")
         klass = NativeValueEngine if spec.role == "critic" else cls
-        return klass(spec.model, role=spec.role, layout=(spec.tp, spec.ep), device=spec.device, lr=spec.lr,
-                     weight_decay=spec.weight_decay, grad_clip=spec.grad_clip, seed=spec.seed, dtype=spec.dtype,
-                     micro_batch_size=spec.micro_batch_size, pad_token_id=spec.options.get("pad_token_id", 0))
+        eng = klass(spec.model, role=spec.role, layout=(spec.tp, spec.ep), device=spec.device, lr=spec.lr,
+                    weight_decay=spec.weight_decay, grad_clip=spec.grad_clip, seed=spec.seed, dtype=spec.dtype,
+                    micro_batch_size=spec.micro_batch_size, pad_token_id=spec.options.get("pad_token_id", 0))
+        if spec.options.get("routing_replay") and spec.role == "actor":
+            eng.replay_routing()
+        return eng
+
+    def replay_routing(self) -> None:
+        """Route each token to the experts the rollout recorded when a batch carries them (R3)."""
+        from .routing import RoutingHooks
+
+        self.routing = RoutingHooks(self.model)
+        if not self.routing.layers:
+            raise ValueError("routing replay needs an MoE model (no top-k router found)")
 
     # ----------------------------------------------------------------------------- layout
     def model_parallel_group(self):
@@ -172,8 +183,15 @@ class NativeTrainEngine(MeshRanks, base.TrainEngine):
         if not 0 < R < T:
             raise ValueError(f"response length R={R} must be in (0, T={T})")
         position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_(min=0)  # [b, T]
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         use_cache=False, logits_to_keep=R + 1)
+        routing = getattr(self, "routing", None)
+        if routing is not None and "routed_experts" in mb:
+            routing.start_replay(mb["routed_experts"])  # the rollout's experts for every recorded token
+        try:
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             use_cache=False, logits_to_keep=R + 1)
+        finally:
+            if routing is not None:
+                routing.stop()
         logits = out.logits[:, :-1]  # [b, R, V]: positions T-R-1 .. T-2 predict the response slots
         return self._head_output(logits, input_ids[:, T - R:], temperature, with_entropy)
 
