@@ -1,12 +1,9 @@
 """Native engines on one process (a 1-rank gloo group in-process; no spawned processes)."""
 from __future__ import annotations
 
-import os
-import socket
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from rlrecipes.engines.native import parallel as par
 from rlrecipes.engines.native.loader import build_model, check_hf_folder
@@ -14,18 +11,7 @@ from rlrecipes.engines.native.rollout import NativeRolloutEngine, left_pad, samp
 from rlrecipes.models import SMOKE
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_rank_group():
-    if dist.is_initialized():
-        yield
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("one_rank_group")  # tests/conftest.py
 
 
 def _prompts(seed=0, lens=(3, 7, 5)):

@@ -1,11 +1,8 @@
 """MoE rollout routing replay (R3): the actor's training forward routes every recorded token to
 exactly the experts the rollout used, even where the trainer's router would choose others."""
-import os
-import socket
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from rlrecipes.engines.base import SamplingParams, SeqBatch
 from rlrecipes.engines.native.batching import padded_micro_batch
@@ -15,18 +12,7 @@ from rlrecipes.engines.native.train import NativeTrainEngine
 from rlrecipes.models import SMOKE
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_rank_group():
-    if dist.is_initialized():
-        yield
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("one_rank_group")  # tests/conftest.py
 
 
 def test_per_sample_assembly_by_hand():

@@ -174,11 +174,9 @@ class NativeRolloutEngine(MeshRanks, base.RolloutEngine):
 
     def record_routing(self) -> None:
         """Record every token's routed experts (MoE routing replay); see ``routing.py``."""
-        from .routing import RoutingHooks
+        from .routing import attach
 
-        self.routing = RoutingHooks(self.model)
-        if not self.routing.layers:
-            raise ValueError("routing replay needs an MoE model (no top-k router found)")
+        self.routing = attach(self.model)
 
     @property
     def weight_dtype(self) -> torch.dtype:

@@ -96,6 +96,14 @@ class RoutingHooks:
         self.replay = routed.reshape(-1, routed.shape[-2], routed.shape[-1])
 
 
+def attach(model: nn.Module) -> RoutingHooks:
+    """Hooks on ``model``'s routers; a model without any (dense) is an error."""
+    hooks = RoutingHooks(model)
+    if not hooks.layers:
+        raise ValueError(f"routing replay needs an MoE model; {type(model).__name__} has no top-k router")
+    return hooks
+
+
 def per_sample_routing(records: list[list[torch.Tensor]], prompt_lens: list[int], padded_prompt_len: int,
                        response_lens: list[int]) -> list[torch.Tensor]:
     """Assemble the sampler's records into ``[p_i + r_i, layers, k]`` per sample.

@@ -146,11 +146,9 @@ class NativeTrainEngine(MeshRanks, base.TrainEngine):
 
     def replay_routing(self) -> None:
         """Route each token to the experts the rollout recorded when a batch carries them (R3)."""
-        from .routing import RoutingHooks
+        from .routing import attach
 
-        self.routing = RoutingHooks(self.model)
-        if not self.routing.layers:
-            raise ValueError("routing replay needs an MoE model (no top-k router found)")
+        self.routing = attach(self.model)
 
     # ----------------------------------------------------------------------------- layout
     def model_parallel_group(self):
