@@ -54,8 +54,12 @@ def run_one(recipe: str, steps: int, out: Path) -> dict:
 def rollout_vs_generate(recipe: str) -> dict:
     import torch
 
-    from rlrecipes.engines.native.rollout import bench_vs_generate
     from rlrecipes.recipe import load_recipe
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from rollout_vs_generate import bench_vs_generate, ensure_process_group
+
+    ensure_process_group("cpu")
 
     r = load_recipe(recipe, smoke=True)
     torch.set_num_threads(1)
