@@ -75,6 +75,8 @@ def metrics_row(ctx: Context, st: StepState, gathered: list[dict], step_s: float
         "perf/tokens": tokens,
         "perf/tps_per_card": tps_per_card(tokens, step_s, cards),
         **{f"timing_s/{k}": round(v, 4) for k, v in stages.items()},
+        **{f"compute_s/{k}": round(max(g["compute"].get(k, 0.0) for g in gathered), 4)
+           for k in COMPUTE_STAGES if any(k in g["compute"] for g in gathered)},
         "timing_s/step": round(step_s, 4),
         "perf/dispatch_skew_s": round(dispatch_skew(g["starts"] for g in gathered), 4),
         "perf/overhead_share": round(max(0.0, 1.0 - compute / step_s), 4) if step_s > 0 else 0.0,
