@@ -85,10 +85,13 @@ def rules_table() -> str:
     return "\n".join(f"| {kind} | {', '.join(sorted(mods))} |" for kind, mods in sorted(by_kind.items()))
 
 
+#: the dimension TP splits for each kind (replicated and expert tensors are not split over TP)
+TP_DIM_OF_KIND = {"column": 0, "vocab": 0, "row": 1}
+
+
 def tp_dim_of(name: str) -> int | None:
     """Dimension TP splits for this parameter name (0, 1) or None (replicated / expert)."""
-    kind = kind_of(name)
-    return {"column": 0, "vocab": 0, "row": 1}.get(kind)
+    return TP_DIM_OF_KIND.get(kind_of(name))
 
 
 def layer_of(name: str) -> int | None:
@@ -155,7 +158,7 @@ def _family_params(d: ModelDims) -> list[tuple[str, tuple[int, ...], int, str]]:
 
 def _make_spec(name: str, shape: tuple[int, ...], pp_layers, unit: int = 1, unit_name: str = "rows") -> ParamSpec:
     kind = kind_of(name)
-    tp_dim = {"column": 0, "vocab": 0, "row": 1}.get(kind)
+    tp_dim = TP_DIM_OF_KIND.get(kind)
     expert_dim = 0 if kind == "expert" else None
     split = expert_dim if kind == "expert" else tp_dim
     if split is not None and split >= len(shape):

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from rlrecipes.models.sharding import kind_of
+from rlrecipes.models.sharding import kind_of, tp_dim_of
 
 # ---------------------------------------------------------------------------------------------
 # Name -> sharding rule: derived from the model families' one table (rlrecipes/models/families).
@@ -50,17 +50,12 @@ def param_rule(name: str) -> str:
 
 
 def tp_dim(name: str) -> int | None:
-    """The dimension TP splits for this parameter (None: not split over TP)."""
-    rule = param_rule(name)
-    if rule in ("col", "vocab"):
-        return 0
-    if rule == "row":
-        return 1 if not name.endswith(".bias") else None  # row-parallel bias is replicated
-    return None
+    """The dimension TP splits for this parameter (None: not split over TP; a row bias is replicated)."""
+    return tp_dim_of(name)
 
 
 def is_expert(name: str) -> bool:
-    return param_rule(name) == "expert"
+    return kind_of(name) == "expert"
 
 
 def tp_partial_grad(name: str) -> bool:

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from ... import device as devmod
 from .. import base
-from rlrecipes.models.sharding import checkpoint_items
+from rlrecipes.models.sharding import TP_DIM_OF_KIND, checkpoint_items, kind_of
 
 from . import CAPABILITIES
 
@@ -80,7 +80,12 @@ class VllmRolloutEngine(base.RolloutEngine):
         else:  # ModelDims of a smoke model
             folder, load_format = _write_smoke_folder(model, torch_name, self.rank), "dummy"
             hf_cfg = None
-        self.dims = model if hf_cfg is None else None
+        if hf_cfg is None:
+            self.dims = model
+        else:
+            from rlrecipes.models import dims_from_hf_config
+
+            self.dims = dims_from_hf_config(hf_cfg)  # is_mla decides the vllm-ascend settings
         kwargs = dict(model=folder, dtype=torch_name, seed=int(seed), load_format=load_format,
                       skip_tokenizer_init=True, tensor_parallel_size=self.tp, enable_prefix_caching=True)
         if self.ep > 1:
@@ -115,7 +120,7 @@ class VllmRolloutEngine(base.RolloutEngine):
 
             version = inference.vllm_ascend_version or installed_vllm_ascend_version()
             if version:
-                rendered = render(inference, version, is_mla=bool(getattr(self.dims, "is_mla", False)))
+                rendered = render(inference, version, is_mla=self.dims.is_mla)
                 kw.update(rendered.engine_kwargs)
                 kw["additional_config"] = rendered.additional_config
                 os.environ.update(rendered.env)
@@ -178,21 +183,12 @@ class VllmRolloutEngine(base.RolloutEngine):
         return base.RolloutOutput(responses, log_probs)
 
     # ------------------------------------------------------------------ weights
-    def _kind_of(self, name: str) -> str:
-        from rlrecipes.models.sharding import kind_of
-
-        return kind_of(name)
-
     def _full(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """This rank's ROLLOUT-layout shard -> the checkpoint-shaped tensor vLLM's loaders slice."""
         if self._tp_group is None:
             return t
-        kind = self._kind_of(name)
-        dim = {"column": 0, "vocab": 0, "row": 1}.get(kind)
-        if kind == "row" and name.endswith(".bias"):
-            dim = None
-        if kind == "expert" and self.ep > 1:
-            dim = 0
+        kind = kind_of(name)  # a row-parallel bias is "replicated"
+        dim = 0 if kind == "expert" and self.ep > 1 else TP_DIM_OF_KIND.get(kind)
         if dim is None:
             return t
         t = t.contiguous()
