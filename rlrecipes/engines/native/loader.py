@@ -1,20 +1,34 @@
 """Build HF causal LMs from smoke dimensions or local HF folders, and export HF folders.
 
 Only local folders with ``config.json`` and ``*.safetensors`` are loaded (never a hub download,
-never a pickle): ``from_pretrained(folder, local_files_only=True, use_safetensors=True)``.
+never a pickle). Two ways in:
+
+* :func:`build_model` - the whole model on CPU (smoke dimensions, random init; tests and the
+  rollout engine's small models);
+* :func:`build_empty` + :func:`materialize` - the train engines' way at real size: the model is
+  built on the meta device, sharded (TP/EP/FSDP2) while still empty, then every rank allocates only
+  its shards and reads exactly those boxes from the safetensors files
+  (:class:`rlrecipes.models.safetensors_io.SafetensorsFolder`). No rank ever holds the whole model.
+
+:func:`export_hf_sharded` writes an HF folder from a sharded model one file-sized group of
+parameters at a time, so the writer never holds more than one file.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from pathlib import Path
 from typing import Union
 
+from typing import Callable, Iterable
+
 import torch
 import torch.nn as nn
 
 from rlrecipes.models import ModelDims, dims_from_hf_config, hf_config
+from rlrecipes.models.safetensors_io import CheckpointError, SafetensorsFolder
 
 ModelSource = Union[ModelDims, str, os.PathLike]
 
@@ -42,8 +56,8 @@ def build_model(source: ModelSource, *, dtype: torch.dtype = torch.float32, seed
                 attn_implementation: str = "sdpa") -> tuple[nn.Module, ModelDims]:
     """An HF causal LM on CPU, full (unsharded): from ``ModelDims`` (random init, seeded) or a folder.
 
-    Returns ``(model, dims)``. Every rank builds the same full model (same seed) before sharding;
-    fine for smoke and small models, a meta-device init is the way for very large ones.
+    Returns ``(model, dims)``. Every rank that calls it holds the full model: fine for smoke and
+    small models; the train engines load folders with :func:`build_empty` + :func:`materialize`.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -59,6 +73,77 @@ def build_model(source: ModelSource, *, dtype: torch.dtype = torch.float32, seed
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True, use_safetensors=True,
                                                  attn_implementation=attn_implementation)
     return model, dims_from_hf_config(model.config)
+
+
+def build_empty(folder: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
+                attn_implementation: str = "sdpa") -> tuple[nn.Module, ModelDims]:
+    """The HF model of a local folder on the meta device (no storage), and its dimensions."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = check_hf_folder(folder)
+    cfg = AutoConfig.from_pretrained(path, local_files_only=True)
+    cfg._attn_implementation = attn_implementation
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=attn_implementation)
+    return model, dims_from_hf_config(cfg)
+
+
+def _fresh_buffers(model: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
+    """Non-persistent buffers (rotary ``inv_freq``) are not in any checkpoint: rebuild the modules that
+    own them on CPU from their config (they are tiny) and keep the values."""
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for fqn, mod in model.named_modules():
+        names = [n for n in mod._non_persistent_buffers_set if mod._buffers.get(n) is not None]
+        if not names:
+            continue
+        cfg = getattr(mod, "config", None)
+        if cfg is None:
+            raise NotImplementedError(f"{fqn} ({type(mod).__name__}) has non-persistent buffers {names} and no config "
+                                      "to rebuild them from after a meta-device build")
+        with torch.device("cpu"):
+            fresh = type(mod)(cfg)
+        out[fqn] = {n: fresh._buffers[n].detach().clone() for n in names}
+    return out
+
+
+def materialize(model: nn.Module, device: torch.device, folder: str | os.PathLike, *,
+                local_box: Callable[[torch.Tensor], list[tuple[int, int]]],
+                named_tensors: Iterable[tuple[str, torch.Tensor]] | None = None,
+                init_missing: Callable[[str, tuple[int, ...]], torch.Tensor | None] | None = None) -> None:
+    """Allocate a meta-built (and already sharded) model on ``device`` and fill every rank's shards.
+
+    ``local_box(t)`` gives the ``(start, stop)`` per dimension of ``t``'s local shard in global
+    coordinates; each box is read straight from the safetensors files. ``init_missing(name, shape)``
+    returns the full initial value of a parameter the checkpoint does not hold (a critic's value head)
+    or None. A tied LM head reads the embedding.
+    """
+    reader = SafetensorsFolder(check_hf_folder(folder))
+    buffers = _fresh_buffers(model)
+    tied_to = "model.embed_tokens.weight" if getattr(model.config, "tie_word_embeddings", False) else None
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for fqn, values in buffers.items():
+            mod = model.get_submodule(fqn)
+            for n, v in values.items():
+                mod._buffers[n] = v.to(device)
+        seen: set[int] = set()
+        for name, t in (named_tensors if named_tensors is not None else model.named_parameters()):
+            if id(t) in seen:  # a tied parameter, already filled under its first name
+                continue
+            seen.add(id(t))
+            local = t.to_local() if hasattr(t, "to_local") else t
+            box = local_box(t)
+            if not math.prod(b - a for a, b in box):
+                continue
+            full = init_missing(name, tuple(t.shape)) if init_missing is not None else None
+            if full is not None:
+                value = full[tuple(slice(a, b) for a, b in box)]
+            else:
+                try:
+                    value = reader.read_param(name, tuple(t.shape), box, dtype=local.dtype, tied_to=tied_to)
+                except CheckpointError as e:
+                    raise CheckpointError(f"loading {name}: {e}") from None
+            local.copy_(value)
 
 
 def source_folder(source: ModelSource) -> Path | None:
@@ -120,5 +205,5 @@ def read_config_json(folder: str | os.PathLike) -> dict:
         return json.load(f)
 
 
-__all__ = ["ModelSource", "build_model", "check_hf_folder", "load_tokenizer", "read_config_json",
+__all__ = ["ModelSource", "build_empty", "build_model", "check_hf_folder", "materialize", "load_tokenizer", "read_config_json",
            "save_hf_folder", "source_folder"]

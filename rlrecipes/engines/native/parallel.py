@@ -346,7 +346,7 @@ def _decoder_layers(model: nn.Module) -> list[nn.Module]:
 # ---------------------------------------------------------------------------------------------
 # Shards, full tensors, grad norm
 # ---------------------------------------------------------------------------------------------
-def _named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """Parameters (tied ones under every name) and persistent buffers, with HF names."""
     seen = set()
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -373,14 +373,28 @@ def train_layout_shard(t: torch.Tensor) -> torch.Tensor:
 def local_shards(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter/persistent buffer of this rank in the train layout (see conventions)."""
     with torch.no_grad():
-        return {name: train_layout_shard(t) for name, t in _named_tensors(model)}
+        return {name: train_layout_shard(t) for name, t in named_tensors(model)}
+
+
+def local_box(t: torch.Tensor) -> list[tuple[int, int]]:
+    """``(start, stop)`` per dimension of this rank's local shard of ``t`` in global coordinates.
+
+    Every placement the engine creates (TP ``Shard``, EP ``Shard(0)``, FSDP2's ``Shard(0)`` and its
+    strided form when FSDP and TP split the same dimension) leaves each rank one contiguous box.
+    """
+    if not isinstance(t, DTensor):
+        return [(0, int(n)) for n in t.shape]
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return [(int(o), int(o) + int(n)) for o, n in zip(offset, shape)]
 
 
 def full_state_dict(model: nn.Module, *, keep: bool = True) -> dict[str, torch.Tensor]:
     """The unsharded tensors (collective on every rank; ``keep=False`` drops them, e.g. off rank 0)."""
     out = {}
     with torch.no_grad():
-        for name, t in _named_tensors(model):
+        for name, t in named_tensors(model):
             full = t.full_tensor() if isinstance(t, DTensor) else t.detach()
             if keep:
                 out[name] = full.cpu().clone()
@@ -454,6 +468,7 @@ def convention_slice(full: torch.Tensor, name: str, tp: int, tp_rank: int, ep: i
 
 
 __all__ = ["EPExperts", "MeshInfo", "allreduce_tp_partial_grads", "build_mesh", "convention_slice",
-           "copy_shard_", "full_state_dict", "global_grad_norm", "is_expert", "local_shards",
+           "copy_shard_", "full_state_dict", "global_grad_norm", "is_expert", "local_box", "local_shards",
+           "named_tensors",
            "param_rule", "parallelize", "scale_grads_", "tp_dim", "tp_partial_grad", "tp_plan",
            "train_layout_shard"]

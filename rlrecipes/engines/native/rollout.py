@@ -190,7 +190,7 @@ class NativeRolloutEngine(MeshRanks, base.RolloutEngine):
 
     # ----------------------------------------------------------------------------- weights
     def _tensors(self) -> dict[str, torch.Tensor]:
-        return dict(par._named_tensors(self.model))
+        return dict(par.named_tensors(self.model))
 
     def shard_shapes(self) -> dict[str, tuple[int, ...]]:
         """Local (rollout-layout) shape of every parameter / persistent buffer on this rank."""

@@ -38,7 +38,8 @@ from rlrecipes.engines.base import LossFn, SeqBatch
 from rlrecipes.engines.native import CAPABILITIES
 from rlrecipes.engines.native import parallel as par
 from rlrecipes.engines.native.batching import MeshRanks, micro_batches, pad_sequences
-from rlrecipes.engines.native.loader import ModelSource, build_model, save_hf_folder, source_folder
+from rlrecipes.engines.native.loader import (ModelSource, build_empty, build_model, materialize, save_hf_folder,
+                                             source_folder)
 
 
 def resolve_device(device: torch.device | str | None) -> torch.device:
@@ -93,7 +94,9 @@ class NativeTrainEngine(MeshRanks, base.TrainEngine):
                  device: torch.device | str | None = None, lr: float = 1e-6, weight_decay: float = 0.0,
                  grad_clip: float = 1.0, seed: int = 0, dtype: str | torch.dtype = "auto",
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, fsdp: bool | None = None,
-                 attn_implementation: str = "sdpa", micro_batch_size: int = 4, pad_token_id: int = 0):
+                 attn_implementation: str = "sdpa", micro_batch_size: int = 4, pad_token_id: int = 0,
+                 max_tokens_per_micro_batch: int | None = None, recompute: bool = False,
+                 offload_optimizer: bool = False):
         if role not in ("actor", "ref", "critic"):
             raise ValueError(f"role={role!r}: expected 'actor', 'ref' or 'critic'")
         layout = tuple(layout)
@@ -105,18 +108,29 @@ class NativeTrainEngine(MeshRanks, base.TrainEngine):
         devmod.set_device(self.device)
         torch.manual_seed(seed)
         param_dtype = torch.float32 if self.trainable else self.compute_dtype
-        hf_model, self.dims = build_model(model, dtype=param_dtype, seed=seed,
-                                          attn_implementation=attn_implementation)
         self._source_folder = source_folder(model)
-        hf_model = self._adapt_model(hf_model)
-        hf_model.to(self.device)
+        if self._source_folder is None:  # smoke dimensions: a tiny model, built whole and seeded
+            hf_model, self.dims = build_model(model, dtype=param_dtype, seed=seed,
+                                              attn_implementation=attn_implementation)
+            hf_model = self._adapt_model(hf_model).to(self.device)
+        else:  # a real checkpoint: empty (meta) build, sharded, then each rank reads only its boxes
+            hf_model, self.dims = build_empty(self._source_folder, dtype=param_dtype,
+                                              attn_implementation=attn_implementation)
+            hf_model = self._adapt_model(hf_model)
         low_precision = self.compute_dtype != param_dtype
         self.fsdp = bool(fsdp) if fsdp is not None else (self.mesh.dp > 1 or low_precision)
         if low_precision and not self.fsdp:
             raise ValueError("mixed precision training needs FSDP2 (fsdp=True) in the native engine")
+        if recompute:
+            # per decoder layer, non-reentrant (composes with FSDP2's all-gather hooks)
+            hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.recompute = bool(recompute)
         self.model = par.parallelize(hf_model, self.mesh, fsdp=self.fsdp,
                                      mp_dtype=self.compute_dtype if low_precision else None,
                                      replicate_head=role == "critic")
+        if self._source_folder is not None:
+            materialize(self.model, self.device, self._source_folder, local_box=par.local_box,
+                        named_tensors=par.named_tensors(self.model), init_missing=self._init_missing)
         self.config = self.model.config
         self.optimizer = None
         if self.trainable:
@@ -139,7 +153,10 @@ class NativeTrainEngine(MeshRanks, base.TrainEngine):
         klass = NativeValueEngine if spec.role == "critic" else cls
         eng = klass(spec.model, role=spec.role, layout=(spec.tp, spec.ep), device=spec.device, lr=spec.lr,
                     weight_decay=spec.weight_decay, grad_clip=spec.grad_clip, seed=spec.seed, dtype=spec.dtype,
-                    micro_batch_size=spec.micro_batch_size, pad_token_id=spec.options.get("pad_token_id", 0))
+                    micro_batch_size=spec.micro_batch_size, pad_token_id=spec.options.get("pad_token_id", 0),
+                    max_tokens_per_micro_batch=spec.max_tokens_per_micro_batch,
+                    recompute=spec.recompute if spec.role != "ref" else False,
+                    offload_optimizer=spec.offload_optimizer)
         if spec.options.get("routing_replay") and spec.role == "actor":
             eng.replay_routing()
         return eng
@@ -164,8 +181,12 @@ class NativeTrainEngine(MeshRanks, base.TrainEngine):
 
     # ----------------------------------------------------------------------------- model hooks
     def _adapt_model(self, model: nn.Module) -> nn.Module:
-        """Subclasses swap heads here (before sharding)."""
+        """Subclasses swap heads here (before sharding; ``model`` may be on the meta device)."""
         return model
+
+    def _init_missing(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
+        """Full initial value of a parameter a checkpoint does not hold (None: it must be there)."""
+        return None
 
     def _head_output(self, logits: torch.Tensor, targets: torch.Tensor, temperature: float,
                      with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -412,14 +433,23 @@ class NativeValueEngine(NativeTrainEngine):
 
     def _adapt_model(self, model: nn.Module) -> nn.Module:
         hidden = model.config.hidden_size
-        torch.manual_seed(self.seed)
-        head = nn.Linear(hidden, 1, bias=True, dtype=model.lm_head.weight.dtype)
-        nn.init.normal_(head.weight, std=1.0 / math.sqrt(hidden))
-        nn.init.zeros_(head.bias)
+        g = torch.Generator().manual_seed(self.seed)
+        dtype = model.lm_head.weight.dtype
+        # the initial head, kept whole (H + 1 numbers) so a meta-built model fills its shards from it
+        self._head_init = {"lm_head.weight": torch.randn(1, hidden, generator=g).mul_(hidden ** -0.5).to(dtype),
+                           "lm_head.bias": torch.zeros(1, dtype=dtype)}
+        head = nn.Linear(hidden, 1, bias=True, dtype=dtype, device=model.lm_head.weight.device)
+        if head.weight.device.type != "meta":
+            with torch.no_grad():
+                head.weight.copy_(self._head_init["lm_head.weight"])
+                head.bias.zero_()
         model.config.tie_word_embeddings = False
         model.lm_head = head
         model.config.critic_head = True
         return model
+
+    def _init_missing(self, name, shape):
+        return self._head_init.get(name)
 
     def _head_output(self, logits, targets, temperature, with_entropy):
         return logits[..., 0].float(), None  # [b, R]
