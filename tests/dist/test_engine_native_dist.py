@@ -6,14 +6,11 @@ to a file so the parent reports them (the reference model is built unsharded ins
 from __future__ import annotations
 
 import os
-import socket
-import tempfile
-import traceback
-from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+
+from dist_harness import run_ranks
 
 pytestmark = pytest.mark.dist
 
@@ -21,12 +18,6 @@ WORLD = 2
 # Adam's eps is raised so that fp32 reduction-order noise in near-zero grads is not amplified
 # into lr-sized update differences (update = lr * g / (sqrt(v) + eps)).
 EPS = 1e-4
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _batch(vocab: int, seed: int, B: int = 4, P: int = 6, R: int = 5) -> dict:
@@ -236,32 +227,12 @@ def case_rollout_ckpt(rank, tmp):
 
 
 # ------------------------------------------------------------------------------------- harness
-def _worker(rank, port, case, outdir):
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RLRECIPES_DEVICE="cpu")
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    err = ""
-    try:
-        if case == "tp":
-            case_tp(rank)
-        elif case == "dp":
-            case_dp(rank)
-        elif case == "rollout_ckpt":
-            case_rollout_ckpt(rank, outdir)
-    except Exception:  # noqa: BLE001 - reported by the parent
-        err = traceback.format_exc()
-    Path(outdir, f"rank{rank}.err").write_text(err)
-    dist.destroy_process_group()
+def _run(rank, tmp, case):
+    {"tp": case_tp, "dp": case_dp}[case](rank) if case != "rollout_ckpt" else case_rollout_ckpt(rank, tmp)
 
 
 def _spawn(case):
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(_free_port(), case, tmp), nprocs=WORLD, join=True)
-        errs = [Path(tmp, f"rank{r}.err").read_text() for r in range(WORLD)]
-    bad = [f"rank {r}:\n{e}" for r, e in enumerate(errs) if e]
-    assert not bad, "\n".join(bad)
+    run_ranks(_run, WORLD, case)
 
 
 def test_train_tp2_and_ep2_match_single_process():

@@ -160,44 +160,89 @@ def load_tokenizer(folder: str | os.PathLike):
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
-def save_hf_folder(state_dict: dict[str, torch.Tensor], config, folder: str | os.PathLike, *,
-                   tokenizer_from: str | os.PathLike | None = None, dtype: torch.dtype | None = None) -> Path:
-    """Write ``model.safetensors`` + ``config.json`` (+ tokenizer files copied from ``tokenizer_from``).
+class HFFolderWriter:
+    """Writes an HF folder tensor by tensor: a group is flushed to its own safetensors file once it
+    reaches ``max_shard_bytes``, so the writer holds at most one file's worth of tensors.
 
-    ``state_dict`` holds full tensors with HF (transformers v5) names; a tied ``lm_head.weight`` is
-    dropped, as ``save_pretrained`` does. Fused MoE experts are written with per-expert keys
+    Names are transformers v5 in-memory names; fused MoE experts are written with per-expert keys
     (``mlp.experts.<e>.gate_proj.weight`` ...), the format of published checkpoints that transformers,
-    vLLM and other converters read. The result loads with ``AutoModelForCausalLM.from_pretrained``.
+    vLLM and other converters read, and a tied ``lm_head.weight`` is dropped as ``save_pretrained``
+    does. One file is ``model.safetensors``; more are ``model-0000i-of-0000N.safetensors`` with a
+    ``model.safetensors.index.json``. Files are written under temporary names and renamed at
+    :meth:`close`, so a crash never leaves a folder that looks complete.
     """
-    from safetensors.torch import save_file
 
-    from rlrecipes.models.sharding import checkpoint_items
+    def __init__(self, folder: str | os.PathLike, config, *, dtype: torch.dtype | None = None,
+                 max_shard_bytes: int = 4 << 30):
+        self.out = Path(folder)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.config, self.dtype, self.max_bytes = config, dtype, int(max_shard_bytes)
+        self.tied = bool(getattr(config, "tie_word_embeddings", False))
+        self.pending: dict[str, torch.Tensor] = {}
+        self.pending_bytes = 0
+        self.files: list[tuple[Path, list[str]]] = []
+        self.total_bytes = 0
 
-    out = Path(folder)
-    out.mkdir(parents=True, exist_ok=True)
-    tied = bool(getattr(config, "tie_word_embeddings", False))
-    tensors = {}
-    for name, t in state_dict.items():
-        if tied and name == "lm_head.weight":
-            continue
+    def add(self, name: str, t: torch.Tensor) -> None:
+        from rlrecipes.models.sharding import checkpoint_items
+
+        if self.tied and name == "lm_head.weight":
+            return
         t = t.detach().cpu()
-        if dtype is not None and t.is_floating_point() and "e_score_correction_bias" not in name:
-            t = t.to(dtype)
+        if self.dtype is not None and t.is_floating_point() and "e_score_correction_bias" not in name:
+            t = t.to(self.dtype)
         for key, part in checkpoint_items(name, t):
-            tensors[key] = part.contiguous()
-    tmp = out / "model.safetensors.tmp"
-    save_file(tensors, str(tmp), metadata={"format": "pt"})
-    os.replace(tmp, out / "model.safetensors")  # never leave a half-written weights file
-    config = config.__class__.from_dict(config.to_dict())
-    if dtype is not None:
-        config.dtype = dtype
-    config.save_pretrained(out)
-    if tokenizer_from is not None:
-        for f in _TOKENIZER_FILES:
-            src = Path(tokenizer_from) / f
-            if src.is_file():
-                shutil.copyfile(src, out / f)
-    return out
+            part = part.contiguous()
+            self.pending[key] = part
+            self.pending_bytes += part.numel() * part.element_size()
+        if self.pending_bytes >= self.max_bytes:
+            self._flush()
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        if not self.pending:
+            return
+        tmp = self.out / f".model-{len(self.files):05d}.safetensors.tmp"
+        save_file(self.pending, str(tmp), metadata={"format": "pt"})
+        self.files.append((tmp, list(self.pending)))
+        self.total_bytes += self.pending_bytes
+        self.pending, self.pending_bytes = {}, 0
+
+    def close(self, *, tokenizer_from: str | os.PathLike | None = None) -> Path:
+        self._flush()
+        for old in list(self.out.glob("model*.safetensors")) + list(self.out.glob("model.safetensors.index.json")):
+            old.unlink()  # an earlier export in the same folder
+        n = len(self.files)
+        weight_map = {}
+        for i, (tmp, keys) in enumerate(self.files):
+            final = self.out / ("model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors")
+            os.replace(tmp, final)
+            weight_map.update({k: final.name for k in keys})
+        if n > 1:
+            index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+            (self.out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        config = self.config.__class__.from_dict(self.config.to_dict())
+        if self.dtype is not None:
+            config.dtype = self.dtype
+        config.save_pretrained(self.out)
+        if tokenizer_from is not None:
+            for f in _TOKENIZER_FILES:
+                src = Path(tokenizer_from) / f
+                if src.is_file():
+                    shutil.copyfile(src, self.out / f)
+        return self.out
+
+
+def save_hf_folder(state_dict: dict[str, torch.Tensor], config, folder: str | os.PathLike, *,
+                   tokenizer_from: str | os.PathLike | None = None, dtype: torch.dtype | None = None,
+                   max_shard_bytes: int = 4 << 30) -> Path:
+    """Write full tensors with HF (transformers v5) names as an HF folder (see :class:`HFFolderWriter`);
+    the result loads with ``AutoModelForCausalLM.from_pretrained``."""
+    w = HFFolderWriter(folder, config, dtype=dtype, max_shard_bytes=max_shard_bytes)
+    for name, t in state_dict.items():
+        w.add(name, t)
+    return w.close(tokenizer_from=tokenizer_from)
 
 
 def read_config_json(folder: str | os.PathLike) -> dict:
@@ -205,5 +250,5 @@ def read_config_json(folder: str | os.PathLike) -> dict:
         return json.load(f)
 
 
-__all__ = ["ModelSource", "build_empty", "build_model", "check_hf_folder", "materialize", "load_tokenizer", "read_config_json",
+__all__ = ["HFFolderWriter", "ModelSource", "build_empty", "build_model", "check_hf_folder", "materialize", "load_tokenizer", "read_config_json",
            "save_hf_folder", "source_folder"]

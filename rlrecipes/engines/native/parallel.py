@@ -240,8 +240,12 @@ def _check_divisible(config, tp: int) -> None:
         raise ValueError(f"tp={tp} does not divide num_key_value_heads={kv}; choose tp | {kv}")
 
 
-def tp_plan(model: nn.Module) -> dict[str, object]:
-    """The DTensor TP plan (exact module FQN -> ParallelStyle) derived from parameter names."""
+def tp_plan(model: nn.Module, *, vocab_parallel_head: bool = False) -> dict[str, object]:
+    """The DTensor TP plan (exact module FQN -> ParallelStyle) derived from parameter names.
+
+    ``vocab_parallel_head``: ``lm_head`` returns each rank's vocabulary shard of the logits
+    ``[b, t, V / tp]`` (for vocab-parallel log-probs) instead of gathering ``[b, t, V]`` everywhere.
+    """
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     plan: dict[str, object] = {}
@@ -252,20 +256,23 @@ def tp_plan(model: nn.Module) -> dict[str, object]:
         if rule == "vocab":
             plan[fqn] = RowwiseParallel(input_layouts=Replicate())
         elif rule == "col":
-            # lm_head gathers the vocab shards: logits come out replicated, [b, t, V].
-            plan[fqn] = ColwiseParallel(output_layouts=Replicate()) if fqn == "lm_head" else ColwiseParallel()
+            if fqn == "lm_head" and not vocab_parallel_head:  # gather the vocab shards: [b, t, V] everywhere
+                plan[fqn] = ColwiseParallel(output_layouts=Replicate())
+            else:
+                plan[fqn] = ColwiseParallel()
         elif rule == "row":
             plan[fqn] = RowwiseParallel()
     return plan
 
 
 def parallelize(model: nn.Module, mesh: MeshInfo, *, fsdp: bool, mp_dtype: torch.dtype | None = None,
-                replicate_head: bool = False) -> nn.Module:
+                replicate_head: bool = False, vocab_parallel_head: bool = False) -> nn.Module:
     """TP (DTensor plans over ``mesh.tp_mesh``), EP (``EPExperts`` over ``mesh.ep_mesh``), then FSDP2.
 
     ``fsdp``: wrap every decoder layer and the root with ``fully_shard`` over ``mesh.dp_mesh``;
     ``mp_dtype``: FSDP2 mixed precision compute dtype (params stay in their own dtype as masters);
-    ``replicate_head``: keep ``lm_head`` replicated (a critic's ``Linear(hidden, 1)`` value head).
+    ``replicate_head``: keep ``lm_head`` replicated (a critic's ``Linear(hidden, 1)`` value head);
+    ``vocab_parallel_head``: under TP, ``lm_head`` returns local vocabulary shards (see :func:`tp_plan`).
     """
     from torch.distributed.tensor.parallel import parallelize_module
 
@@ -273,7 +280,7 @@ def parallelize(model: nn.Module, mesh: MeshInfo, *, fsdp: bool, mp_dtype: torch
     tied = bool(getattr(cfg, "tie_word_embeddings", False)) and hasattr(model, "lm_head")
     if mesh.tp > 1:
         _check_divisible(cfg, mesh.tp)
-        plan = tp_plan(model)
+        plan = tp_plan(model, vocab_parallel_head=vocab_parallel_head)
         if tied or replicate_head:
             plan.pop("lm_head", None)
         tied = tied and not replicate_head
@@ -282,7 +289,7 @@ def parallelize(model: nn.Module, mesh: MeshInfo, *, fsdp: bool, mp_dtype: torch
         if tied:
             # the embedding is vocab-parallel Shard(0): the same DTensor serves as a column-parallel head
             model.lm_head.weight = model.get_input_embeddings().weight
-            _attach_colwise_hooks(model.lm_head, mesh.tp_mesh)
+            _attach_colwise_hooks(model.lm_head, mesh.tp_mesh, gather=not vocab_parallel_head)
     if mesh.ep > 1:
         for fqn, mod in list(model.named_modules()):
             if fqn.endswith("mlp.experts") and hasattr(mod, "gate_up_proj"):
@@ -319,8 +326,9 @@ def _mla_rope_key_grad_hooks(model: nn.Module, tp_group) -> None:
             mod.register_forward_hook(hook)
 
 
-def _attach_colwise_hooks(lm_head: nn.Module, tp_mesh: DeviceMesh) -> None:
-    """Input Replicate -> DTensor and output Shard(-1) -> Replicate for a head sharing the embedding."""
+def _attach_colwise_hooks(lm_head: nn.Module, tp_mesh: DeviceMesh, *, gather: bool = True) -> None:
+    """Input Replicate -> DTensor and output Shard(-1) -> Replicate (``gather``) or the local vocabulary
+    shard, for a head sharing the embedding."""
 
     def pre(_m, args):
         x = args[0]
@@ -329,7 +337,9 @@ def _attach_colwise_hooks(lm_head: nn.Module, tp_mesh: DeviceMesh) -> None:
         return (x,) + tuple(args[1:])
 
     def post(_m, _args, out):
-        return out.redistribute(tp_mesh, [Replicate()]).to_local() if isinstance(out, DTensor) else out
+        if not isinstance(out, DTensor):
+            return out
+        return out.redistribute(tp_mesh, [Replicate()]).to_local() if gather else out.to_local()
 
     lm_head.register_forward_pre_hook(pre)
     lm_head.register_forward_hook(post)

@@ -31,14 +31,14 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from rlrecipes import device as devmod
-from rlrecipes.algos.logprobs import logprobs_and_entropy
+from rlrecipes.algos.logprobs import logprobs_and_entropy, vocab_parallel_logprobs_and_entropy
 from rlrecipes.core.swap import SwappedStorages
 from rlrecipes.engines import base
 from rlrecipes.engines.base import LossFn, SeqBatch
 from rlrecipes.engines.native import CAPABILITIES
 from rlrecipes.engines.native import parallel as par
 from rlrecipes.engines.native.batching import MeshRanks, micro_batches, pad_sequences
-from rlrecipes.engines.native.loader import (ModelSource, build_empty, build_model, materialize, save_hf_folder,
+from rlrecipes.engines.native.loader import (HFFolderWriter, ModelSource, build_empty, build_model, materialize,
                                              source_folder)
 
 
@@ -125,9 +125,14 @@ class NativeTrainEngine(MeshRanks, base.TrainEngine):
             # per decoder layer, non-reentrant (composes with FSDP2's all-gather hooks)
             hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.recompute = bool(recompute)
+        # under TP the actor's head keeps its vocabulary shard: log-probs are vocab-parallel, no rank
+        # ever holds [tokens, V] logits
+        self._vocab_parallel = self.mesh.tp > 1 and role != "critic"
         self.model = par.parallelize(hf_model, self.mesh, fsdp=self.fsdp,
                                      mp_dtype=self.compute_dtype if low_precision else None,
-                                     replicate_head=role == "critic")
+                                     replicate_head=role == "critic", vocab_parallel_head=self._vocab_parallel)
+        if self._vocab_parallel:
+            self._vocab_start = self.mesh.tp_rank * -(-self.dims.vocab_size // self.mesh.tp)
         if self._source_folder is not None:
             materialize(self.model, self.device, self._source_folder, local_box=par.local_box,
                         named_tensors=par.named_tensors(self.model), init_missing=self._init_missing)
@@ -190,6 +195,10 @@ class NativeTrainEngine(MeshRanks, base.TrainEngine):
 
     def _head_output(self, logits: torch.Tensor, targets: torch.Tensor, temperature: float,
                      with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self._vocab_parallel:  # logits: this rank's vocabulary shard [b, R, V / tp]
+            return vocab_parallel_logprobs_and_entropy(logits, targets, vocab_start=self._vocab_start,
+                                                       group=self.mesh.tp_mesh.get_group(),
+                                                       temperature=temperature, with_entropy=with_entropy)
         # chunked: no full fp32 [b, R, V] log-softmax (GBs per micro-batch at a 152k vocabulary)
         return logprobs_and_entropy(logits, targets, temperature=temperature, with_entropy=with_entropy)
 
@@ -331,12 +340,22 @@ class NativeTrainEngine(MeshRanks, base.TrainEngine):
         """Unsharded tensors on every rank (collective; small models and tests)."""
         return par.full_state_dict(self.model)
 
-    def export_hf(self, folder: str | os.PathLike, *, dtype: torch.dtype | None = None) -> Path:
-        """Write the full model as an HF folder (rank 0 writes after a gather; all ranks call)."""
-        rank = dist.get_rank()
-        sd = par.full_state_dict(self.model, keep=rank == 0)
-        if rank == 0:
-            save_hf_folder(sd, self.config, folder, tokenizer_from=self._source_folder, dtype=dtype)
+    def export_hf(self, folder: str | os.PathLike, *, dtype: torch.dtype | None = None,
+                  max_shard_bytes: int = 4 << 30) -> Path:
+        """Write the model as an HF folder, one parameter gathered at a time (all ranks call; rank 0
+        writes, flushing a file every ``max_shard_bytes``): no rank ever holds the whole model."""
+        from torch.distributed.tensor import DTensor
+
+        writer = HFFolderWriter(folder, self.config, dtype=dtype, max_shard_bytes=max_shard_bytes) \
+            if dist.get_rank() == 0 else None
+        with torch.no_grad():
+            for name, t in par.named_tensors(self.model):
+                full = t.full_tensor() if isinstance(t, DTensor) else t.detach()
+                if writer is not None:
+                    writer.add(name, full)
+                del full
+        if writer is not None:
+            writer.close(tokenizer_from=self._source_folder)
         dist.barrier()
         return Path(folder)
 
