@@ -146,6 +146,14 @@ def host_rss_bytes() -> int:
 
 
 def host_peak_rss_bytes() -> int:
+    """Peak resident set size since start or the last :func:`reset_peak_memory` on CPU (Linux ``VmHWM``)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:  # pragma: no cover - non-Linux
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
@@ -161,10 +169,17 @@ def memory_stats(device: torch.device) -> MemoryStats:
 
 
 def reset_peak_memory(device: torch.device) -> None:
+    """Restart peak tracking; on CPU the process's RSS high-water mark (Linux ``/proc/self/clear_refs``)."""
     if device.type == "npu":
         torch.npu.reset_peak_memory_stats(device)
     elif device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    else:
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:  # pragma: no cover - non-Linux: the peak stays since process start
+            pass
 
 
 def pin_memory_ok(device: torch.device) -> bool:

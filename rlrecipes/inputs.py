@@ -96,8 +96,11 @@ def run_inputs(recipe: Recipe, *, run_dir: Path, resume: Optional[Path]) -> list
         if tok and not problems:
             hint = ("; set model.tokenizer to the folder of the model's tokenizer" if not m.tokenizer else "")
             problems += tokenizer_folder(tok, "model.tokenizer" if m.tokenizer else "model.path", hint)
-    elif m.tokenizer:
-        problems += tokenizer_folder(m.tokenizer, "model.tokenizer")
+    else:
+        if m.path:
+            problems += model_folder(m.path, "model.path")
+        if m.tokenizer:
+            problems += tokenizer_folder(m.tokenizer, "model.tokenizer")
     for i, f in enumerate(recipe.data.train_files):
         problems += data_file(resolve_path(recipe, f), f"data.train_files[{i}]")
     from .loggers import missing as missing_loggers

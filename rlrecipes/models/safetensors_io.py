@@ -96,13 +96,19 @@ class SafetensorsFolder:
         except KeyError:
             raise CheckpointError(f"{self.folder}: no tensor {key!r} in the checkpoint") from None
 
-    def read(self, key: str, box: Box | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The box of tensor ``key`` (whole tensor when ``box`` is None), as a new CPU tensor."""
+    def read(self, key: str, box: Box | None = None, dtype: torch.dtype | None = None, *,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+        """The box of tensor ``key`` (whole tensor when ``box`` is None): into ``out`` (any device and
+        dtype, the box's shape) or a new CPU tensor. Rows are converted chunk by chunk straight into
+        the destination, so no second copy of the box is ever made."""
         e = self._entry(key)
         box = full_box(e.shape) if box is None else [(int(a), int(b)) for a, b in box]
         if len(box) != len(e.shape) or any(not 0 <= a <= b <= n for (a, b), n in zip(box, e.shape)):
             raise CheckpointError(f"{self.folder}: {key}: box {box} outside the stored shape {e.shape}")
-        out = torch.empty(box_shape(box), dtype=dtype or e.dtype)
+        if out is None:
+            out = torch.empty(box_shape(box), dtype=dtype or e.dtype)
+        elif tuple(out.shape) != box_shape(box):
+            raise CheckpointError(f"{self.folder}: {key}: box {box} does not match the destination {tuple(out.shape)}")
         if out.numel() == 0:
             return out
         if not e.shape:  # a scalar
@@ -139,7 +145,8 @@ class SafetensorsFolder:
 
     # ------------------------------------------------------------------ model names
     def read_param(self, name: str, shape: Sequence[int], box: Box | None = None, *,
-                   dtype: torch.dtype | None = None, tied_to: str | None = None) -> torch.Tensor:
+                   dtype: torch.dtype | None = None, tied_to: str | None = None,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
         """Box of the model parameter ``name`` (global shape ``shape``) from the checkpoint.
 
         A fused expert tensor is assembled from the per-expert keys when the file stores those;
@@ -153,12 +160,12 @@ class SafetensorsFolder:
             else:
                 parts = self._expert_parts(name, shape)
                 if parts is not None:
-                    return self._read_experts(name, box, parts, dtype)
+                    return self._read_experts(name, box, parts, dtype, out)
         stored = self.shape(name)
         if stored != shape:
             raise CheckpointError(f"{self.folder}: {name}: checkpoint shape {stored}, the model expects {shape} "
                                   "(does config.json match the weights?)")
-        return self.read(name, box, dtype)
+        return self.read(name, box, dtype, out=out)
 
     def _expert_parts(self, name: str, shape: tuple[int, ...]) -> list[list[tuple[str, tuple[int, ...]]]] | None:
         """Per expert ``e``: the checkpoint keys (and shapes) whose rows, stacked, make ``name[e]``."""
@@ -170,9 +177,10 @@ class SafetensorsFolder:
             parts[fused_expert_key(key)[1]].append((key, tuple(piece.shape)))
         return parts
 
-    def _read_experts(self, name: str, box: Box, parts, dtype) -> torch.Tensor:
+    def _read_experts(self, name: str, box: Box, parts, dtype, out=None) -> torch.Tensor:
         (e0, e1), (r0, r1), (c0, c1) = box
-        out = torch.empty(box_shape(box), dtype=dtype or torch.float32)
+        if out is None:
+            out = torch.empty(box_shape(box), dtype=dtype or torch.float32)
         for e in range(e0, e1):
             base = 0
             for key, want in parts[e]:
@@ -184,7 +192,7 @@ class SafetensorsFolder:
                                           f"expects {want}")
                 a, b = max(r0, base), min(r1, base + want[0])
                 if a < b:
-                    out[e - e0, a - r0:b - r0].copy_(self.read(key, [(a - base, b - base), (c0, c1)], out.dtype))
+                    self.read(key, [(a - base, b - base), (c0, c1)], out=out[e - e0, a - r0:b - r0])
                 base += want[0]
         return out
 

@@ -51,7 +51,8 @@ class ModelConfig(_Strict):
     path: Optional[str] = None
     """Local HF folder (config.json + safetensors + tokenizer). Never a hub id: nothing is downloaded."""
     smoke: Optional[SmokeDims] = None
-    """Build a tiny randomly initialised model of the family from config instead of loading `path`."""
+    """Build a tiny randomly initialised model of the family from config instead of loading `path`
+    (with both set, `path` is loaded and the smoke task and tokenizer are kept)."""
     tokenizer: Optional[str] = None
     """Local tokenizer folder; defaults to `path`, or the bundled character tokenizer for smoke runs."""
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
@@ -74,7 +75,7 @@ class ModelConfig(_Strict):
 
     def dims(self) -> ModelDims:
         """Dimensions of the model this recipe trains (smoke dims, or the pinned real preset)."""
-        if self.smoke is not None:
+        if self.smoke is not None and not self.path:  # smoke + path: the smoke task on the folder's model
             return smoke_dims(self.family, **self.smoke.model_dump(exclude_none=True))
         if self.preset is not None:
             return PRESETS[self.preset]
@@ -274,9 +275,11 @@ class ActorConfig(_Strict):
     grad_clip: float = Field(1.0, ge=0)
     """Global gradient-norm clip."""
     offload_optimizer: bool = False
-    """Keep optimizer state on host during training (megatron swap-optimizer); the planner counts it off-device."""
+    """Keep Adam state on the host between optimizer steps (native: swapped in for each step; megatron:
+    swap-optimizer); the planner counts it off-device."""
     recompute: bool = True
-    """Activation recomputation (megatron engine; the planner's activation estimate uses it)."""
+    """Activation recomputation per decoder layer (native: activation checkpointing; megatron: full
+    recompute); the planner's activation estimate uses it."""
 
 
 class RefConfig(_Strict):
@@ -376,7 +379,11 @@ class TrainerConfig(_Strict):
     mini_batch: int = Field(32, ge=1)
     """Prompts per optimizer step; global_batch / mini_batch optimizer steps per rollout batch."""
     micro_batch: int = Field(4, ge=1)
-    """Samples per forward/backward on one DP rank (gradient accumulation)."""
+    """Samples per forward/backward on one DP rank (gradient accumulation), when no token budget is set."""
+    max_tokens_per_micro_batch: Optional[int] = Field(None, ge=1)
+    """Dynamic batching: pack unpadded samples into micro-batches of at most this many prompt + response
+    tokens (replaces micro_batch; null: fixed micro_batch samples, padded). At least
+    data.max_prompt_length + rollout.sampling.max_new_tokens."""
     lr: float = Field(1e-6, gt=0)
     """Actor AdamW learning rate."""
     warmup_steps: int = Field(0, ge=0)
@@ -431,6 +438,12 @@ class Recipe(_Strict):
                              f"{self.algorithm.name} set algorithm.use_kl_loss=true instead")
         if self.algorithm.name != "ppo" and self.algorithm.adv_estimator == "gae":
             raise ValueError(f"algorithm.adv_estimator=gae needs a critic: set algorithm.name=ppo (got {self.algorithm.name})")
+        budget, longest = self.trainer.max_tokens_per_micro_batch, \
+            self.data.max_prompt_length + self.rollout.sampling.max_new_tokens
+        if budget is not None and budget < longest:
+            raise ValueError(f"trainer.max_tokens_per_micro_batch={budget} is below the longest sample, "
+                             f"data.max_prompt_length + rollout.sampling.max_new_tokens = {longest}; "
+                             f"set it to at least {longest} (or null for fixed micro_batch samples)")
         return self
 
     # convenience -------------------------------------------------------------------------------

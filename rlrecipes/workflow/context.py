@@ -98,10 +98,12 @@ def load_data(ctx: Context) -> None:
 
 def _spec(ctx: Context, role: str, layout, **kw) -> EngineSpec:
     r = ctx.recipe
-    return EngineSpec(model=r.model.dims() if r.model.smoke is not None else r.model.path, role=role,
+    # a folder wins over smoke dimensions: `--smoke model.path=<folder>` runs the smoke task on those weights
+    return EngineSpec(model=r.model.path or r.model.dims(), role=role,
                       tp=layout.tp, pp=layout.pp, ep=layout.ep, pp_layers=getattr(layout, "pp_layers", None),
                       device=ctx.device, dtype=r.model.dtype, seed=r.trainer.seed,
                       micro_batch_size=r.trainer.micro_batch,
+                      max_tokens_per_micro_batch=r.trainer.max_tokens_per_micro_batch,
                       options={"pad_token_id": ctx.pad_id, **kw.pop("options", {})}, **kw)
 
 

@@ -60,6 +60,9 @@ def _run_dir(recipe: Recipe, out: Optional[Path], resume: Optional[Path], smoke:
 def _absolute_data(recipe: Recipe) -> Recipe:
     r = recipe.model_copy(deep=True)
     r.data.train_files = [str(resolve_path(recipe, f).resolve()) for f in recipe.data.train_files]
+    for key in ("path", "tokenizer"):  # model folders: as given on the command line, from the cwd
+        if getattr(r.model, key):
+            setattr(r.model, key, str(Path(os.path.expanduser(getattr(r.model, key))).resolve()))
     return r
 
 

@@ -1,10 +1,20 @@
-"""Padded micro-batches of the native engines, formed from an engine-neutral :class:`SeqBatch`.
+"""Micro-batches of the native engines, formed from an engine-neutral :class:`SeqBatch`.
 
-One micro-batch maps ``input_ids [b, T]`` (left-padded prompt, then right-padded response),
-``attention_mask [b, T]``, ``response_mask [b, R]`` and every column of the batch padded to
-``[b, R]`` (per-sample columns broadcast over the response). Every DP rank builds the same number
-of micro-batches: a rank with fewer samples adds zero-weight micro-batches (``response_mask`` all
-zero), so FSDP's collectives stay in step.
+Two forms, one contract for the loss closure (``response_mask [b, R]`` and every column of the
+batch padded to ``[b, R]``, per-sample columns broadcast over the response; ``sample_index`` lists
+the batch rows a micro-batch holds):
+
+* **padded** (:func:`micro_batches`): a fixed count of samples per micro-batch,
+  ``input_ids [b, T]`` = left-padded prompt then right-padded response, ``attention_mask [b, T]``;
+* **packed** (:func:`packed_micro_batches`, dynamic batching): samples are grouped by a token budget
+  (first-fit decreasing over prompt + response lengths) and concatenated without padding into one
+  row, ``input_ids [1, N]`` with ``position_ids [1, N]`` restarting at 0 for every sample (the
+  attention is block-diagonal: transformers reads sequence boundaries off ``position_ids``),
+  ``logit_index [M]`` = the positions whose logits predict the ``M`` response tokens
+  ``targets [M]``, and ``unpack_rows / unpack_cols [M]`` = where each lands in ``[b, R]``.
+
+Every DP rank builds the same number of micro-batches: a rank with fewer adds zero-weight
+micro-batches (``response_mask`` all zero), so FSDP's collectives stay in step.
 """
 from __future__ import annotations
 
@@ -59,13 +69,17 @@ def pad_sequences(prompts: Sequence[torch.Tensor], responses: Sequence[torch.Ten
     return {"input_ids": ids, "attention_mask": attn, "response_mask": rmask}
 
 
-def padded_micro_batch(batch: SeqBatch, pad_id: int) -> dict:
-    mb = pad_sequences(batch.prompts, batch.responses, pad_id)
-    R = mb["response_mask"].shape[1]
+def _columns(mb: dict, batch: SeqBatch, R: int) -> None:
     for c, v in batch.per_sample.items():
         mb[c] = v.float()[:, None].expand(-1, R)  # [b, R]
     for c, rows in batch.per_token.items():
         mb[c] = pad_rows(rows, R)  # [b, R]
+
+
+def padded_micro_batch(batch: SeqBatch, pad_id: int) -> dict:
+    mb = pad_sequences(batch.prompts, batch.responses, pad_id)
+    R = mb["response_mask"].shape[1]
+    _columns(mb, batch, R)
     if batch.routed_experts is not None:  # [P_i + R_i, layers, k] -> aligned with input_ids [b, T]
         P = mb["input_ids"].shape[1] - R
         first = batch.routed_experts[0]
@@ -84,15 +98,125 @@ def _empty_micro_batch(batch: SeqBatch, pad_id: int) -> dict:
     return mb
 
 
-def micro_batches(batch: SeqBatch, size: int, pad_id: int, *, collective: bool = True) -> list[dict]:
-    """Consecutive groups of ``size`` samples; the count is the max over all ranks (collective)."""
-    n = math.ceil(len(batch) / size) if len(batch) else 0
-    if collective and dist.is_initialized() and dist.get_world_size() > 1:
+def _same_count(n: int) -> int:
+    """The max of ``n`` over all ranks (every rank must run as many micro-batches)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
         t = torch.tensor([n])
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         n = int(t)
+    return n
+
+
+def micro_batches(batch: SeqBatch, size: int, pad_id: int, *, collective: bool = True) -> list[dict]:
+    """Consecutive groups of ``size`` samples; the count is the max over all ranks (collective)."""
+    n = math.ceil(len(batch) / size) if len(batch) else 0
+    if collective:
+        n = _same_count(n)
     out = []
     for k in range(n):
         idx = list(range(k * size, min(len(batch), (k + 1) * size)))
-        out.append(padded_micro_batch(batch.subset(idx), pad_id) if idx else _empty_micro_batch(batch, pad_id))
+        mb = padded_micro_batch(batch.subset(idx), pad_id) if idx else _empty_micro_batch(batch, pad_id)
+        mb["sample_index"] = idx
+        out.append(mb)
+    return out
+
+
+def token_bins(lengths: Sequence[int], budget: int) -> list[list[int]]:
+    """First-fit decreasing: groups of indices whose lengths sum to at most ``budget`` (a longer item
+    gets a group of its own); indices inside a group are in ascending order."""
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        n = lengths[i]
+        for b, r in enumerate(room):
+            if n <= r:
+                bins[b].append(i)
+                room[b] -= n
+                break
+        else:
+            bins.append([i])
+            room.append(budget - n)
+    return [sorted(b) for b in bins]
+
+
+def packed_micro_batch(batch: SeqBatch, pad_id: int = 0, row_tokens: int | None = None) -> dict:
+    """The samples of ``batch`` concatenated without padding (see the module docstring).
+
+    ``row_tokens=None``: one row ``[1, N]`` (the layout for varlen attention kernels). Otherwise the
+    samples are laid first-fit into rows of at most ``row_tokens`` tokens (a longer sample alone)
+    and the rows padded to the longest, ``[rows, L]``: attention without a varlen kernel costs
+    ``O(row length^2)``, so short rows keep a dense block-diagonal mask cheap. Row padding is a
+    block of its own (its positions restart at 0) whose logits are never read.
+    ``logit_index [U]`` are the columns the head is evaluated at (the union over rows) and
+    ``keep_rows / keep_cols [M]`` pick each response token's logits out of ``[rows, U, V]``.
+    """
+    lengths = [int(p.numel()) + int(x.numel()) for p, x in zip(batch.prompts, batch.responses)]
+    rows_of = token_bins(lengths, row_tokens) if row_tokens else [list(range(len(batch)))]
+    L = max(sum(lengths[i] for i in r) for r in rows_of)
+    ids = torch.full((len(rows_of), L), pad_id, dtype=torch.long)
+    pos = torch.zeros((len(rows_of), L), dtype=torch.long)
+    routed = None
+    if batch.routed_experts is not None:
+        shape = batch.routed_experts[0].shape[1:]
+        routed = torch.full((len(rows_of), L, *shape), -1, dtype=torch.int32)  # [rows, L, layers, k]
+    keep_r, keep_c, targets, unpack_r, unpack_c = [], [], [], [], []
+    for r, members in enumerate(rows_of):
+        offset = 0
+        for i in members:
+            p, x = batch.prompts[i], batch.responses[i]
+            P, R = int(p.numel()), int(x.numel())
+            ids[r, offset:offset + P], ids[r, offset + P:offset + P + R] = p, x
+            pos[r, offset:offset + P + R] = torch.arange(P + R)
+            if routed is not None:  # the last token was never fed back to the rollout: it keeps -1
+                rec = batch.routed_experts[i][:P + R]
+                routed[r, offset:offset + rec.shape[0]] = rec
+            keep_r.append(torch.full((R,), r, dtype=torch.long))
+            keep_c.append(torch.arange(offset + P - 1, offset + P + R - 1))  # logits that predict x
+            targets.append(x.long())
+            unpack_r.append(torch.full((R,), i, dtype=torch.long))
+            unpack_c.append(torch.arange(R))
+            offset += P + R
+        pos[r, offset:] = torch.arange(L - offset)  # row padding: a block of its own
+    cols = torch.cat(keep_c)
+    union = torch.unique(cols)  # sorted
+    R = max(max(int(x.numel()) for x in batch.responses), 1)
+    lens = torch.tensor([int(x.numel()) for x in batch.responses])
+    mb = {"input_ids": ids, "position_ids": pos,  # [rows, L]
+          "logit_index": union, "keep_rows": torch.cat(keep_r), "keep_cols": torch.searchsorted(union, cols),
+          "targets": torch.cat(targets),  # [M]
+          "unpack_rows": torch.cat(unpack_r), "unpack_cols": torch.cat(unpack_c),  # [M]
+          "response_mask": (torch.arange(R)[None, :] < lens[:, None]).float()}  # [b, R]
+    _columns(mb, batch, R)
+    if routed is not None:
+        mb["routed_experts"] = routed
+    return mb
+
+
+def _empty_packed(batch: SeqBatch, pad_id: int) -> dict:
+    one = torch.tensor([pad_id])
+    sub = SeqBatch(prompts=[one], responses=[one], per_sample={c: torch.zeros(1) for c in batch.per_sample},
+                   per_token={c: [torch.zeros(1)] for c in batch.per_token})
+    mb = packed_micro_batch(sub, pad_id)
+    mb["response_mask"].zero_()
+    return mb
+
+
+def packed_micro_batches(batch: SeqBatch, max_tokens: int, pad_id: int, *, collective: bool = True,
+                         varlen: bool = False) -> list[dict]:
+    """Micro-batches of at most ``max_tokens`` prompt + response tokens each (a longer sample alone);
+    the count is the max over all ranks (collective). ``varlen``: the attention kernel takes packed
+    rows natively, so each micro-batch is one row; otherwise rows are as long as its longest sample."""
+    lengths = [int(p.numel()) + int(x.numel()) for p, x in zip(batch.prompts, batch.responses)]
+    bins = token_bins(lengths, int(max_tokens)) if len(batch) else []
+    n = _same_count(len(bins)) if collective else len(bins)
+    out = []
+    for k in range(n):
+        idx = bins[k] if k < len(bins) else []
+        if idx:
+            row = None if varlen else max(lengths[i] for i in idx)
+            mb = packed_micro_batch(batch.subset(idx), pad_id, row)
+        else:
+            mb = _empty_packed(batch, pad_id)
+        mb["sample_index"] = idx
+        out.append(mb)
     return out

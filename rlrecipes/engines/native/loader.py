@@ -137,13 +137,12 @@ def materialize(model: nn.Module, device: torch.device, folder: str | os.PathLik
                 continue
             full = init_missing(name, tuple(t.shape)) if init_missing is not None else None
             if full is not None:
-                value = full[tuple(slice(a, b) for a, b in box)]
-            else:
-                try:
-                    value = reader.read_param(name, tuple(t.shape), box, dtype=local.dtype, tied_to=tied_to)
-                except CheckpointError as e:
-                    raise CheckpointError(f"loading {name}: {e}") from None
-            local.copy_(value)
+                local.copy_(full[tuple(slice(a, b) for a, b in box)])
+                continue
+            try:  # straight into the shard's storage, chunk by chunk
+                reader.read_param(name, tuple(t.shape), box, tied_to=tied_to, out=local)
+            except CheckpointError as e:
+                raise CheckpointError(f"loading {name}: {e}") from None
 
 
 def source_folder(source: ModelSource) -> Path | None:

@@ -37,7 +37,7 @@ from rlrecipes.engines import base
 from rlrecipes.engines.base import LossFn, SeqBatch
 from rlrecipes.engines.native import CAPABILITIES
 from rlrecipes.engines.native import parallel as par
-from rlrecipes.engines.native.batching import MeshRanks, micro_batches, pad_sequences
+from rlrecipes.engines.native.batching import MeshRanks, micro_batches, packed_micro_batches
 from rlrecipes.engines.native.loader import (HFFolderWriter, ModelSource, build_empty, build_model, materialize,
                                              source_folder)
 
@@ -123,7 +123,10 @@ class NativeTrainEngine(MeshRanks, base.TrainEngine):
             raise ValueError("mixed precision training needs FSDP2 (fsdp=True) in the native engine")
         if recompute:
             # per decoder layer, non-reentrant (composes with FSDP2's all-gather hooks)
-            hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            if hasattr(hf_model, "activation_checkpointing_enable"):  # transformers >= 5.x
+                hf_model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.recompute = bool(recompute)
         # under TP the actor's head keeps its vocabulary shard: log-probs are vocab-parallel, no rank
         # ever holds [tokens, V] logits
@@ -149,6 +152,12 @@ class NativeTrainEngine(MeshRanks, base.TrainEngine):
         self.step = 0
         self._offloaded: list | None = None
         self.micro_batch_size, self.pad_token_id = int(micro_batch_size), int(pad_token_id)
+        self.max_tokens_per_micro_batch = int(max_tokens_per_micro_batch or 0)
+        # flash-attention kernels take one packed row natively; dense masks (sdpa, eager) want short rows
+        self._varlen_attention = attn_implementation.startswith("flash")
+        self.offload_optimizer = bool(offload_optimizer)
+        self._opt_parked: SwappedStorages | None = None
+        self._park_on_host_device = False  # tests: exercise the parking path where host is the device
 
     @classmethod
     def create(cls, spec: base.EngineSpec) -> "NativeTrainEngine":
@@ -204,6 +213,8 @@ class NativeTrainEngine(MeshRanks, base.TrainEngine):
 
     def _forward(self, mb: Mapping[str, Any], temperature: float = 1.0,
                  with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if "position_ids" in mb:
+            return self._forward_packed(mb, temperature, with_entropy)
         input_ids = mb["input_ids"].to(self.device)  # [b, T]
         attention_mask = mb["attention_mask"].to(self.device)  # [b, T]
         R = response_len_of(mb)
@@ -211,17 +222,45 @@ class NativeTrainEngine(MeshRanks, base.TrainEngine):
         if not 0 < R < T:
             raise ValueError(f"response length R={R} must be in (0, T={T})")
         position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_(min=0)  # [b, T]
+        logits = self._logits(mb, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                              logits_to_keep=R + 1)[:, :-1]  # [b, R, V]: positions T-R-1 .. T-2
+        return self._head_output(logits, input_ids[:, T - R:], temperature, with_entropy)
+
+    def _forward_packed(self, mb: Mapping[str, Any], temperature: float,
+                        with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Rows of concatenated samples (``batching.packed_micro_batch``): block-diagonal attention over
+        ``[rows, L]``, the head only at the response columns; the results are scattered back to the
+        closure's ``[b, R]`` layout (zeros at padding)."""
+        rows, cols = mb["unpack_rows"].to(self.device), mb["unpack_cols"].to(self.device)  # [M]
+        logits = self._logits(mb, input_ids=mb["input_ids"].to(self.device),
+                              position_ids=mb["position_ids"].to(self.device),
+                              logits_to_keep=mb["logit_index"].to(self.device))  # [rows, U, V]
+        logits = logits[mb["keep_rows"].to(self.device), mb["keep_cols"].to(self.device)][None]  # [1, M, V]
+        out, ent = self._head_output(logits, mb["targets"].to(self.device)[None], temperature, with_entropy)
+        shape = tuple(mb["response_mask"].shape)  # [b, R]
+
+        def unpack(t):
+            return torch.zeros(shape, dtype=t.dtype, device=t.device).index_put((rows, cols), t[0])
+
+        return unpack(out), (unpack(ent) if ent is not None else None)
+
+    def _logits(self, mb: Mapping[str, Any], **inputs) -> torch.Tensor:
         routing = getattr(self, "routing", None)
         if routing is not None and "routed_experts" in mb:
             routing.start_replay(mb["routed_experts"])  # the rollout's experts for every recorded token
         try:
-            out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                             use_cache=False, logits_to_keep=R + 1)
+            return self.model(use_cache=False, **inputs).logits
         finally:
             if routing is not None:
                 routing.stop()
-        logits = out.logits[:, :-1]  # [b, R, V]: positions T-R-1 .. T-2 predict the response slots
-        return self._head_output(logits, input_ids[:, T - R:], temperature, with_entropy)
+
+    def _micro_batches(self, batch: SeqBatch) -> list[dict]:
+        """Token-budget packed micro-batches when ``max_tokens_per_micro_batch`` is set, else padded
+        groups of ``micro_batch_size``; the same count on every rank."""
+        if self.max_tokens_per_micro_batch:
+            return packed_micro_batches(batch, self.max_tokens_per_micro_batch, self.pad_token_id,
+                                        varlen=self._varlen_attention)
+        return micro_batches(batch, self.micro_batch_size, self.pad_token_id)
 
     # ----------------------------------------------------------------------------- inference
     @torch.no_grad()
@@ -249,20 +288,29 @@ class NativeTrainEngine(MeshRanks, base.TrainEngine):
         """Interface forward: per-sample ``[R_i]`` log-probs (values for a critic) on the host."""
         if not len(batch):
             return [], ([] if with_entropy else None)
-        mb = pad_sequences(batch.prompts, batch.responses, self.pad_token_id)
-        out, ent = self.log_probs(mb, with_entropy=with_entropy, micro_batch_size=self.micro_batch_size)
-        lens = [int(r.numel()) for r in batch.responses]
-        cut = lambda t: [t[i, :n].detach().cpu() for i, n in enumerate(lens)]  # noqa: E731
-        return cut(out), (cut(ent) if ent is not None else None)
+        outs: list = [None] * len(batch)
+        ents: list = [None] * len(batch)
+        self.model.eval()
+        with torch.no_grad():
+            for mb in self._micro_batches(batch):
+                logp, ent = self._forward(mb, 1.0, with_entropy)
+                for j, i in enumerate(mb["sample_index"]):
+                    n = int(batch.responses[i].numel())
+                    outs[i] = logp[j, :n].detach().cpu()
+                    if ent is not None:
+                        ents[i] = ent[j, :n].detach().cpu()
+        if self.trainable:
+            self.model.train()
+        return outs, (ents if with_entropy else None)
 
     # ----------------------------------------------------------------------------- training
     def _params(self) -> list[torch.Tensor]:
         return [p for p in self.model.parameters() if p.requires_grad]
 
     def train_step(self, batch: SeqBatch, loss_fn: LossFn, *, with_entropy: bool = False) -> dict:
-        """Interface step: padded micro-batches of ``micro_batch_size`` samples (the same count on
-        every rank), the closure's losses summed (``loss_scale="sum"``, see the module docstring)."""
-        mbs = micro_batches(batch, self.micro_batch_size, self.pad_token_id)
+        """Interface step: packed or padded micro-batches (see :meth:`_micro_batches`), the closure's
+        losses summed (``loss_scale="sum"``, see the module docstring)."""
+        mbs = self._micro_batches(batch)
         if not mbs:
             return {f"{self.metric_prefix}/skipped_step": 1.0}
         return self.train_micro_batches(mbs, loss_fn, with_entropy=with_entropy, loss_scale="sum")
@@ -309,7 +357,9 @@ class NativeTrainEngine(MeshRanks, base.TrainEngine):
                 coef = self.grad_clip / (grad_norm.item() + 1e-6)
                 if coef < 1.0:
                     par.scale_grads_(params, coef)
+            self._unpark_optimizer()
             self.optimizer.step()
+            self._park_optimizer()
             self.step += 1
         self.optimizer.zero_grad(set_to_none=True)
         p = self.metric_prefix
@@ -362,6 +412,7 @@ class NativeTrainEngine(MeshRanks, base.TrainEngine):
     # ----------------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict:
         """Model (+ optimizer) state for ``torch.distributed.checkpoint`` (DTensor-sharded)."""
+        self._unpark_optimizer()
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
         if self.optimizer is not None:
@@ -428,6 +479,22 @@ class NativeTrainEngine(MeshRanks, base.TrainEngine):
             for state in self.optimizer.state.values():
                 tensors += [v for v in state.values() if torch.is_tensor(v)]
         self._offloaded = SwappedStorages(tensors, self.device)
+
+    def _park_optimizer(self) -> None:
+        """``actor.offload_optimizer``: the Adam state lives in host memory between optimizer steps
+        (storage-level swap, see :class:`SwappedStorages`); device memory holds it only during ``step``."""
+        if not self.offload_optimizer or self._opt_parked is not None or self.optimizer is None:
+            return
+        if not devmod.is_accelerator(self.device.type) and not self._park_on_host_device:
+            return
+        state = [v for st in self.optimizer.state.values() for v in st.values()
+                 if torch.is_tensor(v) and v.device.type == self.device.type and v.dim() > 0]
+        self._opt_parked = SwappedStorages(state, self.device)
+
+    def _unpark_optimizer(self) -> None:
+        if self._opt_parked is not None:
+            self._opt_parked.restore()
+            self._opt_parked = None
 
     def onload(self) -> None:
         """Bring back what ``offload()`` moved to host (no-op when nothing is offloaded)."""
