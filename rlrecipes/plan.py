@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
+from . import device as devmod
 from .engines.base import Capabilities
 from .engines.registry import BACKENDS, capabilities, problems
 from .models import ModelDims
@@ -56,11 +57,14 @@ class Memory:
     grads: float = 0.0
     optimizer: float = 0.0
     activations: float = 0.0
+    transient: float = 0.0
+    """Short-lived peaks on top of the rest: FSDP-gathered units and their gradients/reduce buffers,
+    optimizer-step temporaries (whichever phase peaks higher)."""
     kv_cache: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.weights + self.grads + self.optimizer + self.activations + self.kv_cache
+        return self.weights + self.grads + self.optimizer + self.activations + self.transient + self.kv_cache
 
     def gib(self) -> dict[str, float]:
         d = {k: round(v / GiB, 2) for k, v in asdict(self).items()}
@@ -194,6 +198,8 @@ def _layout_violations(role: RoleLayout, dims: ModelDims, world: int, caps: Capa
 
 
 def _train_memory(dims: ModelDims, role: RoleLayout, recipe: Recipe, dp: int) -> Memory:
+    if recipe.actor.engine == "native":
+        return _native_train_memory(dims, role, recipe, dp)
     pp_layers = role.pp_layers or _even_split(dims.num_layers, role.pp)
     if len(pp_layers) != role.pp or sum(pp_layers) != dims.num_layers:
         pp_layers = _even_split(dims.num_layers, role.pp)
@@ -218,6 +224,68 @@ def _train_memory(dims: ModelDims, role: RoleLayout, recipe: Recipe, dp: int) ->
         if m.total > worst.total:
             worst = m
     return worst
+
+
+def _micro_batch_tokens(recipe: Recipe) -> int:
+    """Tokens in one micro-batch: the token budget when packing, else micro_batch padded rows."""
+    seq = recipe.data.max_prompt_length + recipe.rollout.sampling.max_new_tokens
+    return recipe.trainer.max_tokens_per_micro_batch or recipe.trainer.micro_batch * seq
+
+
+def _native_train_memory(dims: ModelDims, role: RoleLayout, recipe: Recipe, dp: int) -> Memory:
+    """Per-device memory of the native engine (HF model, DTensor TP/EP, FSDP2 over DP), steady state.
+
+    FSDP2 keeps fp32 master weights, fp32 gradients and Adam's two moments sharded over DP (experts
+    over the ranks that share an expert shard). On top, for the worst phase of a step:
+
+    * backward: saved activations and the logits, beside the FSDP unit in flight (gathered in the
+      compute dtype, its unsharded gradient and the reduce-scatter input); a tied embedding stays
+      gathered in the root unit through backward and reduce-scatters at its very end;
+    * optimizer step: one fp32 temporary per parameter (the foreach ``sqrt`` of the second moment).
+
+    ``activations`` holds the saved activations and logits, ``transient`` the rest of the worst
+    phase. Checked against measurement by ``benchmarks/engine_memory.py``.
+    """
+    c = devmod.compute_bytes(recipe.resources.device, recipe.model.dtype)
+    tp, ep = role.tp, role.ep
+    expert_dp = max(1, dp * tp // ep)
+    embed = dims.vocab_size * dims.hidden_size / tp
+    layer_ne = max(dims.layer_params(i)[0] for i in range(dims.num_layers)) / tp
+    layer_e = max(dims.layer_params(i)[1] for i in range(dims.num_layers)) / ep
+    ne = sum(dims.layer_params(i)[0] for i in range(dims.num_layers)) / tp + \
+        embed * (1 if dims.tie_embeddings else 2) + dims.hidden_size
+    e = dims.expert_params() / ep
+    local = ne / dp + e / expert_dp  # this rank's shard of every parameter
+    m = Memory(weights=4 * local, grads=4 * local)
+    if not recipe.actor.offload_optimizer:
+        m.optimizer = 8 * local
+    tokens = _micro_batch_tokens(recipe)
+    width = dims.intermediate_size if not dims.is_moe else \
+        dims.moe_intermediate_size * (dims.experts_per_token + dims.num_shared_experts)
+    # per layer without recompute: ~10 hidden-sized tensors per token (replicated over TP: no
+    # sequence parallelism) and ~4 of the MLP width (split over TP); with recompute, each layer's
+    # input, plus one layer rebuilt during its backward
+    full_layer = tokens * c * (10 * dims.hidden_size + 4 * width / tp)
+    kept = tokens * c * dims.hidden_size
+    act = (kept * dims.num_layers + full_layer) if recipe.actor.recompute else full_layer * dims.num_layers
+    logits = tokens * dims.vocab_size / tp * (c + 4 + 4)  # compute-dtype logits, fp32 log-softmax, grad
+    m.activations = act + logits
+    # FSDP units: gathered params (c), unsharded grad (c), the fp32 reduce-scatter input (4; on CPU
+    # gloo reduces through one more buffer of that size, measured); two decoder layers in flight.
+    # Untied, the embedding and the head are units of their own, gathered only around their use.
+    # Tied, they sit in the root unit: gathered from forward through backward with the head's
+    # gradient, and at the end of backward the embedding's own gradient joins before the root
+    # reduce-scatters; the activations are gone by then.
+    reduce = 4 * (1 if devmod.is_accelerator(recipe.resources.device) else 2)
+    unit = 2 * c + reduce
+    phases = [2 * (layer_ne + layer_e) * unit]  # backward, beside the activations
+    if dims.tie_embeddings:
+        phases += [embed * 2 * c, embed * (3 * c + reduce) - m.activations]
+    else:
+        phases += [embed * unit]
+    phases.append(4 * local - m.activations)  # optimizer step: the foreach temporary, activations gone
+    m.transient = max(0.0, *phases)
+    return m
 
 
 def _rollout_memory(dims: ModelDims, role: RoleLayout, recipe: Recipe, device_bytes: float) -> Memory:

@@ -26,11 +26,11 @@ def render_plan(plan) -> None:
                   "-" if r.dp is None else str(r.dp), ",".join(map(str, r.pp_layers)) if r.pp_layers else "even")
     console.print(t)
     m = Table(title=f"estimated memory per device, GiB (device: {plan.device_memory_gb:g} GiB)")
-    for c in ("phase", "weights", "grads", "optimizer", "activations", "KV cache", "total"):
+    for c in ("phase", "weights", "grads", "optimizer", "activations", "transient", "KV cache", "total"):
         m.add_column(c, justify="right" if c != "phase" else "left")
     for phase, mem in (("train (actor)", plan.train_memory), ("rollout", plan.rollout_memory)):
         g = mem.gib()
-        m.add_row(phase, *(f"{g[k]:.2f}" for k in ("weights", "grads", "optimizer", "activations", "kv_cache", "total")))
+        m.add_row(phase, *(f"{g[k]:.2f}" for k in ("weights", "grads", "optimizer", "activations", "transient", "kv_cache", "total")))
     console.print(m)
     console.print(f"reshard traffic per device per step: [bold]{plan.reshard_bytes_per_device / 2**30:.2f} GiB[/] "
                   f"received at most ({plan.reshard_method}; full model in bf16: {plan.reshard_full_bytes / 2**30:.1f} GiB)")

@@ -74,19 +74,21 @@ class ModelConfig(_Strict):
         return self
 
     def dims(self) -> ModelDims:
-        """Dimensions of the model this recipe trains (smoke dims, or the pinned real preset)."""
-        if self.smoke is not None and not self.path:  # smoke + path: the smoke task on the folder's model
+        """Dimensions of the model this recipe trains: smoke dims; else the folder at ``path`` when it
+        is there (it is what gets trained, smoke task or not); else the pinned real ``preset`` (plan a
+        cluster run from a machine without the checkpoint)."""
+        if self.smoke is not None and not self.path:
             return smoke_dims(self.family, **self.smoke.model_dump(exclude_none=True))
-        if self.preset is not None:
-            return PRESETS[self.preset]
         from transformers import AutoConfig
 
         from ..models import dims_from_hf_config
 
-        if not self.path:
+        folder = Path(os.path.expanduser(self.path)) if self.path else None
+        if self.preset is not None and (folder is None or not (folder / "config.json").is_file()):
+            return PRESETS[self.preset]
+        if folder is None:
             raise RecipeError("model: set model.preset (a pinned real model), model.path (a local HF folder) "
                               "or model.smoke")
-        folder = Path(os.path.expanduser(self.path))
         if not (folder / "config.json").is_file():
             what = "does not exist" if not folder.exists() else ("is a file" if not folder.is_dir() else
                                                                   "has no config.json")

@@ -192,3 +192,21 @@ def test_unavailable_engine_refused_before_anything_starts(tmp_path, override, n
     assert needle in out.stderr, out.stderr
     assert not run.exists()  # nothing written, nothing placed
     assert time.time() - t0 < 60
+
+
+def test_smoke_task_on_a_model_folder_loads_sharded_and_learns(tmp_path):
+    """``model.path`` with ``--smoke``: the actor, reference and rollout load the folder (the train
+    engines through the meta build + per-rank sliced safetensors reads) and the reward rises."""
+    from rlrecipes.engines.native.loader import build_model, save_hf_folder
+    from rlrecipes.recipe import load_recipe
+
+    r = load_recipe("qwen25_7b", smoke=True)
+    model, _ = build_model(r.model.dims(), seed=r.trainer.seed + 1)  # not the built-in smoke weights
+    folder = save_hf_folder(model.state_dict(), model.config, tmp_path / "hf", max_shard_bytes=64 << 10)
+    assert len(list(folder.glob("model-*.safetensors"))) > 1  # a sharded checkpoint with an index
+    run = tmp_path / "run"
+    cli("run", "qwen25_7b", "--smoke", "--steps", "12", "--out", str(run), "--quiet", f"model.path={folder}")
+    reward = [row["reward/mean"] for row in metrics(run)]
+    assert len(reward) == 12
+    first, last = sum(reward[:4]) / 4, sum(reward[-4:]) / 4
+    assert last > first + 0.03, reward

@@ -90,3 +90,30 @@ def test_vllm_ascend_settings_checked_in_plan():
     bad = build_plan(load_recipe("deepseek_r1_671b", overrides=["rollout.inference.vllm_ascend_version=0.12.0"]), 16)
     assert [v.rule for v in bad.violations] == ["inference settings supported by vllm-ascend"]
     assert bad.nearest_valid_nodes == [] and "no node count fixes these" in format_violations(bad)
+
+
+def _native_7b(*extra):
+    return load_recipe("qwen25_7b", overrides=["actor.engine=native", "actor.layout.pp=1", "rollout.engine=native",
+                                               *extra])
+
+
+def test_native_engine_memory_model_follows_fsdp_sharding_and_memory_features():
+    """The native engine's estimate: fp32 master/grad/Adam shards over DP, activations by token
+    budget, FSDP transients (checked against measurement by benchmarks/engine_memory.py)."""
+    base = build_plan(_native_7b())
+    m = base.train_memory
+    assert base.ok, format_violations(base)
+    local = 7.62e9 / 2 / 8  # TP2, DP8 on 16 devices
+    assert m.weights == pytest.approx(4 * local, rel=0.02) and m.grads == m.weights
+    assert m.optimizer == pytest.approx(2 * m.weights) and m.transient > 0 and m.activations > 0
+    twice = build_plan(_native_7b(), nodes=2).train_memory  # DP16: the shards halve, activations stay
+    assert twice.weights == pytest.approx(m.weights / 2) and twice.activations == m.activations
+    assert build_plan(_native_7b("actor.offload_optimizer=true")).train_memory.optimizer == 0
+    on = build_plan(_native_7b("actor.recompute=true")).train_memory
+    off = build_plan(_native_7b("actor.recompute=false")).train_memory
+    assert on.activations < off.activations / 4
+    small = build_plan(_native_7b("trainer.max_tokens_per_micro_batch=4096")).train_memory
+    big = build_plan(_native_7b("trainer.max_tokens_per_micro_batch=16384")).train_memory
+    assert big.activations == pytest.approx(4 * small.activations)
+    fp32 = build_plan(_native_7b("model.dtype=fp32")).train_memory
+    assert fp32.activations > m.activations and fp32.weights == m.weights  # masters are fp32 either way

@@ -278,6 +278,7 @@ def parallelize(model: nn.Module, mesh: MeshInfo, *, fsdp: bool, mp_dtype: torch
 
     cfg = model.config
     tied = bool(getattr(cfg, "tie_word_embeddings", False)) and hasattr(model, "lm_head")
+    shares_head = tied and not replicate_head
     if mesh.tp > 1:
         _check_divisible(cfg, mesh.tp)
         plan = tp_plan(model, vocab_parallel_head=vocab_parallel_head)
@@ -304,6 +305,13 @@ def parallelize(model: nn.Module, mesh: MeshInfo, *, fsdp: bool, mp_dtype: torch
             kw["mp_policy"] = mp
         for layer in _decoder_layers(model):
             fully_shard(layer, **kw)
+        if not shares_head and hasattr(model, "lm_head"):
+            # untied: the embedding and the head are units of their own, gathered only around
+            # their use (in the root they would stay gathered from forward through backward and
+            # reduce-scatter together at its end: [V, H] twice over at the peak)
+            fully_shard(model.get_input_embeddings(), **kw)
+            if not replicate_head:
+                fully_shard(model.lm_head, **kw)
         fully_shard(model, **kw)
     return model
 
