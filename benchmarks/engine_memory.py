@@ -45,15 +45,16 @@ LAYOUTS = {"dp4": 1, "tp2dp2": 2}  # name -> TP over 4 ranks
 WORLD = 4
 
 
-def write_folder(folder: Path, seed: int = 0) -> Path:
-    """A random HF folder of the 0.5B shape, written tensor by tensor (never the whole model in memory)."""
+def write_folder(folder: Path, seed: int = 0, shape: dict = QWEN25_05B) -> Path:
+    """A random bf16 HF Qwen2 folder of ``shape``, written tensor by tensor (never the whole model in
+    memory); an existing folder is reused."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     from rlrecipes.engines.native.loader import HFFolderWriter
 
     if (folder / "config.json").is_file():
         return folder
-    cfg = Qwen2Config(**QWEN25_05B, architectures=["Qwen2ForCausalLM"])
+    cfg = Qwen2Config(**shape, architectures=["Qwen2ForCausalLM"])
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(cfg)
     g = torch.Generator().manual_seed(seed)

@@ -57,6 +57,14 @@ def detect() -> DeviceType:
     return "cpu"
 
 
+def accelerator() -> DeviceType | None:
+    """The accelerator type this host has (npu, then cuda), ignoring ``RLRECIPES_DEVICE``; None on a
+    CPU-only host. For tests and benchmarks that need one."""
+    if _npu_available():
+        return "npu"
+    return "cuda" if _cuda_available() else None
+
+
 def resolve(device_type: str | None) -> DeviceType:
     """Resolve a recipe's ``resources.device`` (``auto`` or a type) to a device type."""
     if device_type in (None, "auto"):
@@ -226,6 +234,27 @@ def set_rng_state(state: dict) -> None:
 
 def is_accelerator(device_type: str) -> bool:
     return device_type in ("cuda", "npu")
+
+
+# dense bf16/fp16 tensor-core peak per device (vendor datasheets, without sparsity), by name prefix
+_PEAK_BF16_FLOPS = {"NVIDIA H100": 989.4e12, "NVIDIA H200": 989.4e12, "NVIDIA H800": 989.4e12,
+                    "NVIDIA H20": 148.0e12, "NVIDIA A100": 312.0e12, "NVIDIA A800": 312.0e12}
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """The device's dense bf16 peak FLOP/s for MFU, or None when unknown (pass it explicitly)."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        return next((v for k, v in _PEAK_BF16_FLOPS.items() if name.startswith(k)), None)
+    return None
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    if device.type == "npu":
+        return torch.npu.get_device_name(device)
+    return "cpu"
 
 
 def compute_bytes(device_type: str, requested: str = "auto") -> int:

@@ -164,6 +164,20 @@ def test_loader_roundtrip_and_export(tmp_path, family):
     assert roll.dims.family == family
 
 
+@pytest.mark.parametrize("role", ["actor", "ref"])
+def test_tied_head_stays_tied_through_the_meta_build(tmp_path, role):
+    """meta -> device gives each module its own tensor; the loader re-ties the head to the embedding."""
+    import dataclasses
+
+    from rlrecipes.engines.native.train import NativeTrainEngine
+
+    src, _ = build_model(dataclasses.replace(SMOKE["qwen2"], tie_embeddings=True), seed=3)
+    src.save_pretrained(tmp_path / "src", safe_serialization=True)
+    eng = NativeTrainEngine(str(tmp_path / "src"), role=role, layout=(1, 1), device="cpu")
+    assert eng.model.lm_head.weight is eng.model.get_input_embeddings().weight
+    assert sum(p.numel() for p in eng.model.parameters()) == sum(p.numel() for p in src.parameters())
+
+
 def test_loader_refuses_missing_and_pickles(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         check_hf_folder(tmp_path / "nope")

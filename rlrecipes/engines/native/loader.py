@@ -120,7 +120,12 @@ def materialize(model: nn.Module, device: torch.device, folder: str | os.PathLik
     reader = SafetensorsFolder(check_hf_folder(folder))
     buffers = _fresh_buffers(model)
     tied_to = "model.embed_tokens.weight" if getattr(model.config, "tie_word_embeddings", False) else None
+    shared = _shared_parameters(model)
     model.to_empty(device=device)
+    for (mod, name), *others in shared:  # meta -> device gives every module its own tensor: re-tie
+        for m, n in others:
+            if m._parameters[n] is not mod._parameters[name]:
+                m._parameters[n] = mod._parameters[name]
     with torch.no_grad():
         for fqn, values in buffers.items():
             mod = model.get_submodule(fqn)
@@ -143,6 +148,16 @@ def materialize(model: nn.Module, device: torch.device, folder: str | os.PathLik
                 reader.read_param(name, tuple(t.shape), box, tied_to=tied_to, out=local)
             except CheckpointError as e:
                 raise CheckpointError(f"loading {name}: {e}") from None
+
+
+def _shared_parameters(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """(module, name) slots that hold the same parameter object (a tied head), one list per object."""
+    slots: dict[int, list[tuple[nn.Module, str]]] = {}
+    for mod in model.modules():
+        for name, p in mod._parameters.items():
+            if p is not None:
+                slots.setdefault(id(p), []).append((mod, name))
+    return [v for v in slots.values() if len(v) > 1]
 
 
 def source_folder(source: ModelSource) -> Path | None:
