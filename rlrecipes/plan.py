@@ -268,7 +268,7 @@ def _native_train_memory(dims: ModelDims, role: RoleLayout, recipe: Recipe, dp: 
     full_layer = tokens * c * (10 * dims.hidden_size + 4 * width / tp)
     kept = tokens * c * dims.hidden_size
     act = (kept * dims.num_layers + full_layer) if recipe.actor.recompute else full_layer * dims.num_layers
-    logits = tokens * dims.vocab_size / tp * (c + 4 + 4)  # compute-dtype logits, fp32 log-softmax, grad
+    logits = tokens * dims.vocab_size / tp * (c + 4)  # compute-dtype logits, fp32 chunks saved for backward
     m.activations = act + logits
     # FSDP units: gathered params (c), unsharded grad (c), the fp32 reduce-scatter input (4; on CPU
     # gloo reduces through one more buffer of that size, measured); two decoder layers in flight.

@@ -299,6 +299,10 @@ class NativeTrainEngine(MeshRanks, base.TrainEngine):
                     outs[i] = logp[j, :n].detach().cpu()
                     if ent is not None:
                         ents[i] = ent[j, :n].detach().cpu()
+        if self.fsdp:
+            # FSDP2 keeps the root unit (a tied embedding) gathered after forward, for a backward
+            # that an inference pass never runs: give that memory back between stages
+            self.model.reshard()
         if self.trainable:
             self.model.train()
         return outs, (ents if with_entropy else None)
