@@ -1,0 +1,277 @@
+"""HF <-> megatron-core: model config translation and parameter names/layouts (no megatron import).
+
+Everything here is plain torch on full (TP1) tensors, so it runs and is tested on any machine; the
+engine slices the results into its TP/EP shards. Families: Qwen2 (dense, q/k/v bias), Qwen3-MoE
+(q/k RMSNorm, routed experts, softmax top-k renormalised) and DeepSeek-V3 (MLA, sigmoid routing with
+an expert bias and group-limited top-k, shared experts, dense first layers).
+
+Megatron layouts that differ from HF:
+
+* ``self_attention.linear_qkv`` fuses q, k and v *per query group*: the rows are
+  ``[g0: q heads of the group, k, v | g1: ... ]`` (``num_heads / num_kv_heads`` query heads then one
+  key and one value head per group); the bias follows the rows;
+* ``mlp.linear_fc1`` is ``[gate; up]`` stacked on rows (megatron's GLU takes the first half
+  through the activation); HF v5 fused experts ``gate_up_proj [E, 2I, H]`` are already that per
+  expert, and ``down_proj [E, H, I]`` is each expert's ``linear_fc2``;
+* names: ``embedding.word_embeddings``, ``decoder.layers.{i}``, ``input_layernorm``,
+  ``pre_mlp_layernorm``, ``decoder.final_layernorm``, ``output_layer`` (absent when tied);
+  MLA ``linear_q_down_proj``/``q_layernorm``/``linear_q_up_proj``/``linear_kv_down_proj``/
+  ``kv_layernorm``/``linear_kv_up_proj``; the router ``mlp.router.weight`` (+ ``expert_bias``);
+  routed experts ``mlp.experts.local_experts.{e}`` (the non-grouped-GEMM layout); shared experts
+  ``mlp.shared_experts``.
+
+Layer keys are numbered per pipeline stage (``decoder.layers.{i - first}``): pass ``layers=(first,
+stop)`` to convert one stage; the embedding goes with the first stage, the final norm and the head
+with the last.
+"""
+from __future__ import annotations
+
+from typing import Mapping, Optional
+
+import torch
+
+from ...models import ModelDims
+
+Tensors = Mapping[str, torch.Tensor]
+
+_HF_ROOT = {"model.embed_tokens.weight": "embedding.word_embeddings.weight",
+            "model.norm.weight": "decoder.final_layernorm.weight",
+            "lm_head.weight": "output_layer.weight"}
+_NORMS = {"input_layernorm.weight": "input_layernorm.weight",
+          "post_attention_layernorm.weight": "pre_mlp_layernorm.weight"}
+_QK_NORMS = {"self_attn.q_norm.weight": "self_attention.q_layernorm.weight",
+             "self_attn.k_norm.weight": "self_attention.k_layernorm.weight"}
+_MLA = {"self_attn.q_a_proj.weight": "self_attention.linear_q_down_proj.weight",
+        "self_attn.q_a_layernorm.weight": "self_attention.q_layernorm.weight",
+        "self_attn.q_b_proj.weight": "self_attention.linear_q_up_proj.weight",
+        "self_attn.q_proj.weight": "self_attention.linear_q_proj.weight",  # q_lora_rank = 0
+        "self_attn.kv_a_proj_with_mqa.weight": "self_attention.linear_kv_down_proj.weight",
+        "self_attn.kv_a_layernorm.weight": "self_attention.kv_layernorm.weight",
+        "self_attn.kv_b_proj.weight": "self_attention.linear_kv_up_proj.weight",
+        "self_attn.o_proj.weight": "self_attention.linear_proj.weight"}
+_ROUTER = {"mlp.gate.weight": "mlp.router.weight", "mlp.gate.e_score_correction_bias": "mlp.router.expert_bias"}
+
+
+class ConversionError(KeyError):
+    """A checkpoint lacks a tensor the target layout needs, or holds one it cannot place."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; this one is a sentence
+        return str(self.args[0])
+
+
+# --------------------------------------------------------------------------------------------- config
+def transformer_config(dims: ModelDims, *, rope_theta: float = 1e6, rms_norm_eps: float = 1e-6,
+                       hf_config: Optional[Mapping] = None) -> dict:
+    """Keyword arguments of megatron-core's ``TransformerConfig`` (``MLATransformerConfig`` when
+    ``dims.is_mla``) for the model's architecture; parallel sizes, dtype and recompute are added by
+    the engine. ``hf_config``: the HF ``config.json`` dict, for the routing details it alone holds."""
+    import torch.nn.functional as F
+
+    hf = dict(hf_config or {})
+    kw = dict(num_layers=dims.num_layers, hidden_size=dims.hidden_size, num_attention_heads=dims.num_heads,
+              ffn_hidden_size=dims.intermediate_size, normalization="RMSNorm", layernorm_epsilon=rms_norm_eps,
+              gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+              bias_activation_fusion=False, attention_dropout=0.0, hidden_dropout=0.0)
+    if dims.is_mla:
+        kw.update(q_lora_rank=dims.q_lora_rank or None, kv_lora_rank=dims.kv_lora_rank,
+                  qk_head_dim=dims.qk_nope_head_dim, qk_pos_emb_head_dim=dims.qk_rope_head_dim,
+                  v_head_dim=dims.v_head_dim, rotary_base=rope_theta)
+        scaling = hf.get("rope_scaling") or {}
+        if scaling.get("type", scaling.get("rope_type")) == "yarn":
+            kw.update(rope_type="yarn", rotary_scaling_factor=scaling["factor"],
+                      original_max_position_embeddings=scaling["original_max_position_embeddings"],
+                      beta_fast=scaling.get("beta_fast", 32), beta_slow=scaling.get("beta_slow", 1),
+                      mscale=scaling.get("mscale", 1.0), mscale_all_dim=scaling.get("mscale_all_dim", 0.0))
+        else:
+            kw.update(rope_type="rope")
+    else:
+        kw.update(num_query_groups=dims.num_kv_heads, kv_channels=dims.head_dim,
+                  add_qkv_bias=dims.attention_bias, qk_layernorm=dims.family == "qwen3_moe")
+    if dims.is_moe:
+        kw.update(num_moe_experts=dims.num_experts, moe_ffn_hidden_size=dims.moe_intermediate_size,
+                  moe_router_topk=dims.experts_per_token, moe_grouped_gemm=False,
+                  moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=0.0,
+                  moe_layer_freq=[0] * dims.first_k_dense + [1] * (dims.num_layers - dims.first_k_dense))
+        if dims.num_shared_experts:
+            kw["moe_shared_expert_intermediate_size"] = dims.num_shared_experts * dims.moe_intermediate_size
+        if dims.family == "deepseek_v3":
+            kw.update(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                      moe_router_dtype="fp32",
+                      moe_router_num_groups=hf.get("n_group"), moe_router_group_topk=hf.get("topk_group"),
+                      moe_router_topk_scaling_factor=hf.get("routed_scaling_factor"))
+        else:  # Qwen3-MoE: softmax over the top-k logits = softmax, top-k, renormalise (norm_topk_prob,
+            # true in Qwen3-30B-A3B); without renormalising, softmax over all experts first
+            kw.update(moe_router_score_function="softmax",
+                      moe_router_pre_softmax=not hf.get("norm_topk_prob", True))
+    return kw
+
+
+def gpt_model_kwargs(dims: ModelDims, *, rope_theta: float = 1e6) -> dict:
+    """Keyword arguments of ``GPTModel`` besides the config and the layer spec."""
+    return dict(vocab_size=dims.vocab_size, max_sequence_length=dims.max_position_embeddings,
+                position_embedding_type="rope", rotary_base=int(rope_theta),
+                share_embeddings_and_output_weights=dims.tie_embeddings)
+
+
+def layer_spec_kwargs(dims: ModelDims) -> dict:
+    """Keyword arguments of ``get_gpt_layer_local_spec`` (no TransformerEngine) for the family."""
+    return dict(num_experts=dims.num_experts or None, moe_grouped_gemm=False,
+                qk_layernorm=dims.family == "qwen3_moe", multi_latent_attention=dims.is_mla)
+
+
+# --------------------------------------------------------------------------------------------- q/k/v
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dims: ModelDims) -> torch.Tensor:
+    """HF q [nh*d, ...], k/v [ng*d, ...] -> megatron's grouped ``[ng * (nh/ng + 2) * d, ...]``."""
+    ng, d = dims.num_kv_heads, dims.head_dim
+    per = dims.num_heads // ng
+    tail = q.shape[1:]
+    q = q.reshape(ng, per * d, *tail)
+    return torch.cat([q, k.reshape(ng, d, *tail), v.reshape(ng, d, *tail)], dim=1).reshape(-1, *tail)
+
+
+def split_qkv(qkv: torch.Tensor, dims: ModelDims) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ng, d = dims.num_kv_heads, dims.head_dim
+    per = dims.num_heads // ng
+    tail = qkv.shape[1:]
+    g = qkv.reshape(ng, (per + 2) * d, *tail)
+    q, k, v = g.split([per * d, d, d], dim=1)
+    return q.reshape(-1, *tail), k.reshape(-1, *tail), v.reshape(-1, *tail)
+
+
+# --------------------------------------------------------------------------------------------- names
+def _take(src: Tensors, key: str, used: set) -> torch.Tensor:
+    if key not in src:
+        raise ConversionError(f"the HF checkpoint has no {key}; the model config expects it (is it the same "
+                              "model family and size as config.json says?)")
+    used.add(key)
+    return src[key]
+
+
+def _stage(dims: ModelDims, layers: Optional[tuple[int, int]]) -> tuple[int, int, bool, bool]:
+    first, stop = layers or (0, dims.num_layers)
+    if not 0 <= first < stop <= dims.num_layers:
+        raise ValueError(f"layers={layers}: expected 0 <= first < stop <= {dims.num_layers}")
+    return first, stop, first == 0, stop == dims.num_layers
+
+
+def hf_to_megatron(hf: Tensors, dims: ModelDims, *, layers: Optional[tuple[int, int]] = None,
+                   strict: bool = True) -> dict[str, torch.Tensor]:
+    """Full HF tensors (transformers v5 names, fused experts) -> megatron-core names and layouts for
+    the stage holding ``layers`` (all by default). ``strict``: every HF tensor of the stage is used."""
+    first, stop, pre, post = _stage(dims, layers)
+    out: dict[str, torch.Tensor] = {}
+    used: set[str] = set()
+    if pre:
+        out["embedding.word_embeddings.weight"] = _take(hf, "model.embed_tokens.weight", used)
+    if post:
+        out["decoder.final_layernorm.weight"] = _take(hf, "model.norm.weight", used)
+        if not dims.tie_embeddings:
+            out["output_layer.weight"] = _take(hf, "lm_head.weight", used)
+    for i in range(first, stop):
+        h, m = f"model.layers.{i}.", f"decoder.layers.{i - first}."
+        for a, b in _NORMS.items():
+            out[m + b] = _take(hf, h + a, used)
+        if dims.is_mla:
+            for a, b in _MLA.items():
+                if h + a in hf:
+                    out[m + b] = _take(hf, h + a, used)
+        else:
+            at = h + "self_attn."
+            out[m + "self_attention.linear_qkv.weight"] = fuse_qkv(
+                _take(hf, at + "q_proj.weight", used), _take(hf, at + "k_proj.weight", used),
+                _take(hf, at + "v_proj.weight", used), dims)
+            if dims.attention_bias:
+                out[m + "self_attention.linear_qkv.bias"] = fuse_qkv(
+                    _take(hf, at + "q_proj.bias", used), _take(hf, at + "k_proj.bias", used),
+                    _take(hf, at + "v_proj.bias", used), dims)
+            out[m + "self_attention.linear_proj.weight"] = _take(hf, at + "o_proj.weight", used)
+            if dims.family == "qwen3_moe":
+                for a, b in _QK_NORMS.items():
+                    out[m + b] = _take(hf, h + a, used)
+        if dims.is_moe and i >= dims.first_k_dense:
+            for a, b in _ROUTER.items():
+                if h + a in hf:
+                    out[m + b] = _take(hf, h + a, used)
+            gate_up = _take(hf, h + "mlp.experts.gate_up_proj", used)
+            down = _take(hf, h + "mlp.experts.down_proj", used)
+            for e in range(dims.num_experts):
+                out[m + f"mlp.experts.local_experts.{e}.linear_fc1.weight"] = gate_up[e]
+                out[m + f"mlp.experts.local_experts.{e}.linear_fc2.weight"] = down[e]
+            if dims.num_shared_experts:
+                s = h + "mlp.shared_experts."
+                out[m + "mlp.shared_experts.linear_fc1.weight"] = torch.cat(
+                    [_take(hf, s + "gate_proj.weight", used), _take(hf, s + "up_proj.weight", used)])
+                out[m + "mlp.shared_experts.linear_fc2.weight"] = _take(hf, s + "down_proj.weight", used)
+        else:
+            out[m + "mlp.linear_fc1.weight"] = torch.cat(
+                [_take(hf, h + "mlp.gate_proj.weight", used), _take(hf, h + "mlp.up_proj.weight", used)])
+            out[m + "mlp.linear_fc2.weight"] = _take(hf, h + "mlp.down_proj.weight", used)
+    if strict:
+        mine = [k for k in hf if _in_stage(k, first, stop, pre, post, dims)]
+        extra = sorted(set(mine) - used)
+        if extra:
+            raise ConversionError(f"HF tensors with no megatron place: {', '.join(extra[:5])}"
+                                  + (f" (+{len(extra) - 5} more)" if len(extra) > 5 else ""))
+    return out
+
+
+def _in_stage(key: str, first: int, stop: int, pre: bool, post: bool, dims: ModelDims) -> bool:
+    if key.startswith("model.layers."):
+        return first <= int(key.split(".")[2]) < stop
+    if key == "model.embed_tokens.weight":
+        return pre
+    if key == "lm_head.weight":
+        return post and not dims.tie_embeddings
+    return post
+
+
+def megatron_to_hf(mg: Tensors, dims: ModelDims, *, layers: Optional[tuple[int, int]] = None) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`hf_to_megatron` (HF v5 names, fused experts; a tied head is omitted)."""
+    first, stop, pre, post = _stage(dims, layers)
+    used: set[str] = set()
+    out: dict[str, torch.Tensor] = {}
+    inv_root = {v: k for k, v in _HF_ROOT.items()}
+    for key in ("embedding.word_embeddings.weight",) * pre + ("decoder.final_layernorm.weight",) * post + \
+            ("output_layer.weight",) * (post and not dims.tie_embeddings):
+        out[inv_root[key]] = _take(mg, key, used)
+    for i in range(first, stop):
+        h, m = f"model.layers.{i}.", f"decoder.layers.{i - first}."
+        for a, b in _NORMS.items():
+            out[h + a] = _take(mg, m + b, used)
+        if dims.is_mla:
+            for a, b in _MLA.items():
+                if m + b in mg:
+                    out[h + a] = _take(mg, m + b, used)
+        else:
+            q, k, v = split_qkv(_take(mg, m + "self_attention.linear_qkv.weight", used), dims)
+            out.update({h + "self_attn.q_proj.weight": q, h + "self_attn.k_proj.weight": k,
+                        h + "self_attn.v_proj.weight": v})
+            if dims.attention_bias:
+                q, k, v = split_qkv(_take(mg, m + "self_attention.linear_qkv.bias", used), dims)
+                out.update({h + "self_attn.q_proj.bias": q, h + "self_attn.k_proj.bias": k,
+                            h + "self_attn.v_proj.bias": v})
+            out[h + "self_attn.o_proj.weight"] = _take(mg, m + "self_attention.linear_proj.weight", used)
+            if dims.family == "qwen3_moe":
+                for a, b in _QK_NORMS.items():
+                    out[h + a] = _take(mg, m + b, used)
+        if dims.is_moe and i >= dims.first_k_dense:
+            for a, b in _ROUTER.items():
+                if m + b in mg:
+                    out[h + a] = _take(mg, m + b, used)
+            e_pre = m + "mlp.experts.local_experts."
+            out[h + "mlp.experts.gate_up_proj"] = torch.stack(
+                [_take(mg, e_pre + f"{e}.linear_fc1.weight", used) for e in range(dims.num_experts)])
+            out[h + "mlp.experts.down_proj"] = torch.stack(
+                [_take(mg, e_pre + f"{e}.linear_fc2.weight", used) for e in range(dims.num_experts)])
+            if dims.num_shared_experts:
+                gate, up = _take(mg, m + "mlp.shared_experts.linear_fc1.weight", used).chunk(2)
+                out[h + "mlp.shared_experts.gate_proj.weight"], out[h + "mlp.shared_experts.up_proj.weight"] = gate, up
+                out[h + "mlp.shared_experts.down_proj.weight"] = _take(mg, m + "mlp.shared_experts.linear_fc2.weight", used)
+        else:
+            gate, up = _take(mg, m + "mlp.linear_fc1.weight", used).chunk(2)
+            out[h + "mlp.gate_proj.weight"], out[h + "mlp.up_proj.weight"] = gate, up
+            out[h + "mlp.down_proj.weight"] = _take(mg, m + "mlp.linear_fc2.weight", used)
+    extra = sorted(k for k in set(mg) - used if not k.endswith("_extra_state"))
+    if extra:
+        raise ConversionError(f"megatron tensors with no HF place: {', '.join(extra[:5])}")
+    return out
