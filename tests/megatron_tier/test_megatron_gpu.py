@@ -42,7 +42,7 @@ def test_megatron_logits_equal_hf(cuda_model_parallel, family):
     torch.backends.cuda.matmul.allow_tf32 = False
     hf_model, _ = build_model(dims, seed=4)
     hf_model = hf_model.cuda().eval()
-    model = build_gpt(dims).cuda().eval()
+    model = build_gpt(dims, hf_config=hf_model.config).cuda().eval()
     load_hf_state(model, hf_model.state_dict(), dims)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, dims.vocab_size, (2, 24), generator=g).cuda()

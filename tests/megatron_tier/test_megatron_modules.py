@@ -36,7 +36,7 @@ def test_converted_names_and_shapes_are_megatrons(model_parallel, case):
     mg = hf_to_megatron(hf_model.state_dict(), dims)
     # the all-to-all dispatcher allocates a CUDA stream when built; the all-gather one builds on
     # CPU and the parameters are the same (dispatchers hold none)
-    model = build_gpt(dims, cpu_init=True, **({"moe_token_dispatcher_type": "allgather"} if dims.is_moe else {}))
+    model = build_gpt(dims, hf_config=hf_model.config, cpu_init=True, **({"moe_token_dispatcher_type": "allgather"} if dims.is_moe else {}))
     real = {k: tuple(v.shape) for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
     assert real == {k: tuple(v.shape) for k, v in mg.items()}
     load_hf_state(model, hf_model.state_dict(), dims)

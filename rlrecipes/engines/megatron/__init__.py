@@ -1,6 +1,10 @@
 """megatron-core train engine (with MindSpeed on Ascend): PP / EP / expert-TP training at scale.
 
-Declared here so ``plan`` sizes the recipes that pin it; the engine itself is not written yet
+Declared here so ``plan`` sizes the recipes that pin it. Written so far: ``convert.py`` (HF config
+-> megatron-core ``TransformerConfig``; HF <-> megatron parameter names and layouts, per pipeline
+stage) and ``model.py`` (``GPTModel`` from a model's dims, HF weights loaded), checked against the
+modules megatron-core builds and, on CUDA, against HF logits (docs/megatron.md). The train engine
+itself (pipeline schedule, distributed optimizer, resharder specs, checkpoints) is not written yet
 (``CAPABILITIES.implemented`` is False), so ``run`` refuses it before placing anything.
 """
 from __future__ import annotations

@@ -76,7 +76,7 @@ def transformer_config(dims: ModelDims, *, rope_theta: float = 1e6, rms_norm_eps
         kw.update(q_lora_rank=dims.q_lora_rank or None, kv_lora_rank=dims.kv_lora_rank,
                   qk_head_dim=dims.qk_nope_head_dim, qk_pos_emb_head_dim=dims.qk_rope_head_dim,
                   v_head_dim=dims.v_head_dim, rotary_base=rope_theta)
-        scaling = hf.get("rope_scaling") or {}
+        scaling = hf.get("rope_scaling") or hf.get("rope_parameters") or {}  # transformers v4 / v5
         if scaling.get("type", scaling.get("rope_type")) == "yarn":
             kw.update(rope_type="yarn", rotary_scaling_factor=scaling["factor"],
                       original_max_position_embeddings=scaling["original_max_position_embeddings"],
@@ -104,6 +104,13 @@ def transformer_config(dims: ModelDims, *, rope_theta: float = 1e6, rms_norm_eps
             kw.update(moe_router_score_function="softmax",
                       moe_router_pre_softmax=not hf.get("norm_topk_prob", True))
     return kw
+
+
+def rope_theta(hf_config: Optional[Mapping]) -> float:
+    """RoPE base of an HF config dict: ``rope_theta`` (transformers v4) or ``rope_parameters`` (v5)."""
+    hf = dict(hf_config or {})
+    theta = hf.get("rope_theta") or (hf.get("rope_parameters") or {}).get("rope_theta")
+    return float(theta or 10000.0)
 
 
 def gpt_model_kwargs(dims: ModelDims, *, rope_theta: float = 1e6) -> dict:

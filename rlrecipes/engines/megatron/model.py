@@ -3,17 +3,18 @@ the pure translation). Parallel state must be initialised first
 (``megatron.core.parallel_state.initialize_model_parallel``)."""
 from __future__ import annotations
 
-from typing import Mapping, Optional
+from typing import Mapping
 
 import torch
 
 from ...models import ModelDims
-from .convert import gpt_model_kwargs, hf_to_megatron, layer_spec_kwargs, transformer_config
+from .convert import gpt_model_kwargs, hf_to_megatron, layer_spec_kwargs, rope_theta, transformer_config
 
 
-def build_gpt(dims: ModelDims, *, hf_config: Optional[Mapping] = None, params_dtype: torch.dtype = torch.float32,
+def build_gpt(dims: ModelDims, *, hf_config=None, params_dtype: torch.dtype = torch.float32,
               cpu_init: bool = False, pre_process: bool = True, post_process: bool = True, **parallel):
-    """``GPTModel`` with megatron's local (no TransformerEngine) layer spec. ``parallel``: extra
+    """``GPTModel`` with megatron's local (no TransformerEngine) layer spec. ``hf_config``: the HF
+    config (object or ``config.json`` dict) for RoPE, norm epsilon and routing. ``parallel``: extra
     ``TransformerConfig`` fields (tensor_model_parallel_size, pipeline_model_parallel_size,
     expert_model_parallel_size, recompute_granularity, ...). ``cpu_init``: build on the host
     (``use_cpu_initialization``), else on the current accelerator."""
@@ -21,8 +22,8 @@ def build_gpt(dims: ModelDims, *, hf_config: Optional[Mapping] = None, params_dt
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
-    hf = dict(hf_config or {})
-    theta = float(hf.get("rope_theta", 1e6))
+    hf = dict(hf_config.to_dict() if hasattr(hf_config, "to_dict") else hf_config or {})
+    theta = rope_theta(hf)
     kw = transformer_config(dims, rope_theta=theta, rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), hf_config=hf)
     kw.update(params_dtype=params_dtype, use_cpu_initialization=cpu_init, bf16=params_dtype == torch.bfloat16,
               **parallel)
