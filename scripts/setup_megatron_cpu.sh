@@ -6,10 +6,7 @@
 #   bash scripts/setup_megatron_cpu.sh && .venv-megatron/bin/python -m pytest -q tests/megatron_tier
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+. scripts/tier_venv.sh
 VENV="${MEGATRON_VENV:-.venv-megatron}"
-[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
-PY="$VENV/bin/python"
-"$PY" -m pip install --quiet --upgrade pip
-"$PY" -c "import torch" >/dev/null 2>&1 || "$PY" -m pip install --quiet "torch==${TORCH_VERSION:-2.13.0}"
-"$PY" -m pip install --quiet -e ".[test,megatron]"
+tier_venv "$VENV" test,megatron
 "$PY" -W ignore -c "import megatron.core as m, torch; print(f'megatron-core {m.__version__} ready in $VENV (torch {torch.__version__})')"

