@@ -57,18 +57,19 @@ def model_flops_per_step(shape: dict, lengths: list[int]) -> float:
 
 
 def plan_memory(folder: Path, device: str, dtype: str, budget: int, prompt: int, response: int,
-                recompute: bool, memory_gb: float):
+                recompute: bool, memory_gb: float, engine: str = "native"):
     from rlrecipes.plan import build_plan
     from rlrecipes.recipe import load_recipe
 
     recipe = load_recipe("qwen25_7b", overrides=[
-        f"model.path={folder}", "model.preset=null", f"model.dtype={dtype}", "actor.engine=native",
+        f"model.path={folder}", "model.preset=null", f"model.dtype={dtype}", f"actor.engine={engine}",
         "rollout.engine=native", "actor.layout.tp=1", "actor.layout.pp=1", "actor.layout.ep=1",
         "rollout.layout.tp=1", f"resources.device={device}", "resources.nodes=1",
         "resources.devices_per_node=1", f"resources.device_memory_gb={memory_gb}", "resources.dies_per_card=1",
         f"actor.recompute={str(recompute).lower()}", "actor.offload_optimizer=false",
         f"data.max_prompt_length={prompt}", f"rollout.sampling.max_new_tokens={response}",
-        f"trainer.max_tokens_per_micro_batch={budget}", "trainer.global_batch=8", "trainer.mini_batch=8"])
+        f"trainer.max_tokens_per_micro_batch={budget}", f"trainer.micro_batch={max(1, budget // (prompt + response))}",
+        "trainer.global_batch=8", "trainer.mini_batch=8"])
     return build_plan(recipe).train_memory
 
 
@@ -83,6 +84,8 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=8192, help="trainer.max_tokens_per_micro_batch")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--recompute", action="store_true")
+    ap.add_argument("--engine", choices=["native", "megatron"], default="native",
+                    help="megatron: TP1 PP1 padded micro-batches of budget // (prompt + response) samples")
     ap.add_argument("--peak-tflops", type=float, default=None)
     ap.add_argument("--folder", default=None)
     args = ap.parse_args()
@@ -106,8 +109,14 @@ def main() -> None:
     dist.init_process_group(devmod.comm_backend(kind), init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     devmod.set_device(dev)
     t0 = time.perf_counter()
-    eng = NativeTrainEngine(str(folder), layout=(1, 1), device=dev, dtype=args.dtype, lr=1e-5,
-                            max_tokens_per_micro_batch=args.budget, recompute=args.recompute)
+    if args.engine == "megatron":
+        from rlrecipes.engines.megatron.train import MegatronTrainEngine
+
+        eng = MegatronTrainEngine(str(folder), device=dev, dtype=args.dtype, lr=1e-5, recompute=args.recompute,
+                                  micro_batch_size=max(1, args.budget // (args.prompt + args.response)))
+    else:
+        eng = NativeTrainEngine(str(folder), layout=(1, 1), device=dev, dtype=args.dtype, lr=1e-5,
+                                max_tokens_per_micro_batch=args.budget, recompute=args.recompute)
     devmod.synchronize(dev)
     load_s = time.perf_counter() - t0
     loaded = devmod.memory_stats(dev).allocated_bytes
@@ -133,10 +142,10 @@ def main() -> None:
     peak = args.peak_tflops * 1e12 if args.peak_tflops else devmod.peak_flops(dev)
     dtype_name = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[eng.compute_dtype]
     mem = plan_memory(folder, kind, dtype_name, args.budget, args.prompt, args.response, args.recompute,
-                      (stats.total_bytes or 64 * 2**30) / 2**30)
-    n_params = sum(p.numel() for p in eng.model.parameters())
+                      (stats.total_bytes or 64 * 2**30) / 2**30, args.engine)
+    n_params = sum(p.numel() for p in eng.model.parameters())  # megatron: a tied head is one tensor too
     print(json.dumps({
-        "shape": f"qwen2.5-{args.shape}", "device": devmod.device_name(dev), "dtype": dtype_name,
+        "engine": args.engine, "shape": f"qwen2.5-{args.shape}", "device": devmod.device_name(dev), "dtype": dtype_name,
         "params": n_params, "recompute": args.recompute, "tokens_per_step": sum(lengths),
         "micro_batches": metrics["actor/micro_batches"], "step_s": round(step_s, 4),
         "tokens_per_s": round(sum(lengths) / step_s, 1),

@@ -212,7 +212,7 @@ def _train_memory(dims: ModelDims, role: RoleLayout, recipe: Recipe, dp: int) ->
         expert_dp = max(1, dp * role.tp // (role.ep * etp))
         m = Memory()
         m.weights = params * DTYPE_BYTES
-        m.grads = params * DTYPE_BYTES
+        m.grads = params * 4  # megatron DDP's gradient buffer in fp32 (grad_reduce_in_fp32, as the engine sets)
         if not recipe.actor.offload_optimizer:
             # fp32 master + Adam m, v, sharded over DP (distributed optimizer)
             m.optimizer = 12 * (ne / role.tp / dp + e / (role.ep * etp) / expert_dp)

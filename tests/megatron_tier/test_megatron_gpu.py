@@ -93,3 +93,35 @@ def test_engine_logprobs_equal_native_and_a_step_follows_the_advantages(cuda_mod
     adv = batch.per_sample["advantages"]
     gain = sum(float(adv[i]) * float((after[i] - got[i]).mean()) for i in range(len(batch)))
     assert gain > 0, gain
+
+
+def test_grpo_steps_on_the_megatron_actor_raise_the_reward(cuda_model_parallel, tmp_path):
+    """Rollout (native sampler) -> reward -> GRPO advantages -> megatron train step -> weights back to
+    the rollout, a few times: the reward (share of responses' tokens equal to a target) rises."""
+    from rlrecipes.algos.advantages import grpo_advantage
+    from rlrecipes.engines.base import SeqBatch
+    from rlrecipes.engines.megatron.train import MegatronTrainEngine
+    from rlrecipes.engines.native.loader import build_model
+    from rlrecipes.engines.native.rollout import NativeRolloutEngine
+    from rlrecipes.models import SMOKE
+
+    src, dims = build_model(SMOKE["qwen2"], seed=7)
+    src.save_pretrained(tmp_path / "src", safe_serialization=True)
+    actor = MegatronTrainEngine(str(tmp_path / "src"), device="cuda", dtype="fp32", lr=3e-3, micro_batch_size=32)
+    roll = NativeRolloutEngine(str(tmp_path / "src"), device="cuda", dtype="fp32")
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, dims.vocab_size, (4,), generator=g) for _ in range(8)]
+    group, target, rewards = 8, 5, []
+    for step in range(12):
+        roll.load_shards(actor.hf_state_dict().items())
+        batch_prompts = [p for p in prompts for _ in range(group)]
+        out = roll.sample(batch_prompts, max_new_tokens=6, temperature=1.0, seed=step)
+        scores = torch.stack([(r.cpu() == target).float().mean() for r in out.responses])
+        mask = torch.ones(len(scores), 6)
+        adv, _ = grpo_advantage(scores, mask, group_size=group)
+        batch = SeqBatch(prompts=batch_prompts, responses=[r.cpu() for r in out.responses],
+                         per_sample={"advantages": adv[:, 0]})
+        m = actor.train_step(batch, _pg_loss)
+        assert m["actor/skipped_step"] == 0.0
+        rewards.append(float(scores.mean()))
+    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.1, rewards

@@ -26,6 +26,7 @@ from .. import base
 from ..base import LossFn, SeqBatch
 from ..native import batching
 from ..native.loader import build_model
+from ..native.train import resolve_device
 from .model import build_gpt, load_hf_state
 
 
@@ -55,7 +56,7 @@ class MegatronTrainEngine(base.TrainEngine):
         if (tp, pp, ep) != (1, 1, 1):
             raise NotImplementedError(f"megatron engine: TP{tp} PP{pp} EP{ep} is not written yet (TP1 PP1 EP1 "
                                       "is); docs/megatron.md says what is missing")
-        self.device = devmod.torch_device(None) if device is None else torch.device(device)
+        self.device = resolve_device(device)
         if self.device.type == "npu":
             import mindspeed.megatron_adaptor  # noqa: F401  (patches megatron-core for Ascend)
         elif self.device.type != "cuda":
