@@ -257,6 +257,16 @@ def device_name(device: torch.device) -> str:
     return "cpu"
 
 
+def prepare_megatron(device: torch.device) -> None:
+    """Make megatron-core usable on ``device``: on Ascend MindSpeed's adaptor patches it (imported
+    after torch, before megatron builds anything); CUDA needs nothing; elsewhere it cannot compute."""
+    if device.type == "npu":
+        import mindspeed.megatron_adaptor  # noqa: F401
+    elif device.type != "cuda":
+        raise RuntimeError(f"megatron-core computes on CUDA or NPU, not {device.type}; use the native engine "
+                           "(actor.engine: native)")
+
+
 def compute_bytes(device_type: str, requested: str = "auto") -> int:
     """Bytes per element of the training compute dtype a recipe gets on a device kind (for the
     planner, which reasons about a cluster it is not running on: no device query)."""

@@ -68,3 +68,12 @@ def test_config_translation_per_family():
     assert ds["kv_lora_rank"] == 32 and ds["qk_pos_emb_head_dim"] == 8 and ds["moe_layer_freq"] == [0, 1, 1]
     assert ds["moe_router_score_function"] == "sigmoid" and ds["moe_router_enable_expert_bias"]
     assert ds["moe_shared_expert_intermediate_size"] == SMOKE["deepseek_v3"].moe_intermediate_size
+
+
+def test_megatron_engine_refuses_the_cpu_and_unwritten_layouts_before_building():
+    from rlrecipes.engines.megatron.train import MegatronTrainEngine
+
+    with pytest.raises(RuntimeError, match="computes on CUDA or NPU, not cpu; use the native engine"):
+        MegatronTrainEngine(SMOKE["qwen2"], device="cpu")
+    with pytest.raises(NotImplementedError, match="TP2 PP1 EP1 is not written yet"):
+        MegatronTrainEngine(SMOKE["qwen2"], layout=(2, 1), device="cpu")

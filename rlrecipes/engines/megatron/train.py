@@ -57,10 +57,7 @@ class MegatronTrainEngine(base.TrainEngine):
             raise NotImplementedError(f"megatron engine: TP{tp} PP{pp} EP{ep} is not written yet (TP1 PP1 EP1 "
                                       "is); docs/megatron.md says what is missing")
         self.device = resolve_device(device)
-        if self.device.type == "npu":
-            import mindspeed.megatron_adaptor  # noqa: F401  (patches megatron-core for Ascend)
-        elif self.device.type != "cuda":
-            raise RuntimeError(f"megatron-core computes on CUDA or NPU, not {self.device.type}; use the native engine")
+        devmod.prepare_megatron(self.device)  # MindSpeed's adaptor on Ascend; refuses the CPU
         devmod.set_device(self.device)
         _init_parallel(tp, pp, ep, seed)
         self.role, self.trainable = role, role != "ref"
