@@ -71,7 +71,9 @@ class Capabilities:
     mla_latent_sizes_by_device: tuple[tuple[str, tuple[int, ...]], ...] = ()
     """``(device, MLA latent sizes kv_lora_rank + qk_rope_head_dim its kernels take)`` (vLLM CPU: 576)."""
     implemented: bool = True
-    """False while a backend is declared but not written: ``plan`` reports it and ``run`` refuses."""
+    """False while a backend is declared but not complete: ``plan`` reports it and ``run`` refuses."""
+    status: str = ""
+    """What an incomplete backend has and lacks (shown with the refusal)."""
 
 
 # ---------------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ dependencies:
 * ``TRAIN`` / ``ROLLOUT`` — ``"module:Class"`` of its train / rollout engine, or None.
 
 ``problems(name, role, device)`` is what ``plan`` reports before anything is placed: an unknown
-name, a backend that is declared but not written, a role or device it does not serve, or a
+name, a backend that is declared but not complete, a role or device it does not serve, or a
 package that is not installed (with the command that installs it). ``plan`` on a laptop still
 prints the layout; ``run`` refuses while any problem remains.
 """
@@ -60,7 +60,8 @@ def problems(name: str, role: str, device: str | None = None, *, installed: bool
         return [str(e)]
     out = []
     if not caps.implemented:
-        out.append(f"engine {name!r} is declared but not written in this release; use the native engine")
+        what = f" ({caps.status})" if caps.status else ""
+        out.append(f"engine {name!r} is not complete in this release{what}; use the native engine")
     if role not in caps.roles:
         out.append(f"engine {name!r} has no {role} engine (it serves: {', '.join(sorted(caps.roles))})")
     if device is not None and device != "auto" and device not in caps.devices:

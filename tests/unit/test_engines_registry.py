@@ -26,7 +26,7 @@ def test_problems_name_role_device_and_install():
     assert any("does not run on cpu" in p for p in problems("megatron", "train", "cpu"))
     for name in BACKENDS:
         for p in problems(name, next(iter(capabilities(name).roles)), "cuda"):
-            assert "not written" in p or "not installed here" in p and "pip install" in p
+            assert "not complete in this release" in p or "not installed here" in p and "pip install" in p
 
 
 def test_plan_asks_the_engine_not_the_name():

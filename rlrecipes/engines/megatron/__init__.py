@@ -17,6 +17,8 @@ CAPABILITIES = Capabilities(
     dtypes=("auto", "bf16", "fp16", "fp32"), requires=("megatron.core",),
     requires_by_device=(("npu", ("mindspeed", "torch_npu")),),
     install="pip install -e '.[megatron]' (CUDA) or '.[ascend]' plus MindSpeed from source (docs/ascend.md)",
-    implemented=False)
+    implemented=False,
+    status="written for TP1 PP1 EP1 and checked on CUDA; TP/PP/EP slicing, resharder specs and checkpoints "
+           "are not: docs/megatron.md")
 TRAIN = None
 ROLLOUT = None
