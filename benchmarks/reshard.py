@@ -15,7 +15,8 @@ Fields per line:
 Memory method (CPU): every rank runs with ``MALLOC_MMAP_THRESHOLD_=65536`` so large buffers are
 mmap'ed and returned to the kernel when freed; before each call the rank resets its RSS
 high-water mark (``echo 5 > /proc/self/clear_refs``) and reads VmRSS; after the call VmHWM - VmRSS(before)
-is the peak extra. Rollout shards are consumed as they arrive (checked, then dropped, as a rollout
+is the peak extra, after one unreported warm-up pass (process groups' first-use buffers). Rollout
+shards are consumed as they arrive (checked, then dropped, as a rollout
 engine would copy them into its own weights), so the figure is the executor's transient memory.
 On accelerators the same fields come from rlrecipes.device.memory_stats (allocator peak).
 """
@@ -146,6 +147,10 @@ def _worker(rank, world, port, args, q):
             ex = {s.name for s in specs if s.kind == "expert"}
             ex_idx = {i for i, s in enumerate(specs) if s.kind == "expert"}
             ex_min = sum(p.numel for p in plan.recv[rank] if p.spec in ex_idx) * plan.dtype_bytes
+            # an unreported warm-up pass: gloo sets its communicators' buffers up on a group's first
+            # collective (~36 MB per rank measured), which would be charged to the first strategy
+            for bucket in Resharder(plan, "auto", bucket_mb=args.bucket_mb).reshard(local):
+                del bucket
             for strategy in args.strategies:
                 rs = Resharder(plan, strategy, bucket_mb=args.bucket_mb)
                 dist.barrier()
@@ -154,7 +159,7 @@ def _worker(rank, world, port, args, q):
                 ok = True
                 for bucket in rs.reshard(local):
                     for name, t in bucket:  # the rollout engine loads it; here: check, then drop
-                        ok &= abs(float(t.double().sum()) - checks[name]) <= 1e-6 * (1 + abs(checks[name]))
+                        ok &= abs(float(t.sum(dtype=torch.float64)) - checks[name]) <= 1e-6 * (1 + abs(checks[name]))
                     del bucket
                 dist.barrier()
                 secs = time.perf_counter() - t0
