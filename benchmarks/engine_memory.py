@@ -77,7 +77,7 @@ def _batch(vocab: int, tokens: int, rank: int):
                     per_sample={"advantages": torch.randn(n, generator=g)})
 
 
-def _loss(logp, _ent, mb):
+def pg_loss(logp, _ent, mb):
     m = mb["response_mask"].to(logp.device)
     adv = mb["advantages"].to(logp.device)
     return -(torch.where(m.bool(), logp * adv, 0.0)).sum() / m.sum().clamp(min=1), {}
@@ -106,7 +106,7 @@ def _rank(rank: int, port: int, folder: str, tp: int, tokens: int, out: str) -> 
     before = reset()
     t0 = time.perf_counter()
     for _ in range(2):
-        metrics = eng.train_step(_batch(eng.dims.vocab_size, tokens, rank), _loss)
+        metrics = eng.train_step(_batch(eng.dims.vocab_size, tokens, rank), pg_loss)
     dist.barrier()
     step_s, step_extra = (time.perf_counter() - t0) / 2, devmod.memory_stats(cpu).peak_bytes - before
     Path(out, f"rank{rank}.json").write_text(json.dumps(

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from engine_memory import QWEN25_05B, write_folder  # noqa: E402
+from engine_memory import QWEN25_05B, pg_loss, write_folder  # noqa: E402
 
 SHAPES = {
     "0.5b": QWEN25_05B,
@@ -40,12 +40,6 @@ SHAPES = {
                  num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768,
                  tie_word_embeddings=True, rope_theta=1000000.0, rms_norm_eps=1e-6),
 }
-
-
-def _loss(logp, _ent, mb):
-    m = mb["response_mask"].to(logp.device)
-    adv = mb["advantages"].to(logp.device)
-    return -(torch.where(m.bool(), logp * adv, 0.0)).sum() / m.sum().clamp(min=1), {}
 
 
 def model_flops_per_step(shape: dict, lengths: list[int]) -> float:
@@ -126,13 +120,13 @@ def main() -> None:
     batch = SeqBatch(prompts=[torch.randint(0, v, (args.prompt,), generator=g) for _ in range(args.samples)],
                      responses=[torch.randint(0, v, (args.response,), generator=g) for _ in range(args.samples)],
                      per_sample={"advantages": torch.randn(args.samples, generator=g)})
-    metrics = eng.train_step(batch, _loss)  # warm-up: kernels, allocator, Adam state
+    metrics = eng.train_step(batch, pg_loss)  # warm-up: kernels, allocator, Adam state
     devmod.synchronize(dev)
     devmod.reset_peak_memory(dev)
     times = []
     for _ in range(args.steps):
         t0 = time.perf_counter()
-        metrics = eng.train_step(batch, _loss)
+        metrics = eng.train_step(batch, pg_loss)
         devmod.synchronize(dev)
         times.append(time.perf_counter() - t0)
     stats = devmod.memory_stats(dev)

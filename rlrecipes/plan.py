@@ -250,11 +250,11 @@ def _native_train_memory(dims: ModelDims, role: RoleLayout, recipe: Recipe, dp: 
     tp, ep = role.tp, role.ep
     expert_dp = max(1, dp * tp // ep)
     embed = dims.vocab_size * dims.hidden_size / tp
-    layer_ne = max(dims.layer_params(i)[0] for i in range(dims.num_layers)) / tp
-    layer_e = max(dims.layer_params(i)[1] for i in range(dims.num_layers)) / ep
-    ne = sum(dims.layer_params(i)[0] for i in range(dims.num_layers)) / tp + \
-        embed * (1 if dims.tie_embeddings else 2) + dims.hidden_size
-    e = dims.expert_params() / ep
+    per_layer = [dims.layer_params(i) for i in range(dims.num_layers)]  # (non-expert, expert)
+    layer_ne = max(a for a, _ in per_layer) / tp
+    layer_e = max(b for _, b in per_layer) / ep
+    ne = sum(a for a, _ in per_layer) / tp + embed * (1 if dims.tie_embeddings else 2) + dims.hidden_size
+    e = sum(b for _, b in per_layer) / ep
     local = ne / dp + e / expert_dp  # this rank's shard of every parameter
     m = Memory(weights=4 * local, grads=4 * local)
     if not recipe.actor.offload_optimizer:

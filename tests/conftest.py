@@ -10,6 +10,38 @@ import socket  # noqa: E402
 import pytest  # noqa: E402
 
 
+@pytest.fixture
+def random_seq_batch():
+    """``make(vocab, n=6, seed=0)``: a SeqBatch of random prompts (3-11 tokens) and responses (2-8)
+    with a per-sample ``advantages`` column."""
+    import torch
+
+    from rlrecipes.engines.base import SeqBatch
+
+    def make(vocab: int, n: int = 6, seed: int = 0) -> SeqBatch:
+        g = torch.Generator().manual_seed(seed)
+        lens = [(int(torch.randint(3, 12, (1,), generator=g)), int(torch.randint(2, 9, (1,), generator=g)))
+                for _ in range(n)]
+        return SeqBatch(prompts=[torch.randint(1, vocab, (p,), generator=g) for p, _ in lens],
+                        responses=[torch.randint(1, vocab, (r,), generator=g) for _, r in lens],
+                        per_sample={"advantages": torch.randn(n, generator=g)})
+
+    return make
+
+
+def policy_gradient_loss(logp, _ent, mb):
+    """``-sum(logp * advantage) / response tokens``: a loss closure for engine tests."""
+    import torch
+
+    m = mb["response_mask"].to(logp.device)
+    return -(torch.where(m.bool(), logp * mb["advantages"].to(logp.device), 0.0)).sum() / m.sum().clamp(min=1), {}
+
+
+@pytest.fixture
+def pg_loss():
+    return policy_gradient_loss
+
+
 @pytest.fixture(scope="module")
 def one_rank_group():
     """A 1-rank gloo process group in this process (engines that call torch.distributed)."""

@@ -288,5 +288,15 @@ def reduce_closure_metric(key: str, values: Sequence[float]) -> float:
     return float(sum(values) / len(values))
 
 
-__all__ = ["reduce_closure_metric", "Capabilities", "EngineSpec", "LossFn", "RolloutEngine", "RolloutOutput", "SamplingParams", "SeqBatch",
+def step_metrics(prefix: str, *, loss: float, grad_norm: float, lr: float, skipped: bool, micro_batches: int,
+                 closure: Mapping[str, Sequence[float]]) -> dict:
+    """The metrics a train engine's ``train_step`` returns (see :meth:`TrainEngine.train_step`): its own
+    under ``<prefix>/``, and the closure's reduced over micro-batches by :func:`reduce_closure_metric`."""
+    out = {f"{prefix}/loss": float(loss), f"{prefix}/grad_norm": float(grad_norm), f"{prefix}/lr": lr,
+           f"{prefix}/skipped_step": float(skipped), f"{prefix}/micro_batches": micro_batches}
+    out.update({k: reduce_closure_metric(k, v) for k, v in closure.items()})
+    return out
+
+
+__all__ = ["reduce_closure_metric", "step_metrics", "Capabilities", "EngineSpec", "LossFn", "RolloutEngine", "RolloutOutput", "SamplingParams", "SeqBatch",
            "TrainEngine"]

@@ -1,7 +1,6 @@
 """The native train engine on an accelerator (CUDA or NPU): bf16 mixed precision through FSDP2 with
 fp32 masters, the sharded loader, packed micro-batches. Skipped on hosts without one (CI)."""
 import dataclasses
-import os
 import socket
 
 import pytest
@@ -28,22 +27,7 @@ def accel_group():
     dist.destroy_process_group()
 
 
-def _batch(vocab, n=6, seed=0):
-    from rlrecipes.engines.base import SeqBatch
-
-    g = torch.Generator().manual_seed(seed)
-    lens = [(int(torch.randint(3, 12, (1,), generator=g)), int(torch.randint(2, 9, (1,), generator=g))) for _ in range(n)]
-    return SeqBatch(prompts=[torch.randint(1, vocab, (p,), generator=g) for p, _ in lens],
-                    responses=[torch.randint(1, vocab, (r,), generator=g) for _, r in lens],
-                    per_sample={"advantages": torch.randn(n, generator=g)})
-
-
-def _loss(logp, _ent, mb):
-    m = mb["response_mask"].to(logp.device)
-    return -(torch.where(m.bool(), logp * mb["advantages"].to(logp.device), 0.0)).sum() / m.sum().clamp(min=1), {}
-
-
-def test_bf16_mixed_precision_step_from_a_folder(tmp_path, accel_group):
+def test_bf16_mixed_precision_step_from_a_folder(tmp_path, accel_group, random_seq_batch, pg_loss):
     from rlrecipes.engines.native.loader import build_model
     from rlrecipes.engines.native.train import NativeTrainEngine
     from rlrecipes.models import SMOKE
@@ -56,7 +40,7 @@ def test_bf16_mixed_precision_step_from_a_folder(tmp_path, accel_group):
     assert eng.fsdp and eng.compute_dtype == torch.bfloat16
     assert all(p.dtype == torch.float32 for p in eng.model.parameters())  # fp32 masters
     assert eng.model.lm_head.weight is eng.model.get_input_embeddings().weight
-    batch = _batch(dims.vocab_size)
+    batch = random_seq_batch(dims.vocab_size)
     ref = NativeTrainEngine(str(tmp_path / "src"), layout=(1, 1), device="cpu", dtype="fp32", role="ref")
     logp_cpu, _ = ref.forward(batch)
     logp, _ = eng.forward(batch)  # packed micro-batches, per-sample [R_i] on the host
@@ -65,7 +49,7 @@ def test_bf16_mixed_precision_step_from_a_folder(tmp_path, accel_group):
     assert diff < 0.1, diff  # bf16 compute against the fp32 CPU model
     assert all(hasattr(p, "full_tensor") for p in eng.model.parameters())  # resharded after inference
     before = eng.full_state_dict()
-    m = eng.train_step(batch, _loss)
+    m = eng.train_step(batch, pg_loss)
     assert m["actor/skipped_step"] == 0.0 and m["actor/micro_batches"] >= 2
     assert torch.isfinite(torch.tensor(m["actor/grad_norm"]))
     after = eng.full_state_dict()

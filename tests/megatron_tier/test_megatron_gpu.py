@@ -1,7 +1,6 @@
 """megatron-core on an accelerator: the GPTModel built from the family's config, with converted HF
 weights, gives the HF model's logits. Skipped without megatron-core or without CUDA."""
 import dataclasses
-import os
 import socket
 
 import pytest
@@ -54,23 +53,9 @@ def test_megatron_logits_equal_hf(cuda_model_parallel, family):
     assert float((got - want).abs().max()) < 2e-3, float((got - want).abs().max())
 
 
-def _batch(vocab, n=6, seed=0):
-    from rlrecipes.engines.base import SeqBatch
-
-    g = torch.Generator().manual_seed(seed)
-    lens = [(int(torch.randint(3, 12, (1,), generator=g)), int(torch.randint(2, 9, (1,), generator=g))) for _ in range(n)]
-    return SeqBatch(prompts=[torch.randint(1, vocab, (p,), generator=g) for p, _ in lens],
-                    responses=[torch.randint(1, vocab, (r,), generator=g) for _, r in lens],
-                    per_sample={"advantages": torch.randn(n, generator=g)})
-
-
-def _pg_loss(logp, _ent, mb):
-    m = mb["response_mask"]
-    return -(torch.where(m.bool(), logp * mb["advantages"], 0.0)).sum() / m.sum().clamp(min=1), {}
-
-
 @pytest.mark.parametrize("dtype,tol", [("fp32", 1e-3), ("bf16", 0.1)])
-def test_engine_logprobs_equal_native_and_a_step_follows_the_advantages(cuda_model_parallel, tmp_path, dtype, tol):
+def test_engine_logprobs_equal_native_and_a_step_follows_the_advantages(cuda_model_parallel, tmp_path, dtype, tol,
+                                                                         random_seq_batch, pg_loss):
     from rlrecipes.engines.megatron.train import MegatronTrainEngine
     from rlrecipes.engines.native.loader import build_model
     from rlrecipes.engines.native.train import NativeTrainEngine
@@ -81,13 +66,13 @@ def test_engine_logprobs_equal_native_and_a_step_follows_the_advantages(cuda_mod
     src.save_pretrained(tmp_path / "src", safe_serialization=True)
     mg = MegatronTrainEngine(str(tmp_path / "src"), device="cuda", dtype=dtype, lr=1e-2, micro_batch_size=4)
     native = NativeTrainEngine(str(tmp_path / "src"), role="ref", layout=(1, 1), device="cuda", dtype=dtype)
-    batch = _batch(dims.vocab_size)
+    batch = random_seq_batch(dims.vocab_size)
     got, _ = mg.forward(batch)
     want, _ = native.forward(batch)
     diff = max(float((a - b).abs().max()) for a, b in zip(got, want))
     assert diff < tol, diff
     # one step on a policy-gradient loss moves log-probs along the advantages
-    m = mg.train_step(batch, _pg_loss)
+    m = mg.train_step(batch, pg_loss)
     assert m["actor/skipped_step"] == 0.0 and m["actor/micro_batches"] == 2 and m["actor/grad_norm"] > 0
     after, _ = mg.forward(batch)
     adv = batch.per_sample["advantages"]
@@ -95,7 +80,7 @@ def test_engine_logprobs_equal_native_and_a_step_follows_the_advantages(cuda_mod
     assert gain > 0, gain
 
 
-def test_grpo_steps_on_the_megatron_actor_raise_the_reward(cuda_model_parallel, tmp_path):
+def test_grpo_steps_on_the_megatron_actor_raise_the_reward(cuda_model_parallel, tmp_path, pg_loss):
     """Rollout (native sampler) -> reward -> GRPO advantages -> megatron train step -> weights back to
     the rollout, a few times: the reward (share of responses' tokens equal to a target) rises."""
     from rlrecipes.algos.advantages import grpo_advantage
@@ -121,7 +106,7 @@ def test_grpo_steps_on_the_megatron_actor_raise_the_reward(cuda_model_parallel, 
         adv, _ = grpo_advantage(scores, mask, group_size=group)
         batch = SeqBatch(prompts=batch_prompts, responses=[r.cpu() for r in out.responses],
                          per_sample={"advantages": adv[:, 0]})
-        m = actor.train_step(batch, _pg_loss)
+        m = actor.train_step(batch, pg_loss)
         assert m["actor/skipped_step"] == 0.0
         rewards.append(float(scores.mean()))
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.1, rewards

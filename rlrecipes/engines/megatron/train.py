@@ -14,7 +14,7 @@ import os
 from collections import defaultdict
 from functools import partial
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
@@ -141,11 +141,8 @@ class MegatronTrainEngine(base.TrainEngine):
 
         def collect(mb, logits, non_loss_data=False):
             logp, ent = self._logprobs(logits.float(), mb, with_entropy)
-            for j, i in enumerate(mb["sample_index"]):
-                n = int(batch.responses[i].numel())
-                outs[i] = logp[j, :n].detach().cpu()
-                if ent is not None:
-                    ents[i] = ent[j, :n].detach().cpu()
+            batching.rows_to_samples(outs, mb, logp, batch)
+            batching.rows_to_samples(ents, mb, ent, batch)
             return None
 
         with torch.no_grad():
@@ -182,12 +179,9 @@ class MegatronTrainEngine(base.TrainEngine):
         skipped = not ok or not all(math.isfinite(x) for x in losses)
         if not skipped:
             self.step += 1
-        p = self.role
-        out = {f"{p}/loss": sum(losses) / max(len(losses), 1), f"{p}/grad_norm": float(grad_norm or 0.0),
-               f"{p}/lr": self.optimizer.param_groups[0]["lr"], f"{p}/skipped_step": float(skipped),
-               f"{p}/micro_batches": n}
-        out.update({k: base.reduce_closure_metric(k, v) for k, v in acc.items()})
-        return out
+        return base.step_metrics(self.role, loss=sum(losses) / max(len(losses), 1), grad_norm=grad_norm or 0.0,
+                                 lr=self.optimizer.param_groups[0]["lr"], skipped=skipped, micro_batches=n,
+                                 closure=acc)
 
     def set_lr(self, lr: float) -> None:
         for g in self.optimizer.param_groups:

@@ -19,7 +19,7 @@ micro-batches (``response_mask`` all zero), so FSDP's collectives stay in step.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -119,6 +119,15 @@ def micro_batches(batch: SeqBatch, size: int, pad_id: int, *, collective: bool =
         mb["sample_index"] = idx
         out.append(mb)
     return out
+
+
+def rows_to_samples(dest: list, mb: Mapping, rows: torch.Tensor | None, batch: SeqBatch) -> None:
+    """``dest[i] = rows[j, :R_i]`` on the host for the ``j``-th sample ``i`` of micro-batch ``mb``
+    (``rows [b, R]``, as the engines' forward returns it; nothing when ``rows`` is None)."""
+    if rows is None:
+        return
+    for j, i in enumerate(mb["sample_index"]):
+        dest[i] = rows[j, :int(batch.responses[i].numel())].detach().cpu()
 
 
 def token_bins(lengths: Sequence[int], budget: int) -> list[list[int]]:

@@ -10,8 +10,8 @@ never a pickle). Two ways in:
   its shards and reads exactly those boxes from the safetensors files
   (:class:`rlrecipes.models.safetensors_io.SafetensorsFolder`). No rank ever holds the whole model.
 
-:func:`export_hf_sharded` writes an HF folder from a sharded model one file-sized group of
-parameters at a time, so the writer never holds more than one file.
+:class:`HFFolderWriter` writes an HF folder tensor by tensor, one file-sized group at a time, so
+an export never holds more than one file's worth of tensors.
 """
 from __future__ import annotations
 
@@ -20,9 +20,7 @@ import math
 import os
 import shutil
 from pathlib import Path
-from typing import Union
-
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Union
 
 import torch
 import torch.nn as nn

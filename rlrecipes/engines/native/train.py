@@ -37,7 +37,7 @@ from rlrecipes.engines import base
 from rlrecipes.engines.base import LossFn, SeqBatch
 from rlrecipes.engines.native import CAPABILITIES
 from rlrecipes.engines.native import parallel as par
-from rlrecipes.engines.native.batching import MeshRanks, micro_batches, packed_micro_batches
+from rlrecipes.engines.native.batching import MeshRanks, micro_batches, packed_micro_batches, rows_to_samples
 from rlrecipes.engines.native.loader import (HFFolderWriter, ModelSource, build_empty, build_model, materialize,
                                              source_folder)
 
@@ -294,11 +294,8 @@ class NativeTrainEngine(MeshRanks, base.TrainEngine):
         with torch.no_grad():
             for mb in self._micro_batches(batch):
                 logp, ent = self._forward(mb, 1.0, with_entropy)
-                for j, i in enumerate(mb["sample_index"]):
-                    n = int(batch.responses[i].numel())
-                    outs[i] = logp[j, :n].detach().cpu()
-                    if ent is not None:
-                        ents[i] = ent[j, :n].detach().cpu()
+                rows_to_samples(outs, mb, logp, batch)
+                rows_to_samples(ents, mb, ent, batch)
         if self.fsdp:
             # FSDP2 keeps the root unit (a tied embedding) gathered after forward, for a backward
             # that an inference pass never runs: give that memory back between stages
@@ -366,12 +363,9 @@ class NativeTrainEngine(MeshRanks, base.TrainEngine):
             self._park_optimizer()
             self.step += 1
         self.optimizer.zero_grad(set_to_none=True)
-        p = self.metric_prefix
-        out = {f"{p}/loss": float(torch.stack(losses).mean()), f"{p}/grad_norm": float(grad_norm),
-               f"{p}/lr": self.optimizer.param_groups[0]["lr"], f"{p}/skipped_step": float(skipped),
-               f"{p}/micro_batches": n}
-        out.update({k: base.reduce_closure_metric(k, v) for k, v in acc.items()})
-        return out
+        return base.step_metrics(self.metric_prefix, loss=float(torch.stack(losses).mean()), grad_norm=grad_norm,
+                                 lr=self.optimizer.param_groups[0]["lr"], skipped=skipped, micro_batches=n,
+                                 closure=acc)
 
     def set_lr(self, lr: float) -> None:
         for g in self.optimizer.param_groups:
