@@ -198,6 +198,7 @@ def make_worker_class(ray):
                               b["ref_log_probs"].numpy(), b["advantages"].numpy())
                 moved = 0
             d.put({"loss": torch.from_numpy(loss)}, b.rows)
+            d.flush()  # the step ends when its last write is committed (puts are sent without waiting)
             return {"starts": starts, "a2a_bytes": moved}
 
     return Worker

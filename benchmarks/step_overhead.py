@@ -41,6 +41,8 @@ def run(recipe: str, workers: int, steps: int, out: Path) -> dict:
     return {"recipe": recipe, "workers": workers, "steps_used": len(rows), "step_s": round(step_s, 4),
             "stage_s": {k: round(med(f"timing_s/{k}"), 4) for k in stages}, "compute_s": compute,
             "overhead_s_per_step": round(step_s - sum(compute.values()), 4),
+            "dock_round_trips": med("dock/round_trips"), "dock_wait_s": round(med("dock/wait_s"), 4),
+            "dock_s": {k: round(med(f"dock_s/{k}"), 4) for k in stages},
             "overhead_share": round(med("perf/overhead_share"), 4)}
 
 

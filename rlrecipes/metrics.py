@@ -28,15 +28,22 @@ class StageTimer:
         self.seconds: dict[str, float] = {}
         self.starts: dict[str, float] = {}
         self.compute: dict[str, float] = {}
+        self.dock_wait: dict[str, float] = {}
+        self.dock_trips: dict[str, int] = {}
 
     @contextmanager
-    def stage(self, name: str):
+    def stage(self, name: str, dock=None):
+        """Time a stage; with ``dock`` (a DockClient) also the round trips and seconds it waited on it."""
         t0 = time.time()
         self.starts.setdefault(name, t0)
+        w0, n0 = (dock.wait_s, dock.round_trips) if dock is not None else (0.0, 0)
         try:
             yield
         finally:
             self.seconds[name] = self.seconds.get(name, 0.0) + time.time() - t0
+            if dock is not None:
+                self.dock_wait[name] = self.dock_wait.get(name, 0.0) + dock.wait_s - w0
+                self.dock_trips[name] = self.dock_trips.get(name, 0) + dock.round_trips - n0
 
     def add_compute(self, name: str, seconds: float) -> None:
         """Model-compute seconds inside a stage (the rest of the stage is overhead)."""

@@ -28,7 +28,7 @@ def run_stages(ctx: Context, st: StepState) -> None:
         while True:
             for stage in stages[i:j]:
                 ctx.report(stage.name)
-                with ctx.timer.stage(stage.name):
+                with ctx.timer.stage(stage.name, ctx.dock):
                     RUNNERS[stage.runner](ctx, st)
             if not (group and st.more):
                 break
@@ -40,6 +40,7 @@ def train_step(ctx: Context, step: int) -> dict:
     r = ctx.recipe
     ctx.timer = StageTimer()
     t_step = time.time()
+    trips0, wait0 = ctx.dock.round_trips, ctx.dock.wait_s
     if ctx.rank == 0:
         ctx.dock.reset(step)
     ctx.cache.clear(step)
@@ -47,11 +48,13 @@ def train_step(ctx: Context, step: int) -> dict:
     ctx.actor.onload()
     st = StepState(step=step, target=r.trainer.global_batch)
     run_stages(ctx, st)
+    ctx.dock.flush()  # this worker's last writes are committed (or their failure raised) within the step
     step_s = time.time() - t_step
     mem = dev.memory_stats(ctx.device)
     t = ctx.timer
     facts = {"starts": t.starts, "seconds": t.seconds, "compute": t.compute, "peak": mem.peak_bytes,
-             "reward_sum": st.reward_sum, "reward_n": st.reward_n, "errors": st.errors, "first_error": st.first_error}
+             "dock_trips": ctx.dock.round_trips - trips0, "dock_wait": ctx.dock.wait_s - wait0,
+             "dock_stage": t.dock_wait, "reward_sum": st.reward_sum, "reward_n": st.reward_n, "errors": st.errors, "first_error": st.first_error}
     gathered: list = [None] * ctx.world
     dist.all_gather_object(gathered, facts)
     if ctx.rank != 0:
@@ -80,6 +83,11 @@ def metrics_row(ctx: Context, st: StepState, gathered: list[dict], step_s: float
         "timing_s/step": round(step_s, 4),
         "perf/dispatch_skew_s": round(dispatch_skew(g["starts"] for g in gathered), 4),
         "perf/overhead_share": round(max(0.0, 1.0 - compute / step_s), 4) if step_s > 0 else 0.0,
+        # TransferDock: blocking calls and seconds waited per step (the busiest worker), per stage
+        "dock/round_trips": max(g["dock_trips"] for g in gathered),
+        "dock/wait_s": round(max(g["dock_wait"] for g in gathered), 4),
+        **{f"dock_s/{k}": round(max(g["dock_stage"].get(k, 0.0) for g in gathered), 4)
+           for k in ctx.timer.dock_wait},
         "reward/mean": rsum / rn if rn else float("nan"),
         "reward/errors": sum(g["errors"] for g in gathered),
         "reward/samples": rn,

@@ -54,7 +54,8 @@ def rollout(ctx: Context, st: StepState) -> None:
     """Generate n responses for each of ``st.target`` new prompt groups (rows added by rank 0)."""
     r, n = ctx.recipe, ctx.recipe.trainer.n_samples_per_prompt
     eng = ctx.rollout
-    rows = broadcast(ctx.dock.add_groups(st.target, n) if ctx.rank == 0 else None)
+    rows = ctx.dock.add_groups(st.target, n) if ctx.rank == 0 else None
+    rows = broadcast(rows) if ctx.world > 1 else rows
     prompt_idx = ctx.sampler.next_indices(st.target)  # identical on every rank
     mine = list(range(eng.dp_rank, st.target, eng.dp_size))
     prompts = [torch.tensor(ctx.dataset[prompt_idx[g]]["prompt_ids"], dtype=torch.long) for g in mine for _ in range(n)]
@@ -84,7 +85,7 @@ def reward(ctx: Context, st: StepState) -> None:
     r = ctx.recipe
     b = ctx.dock.get("reward", ["response_ids", "prompt_index"], None, dp_rank=ctx.rank, dp_size=ctx.world,
                      timeout=r.trainer.dock_timeout_s)
-    texts = [ctx.tokenizer.decode(x.tolist(), skip_special_tokens=True) for x in b["response_ids"]]
+    texts = ctx.tokenizer.batch_decode([x.tolist() for x in b["response_ids"]], skip_special_tokens=True)
     answers = [ctx.dataset[int(i)]["answer"] for i in b["prompt_index"]]
     scores, n_err, first = score_batch(ctx.reward_fn, texts, answers)
     scores = torch.tensor(scores, dtype=torch.float32)  # [rows]

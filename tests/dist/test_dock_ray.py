@@ -107,8 +107,9 @@ def test_ray_reset_and_mark_cached(dock):
 def test_rejected_put_keeps_data_and_a_stale_row_map_is_corrected(dock):
     rows = dock.add_groups(3, 2)                      # round robin: one group per warehouse
     dock.put({"a": torch.arange(6.)}, rows)
+    dock.put({"a": [torch.ones(2)] * 6}, rows)        # sent without waiting ...
     with pytest.raises(DockError, match="already has it"):
-        dock.put({"a": [torch.ones(2)] * 6}, rows)    # rejected by the controller: taken back
+        dock.flush()                                  # ... rejected by the controller: taken back
     # a client whose cached row -> warehouse map is wrong: the commit says "misplaced", the
     # write is taken back and redone at the right warehouses
     d2 = pickle.loads(pickle.dumps(dock))
@@ -118,6 +119,22 @@ def test_rejected_put_keeps_data_and_a_stale_row_map_is_corrected(dock):
     assert b["a"].tolist() == list(range(6)) and b["b"].tolist() == [2.0 * i for i in range(6)]
     assert [w["columns"]["b"] for w in dock.stats()["warehouses"]] == [2, 2, 2]
     assert [w["columns"]["a"] for w in dock.stats()["warehouses"]] == [2, 2, 2]
+
+
+def test_a_get_is_one_round_trip_and_a_put_none(dock):
+    dock = dock.with_placement("writer_node")         # every row on the caller's node
+    rows = dock.add_groups(2, 2)
+    n = dock.round_trips
+    dock.put({"a": torch.arange(4.)}, rows)
+    dock.mark_cached({"logp": [1, 1, 1, 1]}, rows, rank=0)
+    assert dock.round_trips == n                      # nothing waited for yet
+    dock.flush()
+    n = dock.round_trips
+    b = dock.get("c", ["a", "logp"], None, timeout=5)
+    assert dock.round_trips == n + 1 and b["a"].tolist() == [0.0, 1.0, 2.0, 3.0] and b.holders["logp"] == [0] * 4
+    # a reader that claims right after an unsettled put still sees the rows (claims wait for commits)
+    dock.put({"s": torch.ones(4)}, rows)
+    assert dock.get("d", ["s"], None, timeout=5)["s"].tolist() == [1.0] * 4
 
 
 def _shared_mapping_of(ptr: int) -> str | None:
@@ -164,6 +181,7 @@ class Worker:
         d = self.dock.with_placement(placement)
         rows = d.add_groups(n_groups, g)
         d.put({"ids": [ids(r, 1 + r % 3) for r in rows]}, rows)
+        d.flush()  # puts are sent without waiting; the caller inspects the warehouses next
         return rows
 
     def consume(self, rank: int, size: int) -> list[tuple[int, list[int]]]:
@@ -176,6 +194,7 @@ class Worker:
             rows = self.dock.add_groups(1, g)
             self.dock.put({"ids": [ids(r, 1 + r % 5) for r in rows]}, rows)
             out += rows
+        self.dock.flush()
         return out
 
     def read(self, rank: int, size: int) -> list[tuple[int, list[int]]]:

@@ -12,14 +12,17 @@ Two backends, one API (:class:`DockClient`):
 
 * ``TransferDock.local()`` -- in-process and thread-safe (one lock + condition); unit tests and
   single-process runs.
-* ``TransferDock.ray()`` -- a *controller* actor that holds metadata only (per-column readiness,
+* ``TransferDock.ray()`` -- a *controller* that holds metadata only (per-column readiness,
   per-consumer consumption, row -> warehouse map, groups, per-row token lengths, cache holders) and
   one *warehouse* actor per Ray node, pinned there with ``NodeAffinitySchedulingStrategy``, that
-  holds the tensors of the rows assigned to it. Clients (worker actors, each with the same
-  picklable handle) ask the controller *which* rows and *where*, then write to / read from the
-  warehouses directly. The driver never touches sample data. A put is one client round trip per
-  warehouse: the warehouse stores the rows and commits them (marks them ready) at the controller
-  before answering, so readiness never runs ahead of the data.
+  holds the tensors of the rows assigned to it. The controller runs inside the first node's
+  warehouse process (one event loop, no locks), so claims and commits there cost no extra hop.
+  Clients (worker actors, each with the same picklable handle) ask the controller *which* rows and
+  *where*, then write to / read from the warehouses directly. The driver never touches sample data. A get is one client round trip: the
+  caller's node warehouse claims at the controller and answers with the rows it holds. A put is
+  sent without waiting: the warehouse stores the rows and commits them (marks them ready) at the
+  controller, so readiness never runs ahead of the data; the writer settles the answer at its next
+  blocking call (``flush``).
 
 Data travels as flat numpy arrays (one per column and warehouse call); arrays above Ray's inline
 threshold go through the shared-memory object store and are read back zero-copy, so the tensors of
@@ -83,20 +86,19 @@ class TransferDock:
         if not nodes:
             raise DockError("TransferDock.ray(): no alive Ray nodes")
         opts = {"num_cpus": 0, "max_restarts": 0}
-        ctl_opts = dict(opts)
-        if name:
-            ctl_opts["name"] = f"{name}:controller"
-        controller = ray.remote(_Controller).options(**ctl_opts).remote(len(nodes), equal_count)
-        warehouses = []
+        warehouses: list = []
         for i, node in enumerate(nodes):
             w_opts = dict(opts, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False))
             if name:
                 w_opts["name"] = f"{name}:warehouse{i}"
-            warehouses.append(ray.remote(_Warehouse).options(**w_opts).remote(i, controller))
+            # warehouse 0 (the first node's) hosts the metadata controller in its process
+            head = warehouses[0] if warehouses else None
+            warehouses.append(ray.remote(_Warehouse).options(**w_opts).remote(i, head, len(nodes), equal_count))
+        ray.get([w.set_peers.remote(warehouses) for w in warehouses])
         got = ray.get([w.node_id.remote() for w in warehouses])
         if got != nodes:  # NodeAffinity with soft=False guarantees this; check anyway
             raise DockError(f"warehouses landed on {got}, expected {nodes}")
-        dock = RayDock(controller, warehouses, nodes, placement)
+        dock = RayDock(warehouses, nodes, placement)
         dock._owner = True
         dock.reset(0)
         return dock

@@ -75,6 +75,15 @@ class Batch:
 class DockClient(abc.ABC):
     """The API every backend implements. See the module docstring for the semantics."""
 
+    round_trips: int = 0
+    """Blocking calls this client made to other processes (0 in process)."""
+    wait_s: float = 0.0
+    """Seconds this client spent waiting in them."""
+
+    def flush(self) -> None:
+        """Wait until this client's writes and cache marks are committed (a backend may send them
+        without waiting); raises the first failed one."""
+
     @abc.abstractmethod
     def reset(self, step: int) -> None:
         ...

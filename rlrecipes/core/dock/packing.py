@@ -52,8 +52,12 @@ class Packed:
 
     @property
     def offsets(self) -> np.ndarray:
-        sizes = [math.prod(s) for s in self.shapes]
-        return np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)]).astype(np.int64)
+        """``[rows + 1]`` start of each row in ``flat`` (computed once)."""
+        off = self.__dict__.get("_offsets")
+        if off is None or off.size != len(self.shapes) + 1:
+            sizes = np.fromiter((math.prod(s) for s in self.shapes), np.int64, len(self.shapes))
+            off = self.__dict__["_offsets"] = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        return off
 
     @property
     def nbytes(self) -> int:
@@ -87,15 +91,20 @@ def pack_column(name: str, value: Any, n_rows: int, own: bool = False) -> Packed
 
 
 def slice_packed(p: Packed, idx: Sequence[int]) -> Packed:
-    """The rows ``idx`` (positions in ``p``) as a new Packed; one gather copy."""
-    off = p.offsets
-    if len(idx) == len(p.shapes) and list(idx) == list(range(len(p.shapes))):
+    """The rows ``idx`` (positions in ``p``) as a new Packed; one gather copy (none for all rows)."""
+    n = len(p.shapes)
+    if len(idx) == n and list(idx) == list(range(n)):
         return p
-    if idx:
-        flat = np.concatenate([p.flat[off[i]:off[i + 1]] for i in idx])
-    else:
-        flat = p.flat[:0]
-    return Packed(flat, [p.shapes[i] for i in idx], p.dtype, p.stacked)
+    if not len(idx):
+        return Packed(p.flat[:0], [], p.dtype, p.stacked)
+    pos = np.asarray(idx, np.int64)
+    if p.stacked and len(set(p.shapes)) == 1:   # equal rows: one fancy-index gather
+        flat = p.flat.reshape(n, -1)[pos].reshape(-1)
+    else:  # runs of consecutive positions are one slice each
+        off = p.offsets
+        cut = np.flatnonzero(np.diff(pos) != 1) + 1
+        flat = np.concatenate([p.flat[off[run[0]]:off[run[-1] + 1]] for run in np.split(pos, cut)])
+    return Packed(flat, [p.shapes[i] for i in pos.tolist()], p.dtype, p.stacked)
 
 
 def concat_packed(parts: Sequence[Packed]) -> Packed:
@@ -159,7 +168,7 @@ class _ColumnStore:
         parts: list[Packed] = []
         run_chunk, run_pos = None, []
         for r in rows:
-            c, j = idx[int(r)]
+            c, j = idx[r]
             if c != run_chunk and run_pos:
                 parts.append(slice_packed(self.chunks[col][run_chunk], run_pos))
                 run_pos = []

@@ -1,4 +1,5 @@
-"""The Ray backend: a metadata-only controller actor, one warehouse actor per node holding the tensors,
+"""The Ray backend: one warehouse actor per node holding the tensors, the metadata-only controller
+hosted in the first node's warehouse process (so its claims and commits cost no extra hop there),
 and the client that talks to both; the driver never touches sample data."""
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from .client import Batch, DockClient, _put_meta, _cached_meta, _empty_batch
 # ----------------------------------------------------------------------------------------------
 
 class _Controller:
-    """Ray actor body (async): metadata only. All methods run on one event loop: no locks."""
+    """The metadata controller (async; runs on the head warehouse's event loop: no locks)."""
 
     def __init__(self, n_warehouses: int, equal_count: bool):
         self.meta = _Meta(n_warehouses, equal_count)
@@ -104,13 +105,36 @@ class _Controller:
 class _Warehouse:
     """Ray actor body (async, one event loop: no locks): the tensors of the rows assigned to this
     warehouse (one per node). A write stores the rows, then tells the controller they are ready
-    (``commit``) before answering the writer -- one client round trip per put and warehouse."""
+    (``commit``) before answering the writer. Rows that belong to another warehouse (the writer's
+    row map was stale) are taken back and forwarded there, so a write completes without the writer."""
 
-    def __init__(self, index: int, controller):
+    MAX_HOPS = 2
+    CONTROL = frozenset({"reset", "add_groups", "placement", "mark_ready", "commit", "claim", "cached_on",
+                         "all_consumed", "drop_rows", "stats", "step"})
+
+    def __init__(self, index: int, head=None, n_warehouses: int = 1, equal_count: bool = True):
+        """``head``: the handle of the warehouse that hosts the controller; None: this one does."""
         self.index = index
-        self.controller = controller
+        self.head = head
+        self.ctl = _Controller(n_warehouses, equal_count) if head is None else None
+        self.peers: list = []
         self.store = _ColumnStore()
         self.step = None
+
+    async def control(self, method: str, *args):
+        """A controller call from a client or another warehouse (head warehouse only)."""
+        if self.ctl is None or method not in self.CONTROL:
+            raise DockError(f"warehouse {self.index}: no controller method {method!r} here")
+        return await getattr(self.ctl, method)(*args)
+
+    async def _control(self, method: str, *args):
+        """The controller: in this process on the head warehouse (no hop), else one actor call."""
+        if self.ctl is not None:
+            return await getattr(self.ctl, method)(*args)
+        return await self.head.control.remote(method, *args)
+
+    def set_peers(self, warehouses: list) -> None:
+        self.peers = list(warehouses)
 
     def node_id(self) -> str:
         import ray
@@ -120,25 +144,54 @@ class _Warehouse:
         self.store.clear()
         self.step = step
 
-    async def write(self, rows, packed: dict, meta: dict):
-        """Store, then commit at the controller. None when done; else the controller's answer
-        (``("misplaced", step, warehouses)`` or ``("error", message)``), with nothing kept."""
+    async def write(self, rows, packed: dict, meta: dict, hops: int = 0):
+        """Store, then commit at the controller. Answers None when done here, ``("moved", step,
+        warehouses)`` when the rows were forwarded to their warehouses and committed there, or
+        ``("error", message)`` with nothing kept."""
         step = self.step
         undo = [u for c, p in packed.items() for u in self.store.write(c, rows, p)]
-        res = await self.controller.commit.remote(step, self.index, meta, rows)
-        if res is not None and self.step == step:
+        res = await self._control("commit", step, self.index, meta, rows)
+        if res is None:
+            return None
+        if self.step == step:
             self.store.undo(undo)
-        return res
+        if res[0] != "misplaced":
+            return res
+        whs = res[2]
+        if hops >= self.MAX_HOPS or not self.peers:
+            return ("error", f"put: rows {list(rows)[:8]} kept moving between warehouses")
+        by_wh: dict[int, list[int]] = {}
+        for i, w in enumerate(whs):
+            by_wh.setdefault(int(w), []).append(i)
+        answers = await asyncio.gather(*[self.peers[w].write.remote(
+            [rows[i] for i in pos], {c: slice_packed(p, pos) for c, p in packed.items()},
+            {c: (d, st, [ls[i] for i in pos]) for c, (d, st, ls) in meta.items()}, hops + 1)
+            for w, pos in by_wh.items()])
+        bad = next((a for a in answers if a is not None and a[0] == "error"), None)
+        return bad or ("moved", res[1], whs)
 
     async def read(self, step, columns, rows) -> dict:
         if step != self.step:
             raise DockError(f"warehouse {self.index}: read for step {step}, dock at step {self.step}")
         return {c: self.store.read(c, rows) for c in columns}
 
+    async def claim_read(self, consumer, columns, count, dp_rank, dp_size, whole_groups, timeout):
+        """The controller's claim, then this warehouse's share of the claimed rows read here: one
+        client round trip when the rows live on the caller's node (``("ok", ..., index, data)``)."""
+        res = await self._control("claim", consumer, columns, count, dp_rank, dp_size, whole_groups, timeout)
+        if res[0] != "ok":
+            return res
+        _, rows, cached, stored = res
+        mine = stored["by_warehouse"].get(self.index)
+        data = None
+        if mine and stored["columns"] and stored["step"] == self.step:
+            data = {c: self.store.read(c, mine) for c in stored["columns"]}
+        return ("ok", rows, cached, stored, self.index, data)
+
     async def drop(self, rows):
         self.store.drop(rows)
 
-    async def stats(self):
+    async def store_stats(self):
         s = self.store.stats()
         s["index"] = self.index
         s["node_id"] = self.node_id()
@@ -146,29 +199,56 @@ class _Warehouse:
 
 
 class RayDock(DockClient):
-    """Ray backend client: picklable (actor handles + config), used the same way in every actor."""
+    """Ray backend client: picklable (actor handles + config), used the same way in every actor.
 
-    def __init__(self, controller, warehouses: list, node_ids: list[str], placement: str):
-        self._controller = controller
-        self._warehouses = list(warehouses)
+    Round trips (what a stage waits for): a get is one call to the warehouse of the caller's node,
+    which claims at the controller and answers with the rows it holds (other nodes' rows: one more
+    parallel read). Puts and cache marks are sent without waiting: they complete in the actors (a
+    write that reached a stale warehouse is forwarded by it), and their answers are settled at the
+    client's next blocking call (a get, reset, ...) or :meth:`flush`, where a failed write raises.
+    A reader never sees rows before they are committed: claims wait for readiness at the controller.
+    ``round_trips`` / ``wait_s``
+    count the blocking calls and the seconds spent in them (the step's ``dock/*`` metrics).
+    """
+
+    def __init__(self, warehouses: list, node_ids: list[str], placement: str):
+        self._warehouses = list(warehouses)   # [0] hosts the controller
         self._node_ids = list(node_ids)
         self._placement = placement
         self._owner = False
+        self._init_client()
+
+    def _init_client(self) -> None:
         # Client-side cache of row -> warehouse (from add_groups, get and misplaced answers), so a
         # put costs one warehouse call. A stale entry is caught by the controller's commit (the
         # write is taken back and redone at the right warehouse). One warehouse: nothing to learn.
         self._wh_of: dict[int, int] = {}
-
-    @property
-    def warehouse_nodes(self) -> list[str]:
-        """The Ray node id of each warehouse (one per node)."""
-        return list(self._node_ids)
+        self._pending: list[tuple] = []     # unsettled writes: (kind, ref, payload)
+        self._home: int | None = None       # this process's node's warehouse (resolved lazily)
+        self.round_trips = 0
+        self.wait_s = 0.0
 
     def __getstate__(self):
         d = dict(self.__dict__)
         d["_owner"] = False   # only the creator kills the actors
-        d["_wh_of"] = {}
         return d
+
+    def __setstate__(self, d):
+        self.__dict__.update(d)
+        self._init_client()   # a copy is a new client: its own row map, no unsettled writes
+
+    def _ctl(self, method: str, *args):
+        """A controller call (the controller lives in the head warehouse's process)."""
+        return self._warehouses[0].control.remote(method, *args)
+
+    def _wait(self, refs, **kw):
+        """``ray.get`` counted as one round trip of the caller."""
+        t0 = time.perf_counter()
+        try:
+            return self._ray().get(refs, **kw)
+        finally:
+            self.round_trips += 1
+            self.wait_s += time.perf_counter() - t0
 
     def _learn(self, rows, whs) -> None:
         if len(self._warehouses) > 1:
@@ -179,7 +259,7 @@ class RayDock(DockClient):
         (``round_robin`` or ``writer_node``)."""
         if placement not in ("round_robin", "writer_node"):
             raise DockError(f"placement {placement!r}: expected round_robin or writer_node")
-        return RayDock(self._controller, self._warehouses, self._node_ids, placement)
+        return RayDock(self._warehouses, self._node_ids, placement)
 
     @property
     def warehouse_nodes(self) -> list[str]:
@@ -191,89 +271,100 @@ class RayDock(DockClient):
         return ray
 
     def reset(self, step: int) -> None:
-        ray = self._ray()
+        self.flush()
         # Warehouses and controller in parallel: one round trip of latency.
-        ray.get([w.clear.remote(step) for w in self._warehouses] + [self._controller.reset.remote(step)])
+        self._wait([w.clear.remote(step) for w in self._warehouses] + [self._ctl("reset", step)])
         self._wh_of = {}
 
     def _local_warehouse(self) -> int | None:
-        try:
-            node = self._ray().get_runtime_context().get_node_id()
-        except Exception:
-            return None
-        return self._node_ids.index(node) if node in self._node_ids else None
+        if self._home is None:
+            try:
+                node = self._ray().get_runtime_context().get_node_id()
+            except Exception:
+                node = None
+            self._home = self._node_ids.index(node) if node in self._node_ids else -1
+        return self._home if self._home >= 0 else None
 
     def add_groups(self, n_groups: int, group_size: int) -> list[int]:
         wh = self._local_warehouse() if self._placement == "writer_node" else None
-        step, rows, whs = self._ray().get(self._controller.add_groups.remote(n_groups, group_size, wh))
+        step, rows, whs = self._wait(self._ctl("add_groups", n_groups, group_size, wh))
         self._learn(rows, whs)
         return rows
 
+    # -- writes: sent now, settled at the next blocking call ---------------------------------------
     def put(self, columns, rows) -> None:
-        ray = self._ray()
         rows = [int(r) for r in rows]
         meta, packed = _put_meta(columns, rows, own=False)
-        todo = list(range(len(rows)))      # positions in `rows` still to write
-        for attempt in range(3):
-            if len(self._warehouses) == 1:
-                wh_of = [0] * len(todo)
-            else:
-                if any(rows[i] not in self._wh_of for i in todo):
-                    _, whs = ray.get(self._controller.placement.remote([rows[i] for i in todo]))
-                    self._learn([rows[i] for i in todo], whs)
-                wh_of = [self._wh_of[rows[i]] for i in todo]
-            by_wh: dict[int, list[int]] = {}
-            for i, w in zip(todo, wh_of):
-                by_wh.setdefault(w, []).append(i)
-            writes = [(pos, self._warehouses[w].write.remote(
+        if len(self._warehouses) == 1:
+            wh_of = [0] * len(rows)
+        else:
+            if any(r not in self._wh_of for r in rows):
+                _, whs = self._wait(self._ctl("placement", rows))
+                self._learn(rows, whs)
+            wh_of = [self._wh_of[r] for r in rows]
+        by_wh: dict[int, list[int]] = {}
+        for i, w in enumerate(wh_of):
+            by_wh.setdefault(w, []).append(i)
+        for w, pos in by_wh.items():
+            ref = self._warehouses[w].write.remote(
                 [rows[i] for i in pos], {c: slice_packed(p, pos) for c, p in packed.items()},
-                {c: (d, st, [ls[i] for i in pos]) for c, (d, st, ls) in meta.items()}))
-                for w, pos in by_wh.items()]
-            todo = []
-            for (pos, _), res in zip(writes, ray.get([r for _, r in writes])):
-                if res is None:
-                    continue
-                if res[0] == "error":
-                    raise DockError(res[1])
-                self._learn([rows[i] for i in pos], res[2])      # misplaced: learn and redo
-                todo += pos
-            if not todo:
-                return
-        raise DockError(f"put: rows {rows[:8]} kept moving between warehouses")
+                {c: (d, st, [ls[i] for i in pos]) for c, (d, st, ls) in meta.items()})
+            self._pending.append(("put", ref, [rows[i] for i in pos]))
 
+    def mark_cached(self, columns, rows, rank) -> None:
+        ref = self._ctl("mark_ready", _cached_meta(columns, rows), [int(r) for r in rows], int(rank))
+        self._pending.append(("mark", ref, None))
+
+    def flush(self) -> None:
+        """Wait for this client's writes and cache marks; raise the first failure."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        for (kind, _, rows), res in zip(pending, self._wait([ref for _, ref, _ in pending])):
+            if res is None:
+                continue
+            if res[0] == "error":
+                raise DockError(res[1])
+            self._learn(rows, res[2])                  # "moved": the warehouse forwarded them
+
+    # -- reads -------------------------------------------------------------------------------------
     def get(self, consumer, columns, count=None, *, dp_rank=0, dp_size=1, whole_groups=False,
             timeout=DEFAULT_TIMEOUT_S, copy=False) -> Batch:
         ray = self._ray()
         columns = list(columns)
-        ref = self._controller.claim.remote(consumer, columns, count, dp_rank, dp_size, whole_groups,
-                                            float(timeout))
+        home = self._local_warehouse()
+        home = 0 if home is None else home
+        ref = self._warehouses[home].claim_read.remote(consumer, columns, count, dp_rank, dp_size, whole_groups,
+                                                       float(timeout))
+        self.flush()   # this client's own writes settle while the claim is in flight
         try:
-            res = ray.get(ref, timeout=timeout + 60.0)
+            res = self._wait(ref, timeout=timeout + 60.0)
         except ray.exceptions.GetTimeoutError:
             raise DockTimeout(consumer, columns, timeout, {
                 "step": "?", "total": "?", "live": "?", "taken": "?", "dp_rank": dp_rank,
                 "dp_size": dp_size, "wanted": count, "ready": {}, "ready_all": "? (controller unresponsive)"})
         if res[0] == "timeout":
             raise DockTimeout(consumer, columns, timeout, res[1])
-        _, rows, cached, stored = res
+        _, rows, cached, stored, read_at, local_data = res
         step = stored["step"]
         for w, rs in stored["by_warehouse"].items():
             self._learn(rs, [w] * len(rs))
         cols = stored["columns"]
-        parts: dict[str, list[Packed]] = {c: [] for c in cols}
-        pos: list[int] = []
-        if cols and rows:
-            refs = {w: self._warehouses[w].read.remote(step, cols, rs)
-                    for w, rs in stored["by_warehouse"].items()}
-            got = dict(zip(refs, ray.get(list(refs.values()))))
-            for w, rs in stored["by_warehouse"].items():
-                pos.extend(rs)
-                for c in cols:
-                    parts[c].append(got[w][c])
         if not rows:
             return _empty_batch(stored, cached)
         data = {}
         if cols:
+            got = {read_at: local_data} if local_data is not None else {}
+            refs = {w: self._warehouses[w].read.remote(step, cols, rs)
+                    for w, rs in stored["by_warehouse"].items() if w not in got}
+            if refs:
+                got.update(zip(refs, self._wait(list(refs.values()))))
+            parts: dict[str, list[Packed]] = {c: [] for c in cols}
+            pos: list[int] = []
+            for w, rs in stored["by_warehouse"].items():
+                pos.extend(rs)
+                for c in cols:
+                    parts[c].append(got[w][c])
             # Restore the claimed row order (the warehouses answered grouped by warehouse).
             order = np.argsort(np.asarray(pos), kind="stable")
             want = np.searchsorted(np.asarray(pos)[order], np.asarray(rows))
@@ -283,34 +374,32 @@ class RayDock(DockClient):
                 data[c] = unpack(p if idx == list(range(len(idx))) else slice_packed(p, idx), copy)
         return Batch(list(rows), data, cached, stored["partition"])
 
-    def mark_cached(self, columns, rows, rank) -> None:
-        self._ray().get(self._controller.mark_ready.remote(
-            _cached_meta(columns, rows), [int(r) for r in rows], int(rank)))
-
     def cached_on(self, column, rows):
-        return self._ray().get(self._controller.cached_on.remote(column, list(rows)))
+        self.flush()
+        return self._wait(self._ctl("cached_on", column, list(rows)))
 
     def all_consumed(self, consumer) -> bool:
-        return self._ray().get(self._controller.all_consumed.remote(consumer))
+        self.flush()
+        return self._wait(self._ctl("all_consumed", consumer))
 
     def drop_rows(self, rows) -> None:
-        ray = self._ray()
-        by_wh = ray.get(self._controller.drop_rows.remote([int(r) for r in rows]))
-        ray.get([self._warehouses[w].drop.remote(rs) for w, rs in by_wh.items()])
+        self.flush()
+        by_wh = self._wait(self._ctl("drop_rows", [int(r) for r in rows]))
+        self._wait([self._warehouses[w].drop.remote(rs) for w, rs in by_wh.items()])
 
     def stats(self) -> dict:
-        ray = self._ray()
-        s = ray.get(self._controller.stats.remote())
+        self.flush()
+        s = self._wait(self._ctl("stats", ))
         s["backend"] = "ray"
-        s["warehouses"] = ray.get([w.stats.remote() for w in self._warehouses])
+        s["warehouses"] = self._wait([w.store_stats.remote() for w in self._warehouses])
         return s
 
     def shutdown(self) -> None:
-        """Kill the controller and warehouses (only from the client that created them)."""
+        """Kill the warehouses and with them the controller (only from the client that created them)."""
         if not self._owner:
             return
         ray = self._ray()
-        for a in [self._controller, *self._warehouses]:
+        for a in self._warehouses:
             try:
                 ray.kill(a)
             except Exception:
