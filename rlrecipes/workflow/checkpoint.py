@@ -65,7 +65,7 @@ def load(ctx: Context, ckpt: Path) -> int:
     ctx.actor.load(ckpt / "actor")
     if ctx.critic is not None:
         ctx.critic.load(ckpt / "critic")
-    state = json.loads((ckpt / "trainer_state.json").read_text())
+    state = trainer_state(ckpt)
     ctx.sampler.load_state_dict(state["sampler"])
     if state.get("kl_coef") is not None and hasattr(ctx.kl_ctl, "value"):
         ctx.kl_ctl.value = state["kl_coef"]
@@ -73,6 +73,11 @@ def load(ctx: Context, ckpt: Path) -> int:
     if rng.is_file():
         dev.set_rng_state(torch.load(rng, weights_only=True))
     return int(state["next_step"])
+
+
+def trainer_state(ckpt: Path) -> dict:
+    """``next_step``, the prompt sampler's position and the KL coefficient of a checkpoint."""
+    return json.loads((ckpt / "trainer_state.json").read_text())
 
 
 def latest(run_dir: Path) -> Optional[Path]:

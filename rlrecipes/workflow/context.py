@@ -4,18 +4,24 @@ Built once by :func:`build_context` after the process group is up. Engines come 
 ``engines/registry.py`` by the names the recipe gives (``actor.engine``, ``rollout.engine``) and
 are used only through ``engines/base.py``; nothing here knows a backend.
 
-Colocated ("integrated") workers: each holds the actor and reference model (train layout), the
-critic for PPO, and the rollout engine (rollout layout) on its device, in one torch.distributed
-world. Trained weights reach the rollout layout through the Resharder every step.
+Colocated ("integrated") workers (``role == "both"``): each holds the actor and reference model
+(train layout), the critic for PPO, and the rollout engine (rollout layout) on its device, in one
+torch.distributed world. Trained weights reach the rollout layout through the Resharder every step.
+
+Disaggregated placement (``resources.placement``): ``role == "train"`` workers hold the train
+roles and ``role == "rollout"`` workers only the rollout engine, each set in its own
+torch.distributed world (``rank`` / ``world`` are within it), joined by the bridge group over which
+:class:`~rlrecipes.core.resharder.bridge.WeightBridge` moves each new policy version.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
 
+from .. import device as dev
 from ..algos import make_kl_controller, mini_batches_per_rollout, resolve_skip_old_log_prob
 from ..algos.spec import Stage, get_algorithm
 from ..core.resharder import Layout, Resharder, plan_reshard
@@ -59,11 +65,27 @@ class Context:
     timer: StageTimer = field(default_factory=StageTimer)
     step: int = -1
     stage: str = "init"
+    role: str = "both"
+    """both (colocated) | train | rollout (disaggregated placement)."""
+    docks: list = field(default_factory=list)
+    """The dock ring: step s uses ``docks[s % len(docks)]`` (max_staleness + 1 docks)."""
+    bridge: Any = None
+    version: int = 0
+    """The policy version of the rollout weights (= the step whose update produced them)."""
+    end_step: int = 0
+
+    @property
+    def leader(self) -> bool:
+        """The worker that talks to the driver: rank 0 of the train (or colocated) world."""
+        return self.rank == 0 and self.role != "rollout"
+
+    def use_dock(self, step: int) -> None:
+        self.dock = self.docks[step % len(self.docks)]
 
     def report(self, stage: str) -> None:
-        """Rank 0 tells the driver which stage runs (the live view and failure messages use it)."""
+        """The leader tells the driver which stage runs (the live view and failure messages use it)."""
         self.stage = stage
-        if self.rank == 0 and self.progress is not None:
+        if self.leader and self.progress is not None:
             self.progress.stage.remote(self.step, stage)
 
 
@@ -112,6 +134,11 @@ def build_engines(ctx: Context) -> None:
     spec = get_algorithm(alg.name)
     a = r.actor.layout
     replay = {"routing_replay": True} if alg.routing_replay else {}
+    if ctx.role != "train":
+        ctx.rollout = build_rollout_engine(r.rollout.engine, _spec(
+            ctx, "rollout", r.rollout.layout, options={"inference": r.rollout.inference, **replay}))
+    if ctx.role == "rollout":
+        return
     ctx.actor = build_train_engine(r.actor.engine, _spec(
         ctx, "actor", a, lr=r.trainer.lr, weight_decay=r.actor.weight_decay, grad_clip=r.actor.grad_clip,
         recompute=r.actor.recompute, offload_optimizer=r.actor.offload_optimizer, options=replay))
@@ -121,22 +148,42 @@ def build_engines(ctx: Context) -> None:
     if spec.needs_critic(alg):
         ctx.critic = build_train_engine(r.actor.engine, _spec(ctx, "critic", r.critic.layout or a, lr=r.critic.lr,
                                                                grad_clip=r.actor.grad_clip))
-    ctx.rollout = build_rollout_engine(r.rollout.engine, _spec(ctx, "rollout", r.rollout.layout,
-                                                               options={"inference": r.rollout.inference, **replay}))
     ctx.n_mini = mini_batches_per_rollout(r.trainer.global_batch, r.trainer.mini_batch)
     ctx.skip_old = resolve_skip_old_log_prob(alg.skip_old_log_prob, alg.ppo_epochs, ctx.n_mini)
-    ctx.stages = spec.stages(alg, use_ref=ctx.use_ref, skip_old=ctx.skip_old)
+    if alg.max_staleness > 0:
+        ctx.skip_old = False  # off-policy: the old pass is the proximal policy of decoupled PPO
+    stages = spec.stages(alg, use_ref=ctx.use_ref, skip_old=ctx.skip_old)
+    if ctx.role == "train":  # generation runs on the rollout workers; new weights cross the bridge
+        stages = [replace(s, runner="publish", name="publish") if s.runner == "reshard" else s
+                  for s in stages if s.runner != "rollout"]
+    ctx.stages = stages
     ctx.kl_ctl = make_kl_controller(alg.kl_controller, alg.kl_coef, alg.kl_target, alg.kl_horizon)
 
 
-def build_resharder(ctx: Context) -> None:
-    """Plan the train -> rollout weight flow from the train engine's own ParamSpecs."""
-    r, actor, roll = ctx.recipe, ctx.actor, ctx.rollout
+def build_resharder(ctx: Context, bridge_group=None, global_rank: int = 0) -> None:
+    """Plan the train -> rollout weight flow from the train engine's own ParamSpecs (colocated), or
+    the bridge between the two worlds (disaggregated: both sides plan from the model's specs)."""
+    r = ctx.recipe
     a, ro = r.actor.layout, r.rollout.layout
     pp_layers = tuple(a.pp_layers) if a.pp_layers else None
-    ctx.reshard_plan = plan_reshard(Layout(a.tp, a.pp, a.ep, actor.dp_size, pp_layers),
-                                    Layout(ro.tp, 1, ro.ep, roll.dp_size), actor.param_specs(),
-                                    dtype_bytes=torch.finfo(roll.weight_dtype).bits // 8)
-    ctx.resharder = Resharder(ctx.reshard_plan, r.resharding.strategy, bucket_mb=r.resharding.bucket_mb,
-                              group=actor.reshard_group())
     ctx.cache = TensorCache(ctx.device, rank=ctx.rank)
+    if ctx.role == "both":
+        actor, roll = ctx.actor, ctx.rollout
+        ctx.reshard_plan = plan_reshard(Layout(a.tp, a.pp, a.ep, actor.dp_size, pp_layers),
+                                        Layout(ro.tp, 1, ro.ep, roll.dp_size), actor.param_specs(),
+                                        dtype_bytes=torch.finfo(roll.weight_dtype).bits // 8)
+        ctx.resharder = Resharder(ctx.reshard_plan, r.resharding.strategy, bucket_mb=r.resharding.bucket_mb,
+                                  group=actor.reshard_group())
+        return
+    from ..core.resharder.bridge import WeightBridge
+    from ..models import param_specs
+
+    R = r.resources.rollout_devices
+    T = global_rank + ctx.world - ctx.rank if ctx.role == "train" else global_rank - ctx.rank
+    train_dp = T // (a.tp * a.pp)
+    rollout_dp = R // ro.tp
+    dtype = dev.train_dtype(ctx.device, r.model.dtype)
+    specs = param_specs(r.model.dims(), pp_layers=pp_layers)  # both sides plan from the same list
+    ctx.reshard_plan = plan_reshard(Layout(a.tp, a.pp, a.ep, train_dp, pp_layers), Layout(ro.tp, 1, ro.ep, rollout_dp),
+                                    specs, dtype_bytes=torch.finfo(dtype).bits // 8, placement="disaggregated")
+    ctx.bridge = WeightBridge(ctx.reshard_plan, bridge_group, global_rank, dtype, bucket_mb=r.resharding.bucket_mb)

@@ -36,12 +36,17 @@ class _Progress:
 
     def __init__(self) -> None:
         self.step, self.stage_name, self.rows, self.t = -1, "setup", [], time.time()
+        self.rollout_facts: dict[int, dict] = {}
 
     def stage(self, step: int, name: str) -> None:
         self.step, self.stage_name, self.t = step, name, time.time()
 
+    def rollout(self, step: int, facts: dict) -> None:
+        """Disaggregated placement: the rollout workers' figures of a step, merged into its row."""
+        self.rollout_facts[step] = facts
+
     def metrics(self, row: dict) -> None:
-        self.rows.append(row)
+        self.rows.append({**self.rollout_facts.pop(row.get("step"), {}), **row})
 
     def poll(self, since: int) -> tuple[int, str, list]:
         return self.step, self.stage_name, self.rows[since:]
@@ -196,7 +201,7 @@ def run_recipe(recipe: Recipe, plan: Plan, on_event: EventSink, out: Optional[Pa
 
     writer = None
     workers: list = []
-    dock = None
+    docks: list = []
     progress = None
     rows: list = []
     t0 = time.time()
@@ -204,7 +209,10 @@ def run_recipe(recipe: Recipe, plan: Plan, on_event: EventSink, out: Optional[Pa
         pg = placement_group(world, resource, cpw)
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        dock = TransferDock.ray(name=f"dock-{os.getpid()}")
+        # one dock per step in flight: rollout may run max_staleness steps ahead of training
+        docks = [TransferDock.ray(name=f"dock-{os.getpid()}-{i}")
+                 for i in range(1 + (recipe.algorithm.max_staleness if recipe.resources.placement == "disaggregated" else 0))]
+        dock = docks[0]
         progress = ray.remote(_Progress).options(num_cpus=0).remote()
         RayWorker = ray.remote(Worker)
         env = {"env_vars": {"RLRECIPES_DEVICE": device_type, "OMP_NUM_THREADS": str(max(1, int(cpw))),
@@ -215,7 +223,7 @@ def run_recipe(recipe: Recipe, plan: Plan, on_event: EventSink, out: Optional[Pa
             if not on_cpu:
                 opts["resources"] = {resource: 1}
             workers.append(RayWorker.options(**opts).remote(rank, world, recipe.model_dump(mode="json"),
-                                                            str(run_dir.resolve()), dock, progress))
+                                                            str(run_dir.resolve()), docks, progress))
         pids = ray.get([w.pid.remote() for w in workers])
         nodes = ray.get([w.node_id.remote() for w in workers])
         (run_dir / "workers.json").write_text(json.dumps({"pids": pids, "nodes": nodes,
@@ -254,9 +262,9 @@ def run_recipe(recipe: Recipe, plan: Plan, on_event: EventSink, out: Optional[Pa
                 ray.kill(w)
             except Exception:
                 pass
-        if dock is not None:
+        for d in docks:
             try:
-                dock.shutdown()
+                d.shutdown()
             except Exception:
                 pass
         if started_here:

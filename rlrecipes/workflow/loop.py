@@ -14,7 +14,7 @@ import torch.distributed as dist
 from .. import device as dev
 from ..metrics import COMPUTE_STAGES, StageTimer, dispatch_skew, tps_per_card
 from .context import Context
-from .stages import RUNNERS, StepState
+from .stages import RUNNERS, StepState, publish_or_receive, rollout
 
 
 def run_stages(ctx: Context, st: StepState) -> None:
@@ -40,9 +40,14 @@ def train_step(ctx: Context, step: int) -> dict:
     r = ctx.recipe
     ctx.timer = StageTimer()
     t_step = time.time()
+    ctx.use_dock(step)
     trips0, wait0 = ctx.dock.round_trips, ctx.dock.wait_s
-    if ctx.rank == 0:
-        ctx.dock.reset(step)
+    if ctx.role == "both":
+        ctx.version = step  # colocated: the rollout always holds the current weights
+        if ctx.rank == 0:
+            ctx.dock.reset(step)
+    else:  # the rollout workers fill this step's dock; the prompt order advances in step with theirs
+        ctx.sampler.next_indices(r.trainer.global_batch)
     ctx.cache.clear(step)
     dist.barrier()
     ctx.actor.onload()
@@ -54,15 +59,44 @@ def train_step(ctx: Context, step: int) -> dict:
     t = ctx.timer
     facts = {"starts": t.starts, "seconds": t.seconds, "compute": t.compute, "peak": mem.peak_bytes,
              "dock_trips": ctx.dock.round_trips - trips0, "dock_wait": ctx.dock.wait_s - wait0,
-             "dock_stage": t.dock_wait, "reward_sum": st.reward_sum, "reward_n": st.reward_n, "errors": st.errors, "first_error": st.first_error}
+             "dock_stage": t.dock_wait, "stale_sum": st.staleness_sum, "stale_max": st.staleness_max,
+             "reward_sum": st.reward_sum, "reward_n": st.reward_n, "errors": st.errors, "first_error": st.first_error}
     gathered: list = [None] * ctx.world
     dist.all_gather_object(gathered, facts)
-    if ctx.rank != 0:
+    if not ctx.leader:
         return {}
     row = metrics_row(ctx, st, gathered, step_s)
     if ctx.progress is not None:
         ctx.progress.metrics.remote(row)
     return row
+
+
+def rollout_step(ctx: Context, step: int) -> None:
+    """A rollout worker's step (disaggregated placement): take the policy version this step may use
+    (at most ``max_staleness`` behind), then generate the step's groups into its dock."""
+    r = ctx.recipe
+    k = r.algorithm.max_staleness
+    ctx.timer = StageTimer()
+    t0 = time.time()
+    while ctx.version < step - k:  # the trainers publish version v after their step v - 1
+        ctx.stage = "weights"
+        publish_or_receive(ctx)
+        ctx.version += 1
+    t_weights = time.time() - t0
+    ctx.use_dock(step)
+    if ctx.rank == 0:
+        ctx.dock.reset(step)  # its previous step (step - k - 1) was trained before that version came
+    dist.barrier()
+    st = StepState(step=step, target=r.trainer.global_batch)
+    ctx.stage = "rollout"
+    with ctx.timer.stage("rollout", ctx.dock):
+        rollout(ctx, st)
+        ctx.dock.flush()
+    if ctx.rank == 0 and ctx.progress is not None:
+        t = ctx.timer
+        ctx.progress.rollout.remote(step, {
+            "timing_s/rollout": round(t.seconds["rollout"], 4), "compute_s/rollout": round(t.compute["rollout"], 4),
+            "async/weights_wait_s": round(t_weights, 4), "async/policy_version": ctx.version})
 
 
 def metrics_row(ctx: Context, st: StepState, gathered: list[dict], step_s: float) -> dict[str, Any]:
@@ -89,6 +123,9 @@ def metrics_row(ctx: Context, st: StepState, gathered: list[dict], step_s: float
         **{f"dock_s/{k}": round(max(g["dock_stage"].get(k, 0.0) for g in gathered), 4)
            for k in ctx.timer.dock_wait},
         "reward/mean": rsum / rn if rn else float("nan"),
+        # policy versions between the weights that generated a sample and the weights trained on it
+        "async/staleness_mean": sum(g["stale_sum"] for g in gathered) / rn if rn else 0.0,
+        "async/staleness_max": max(g["stale_max"] for g in gathered),
         "reward/errors": sum(g["errors"] for g in gathered),
         "reward/samples": rn,
         "actor/loss": upd.get("actor/loss"),

@@ -45,6 +45,8 @@ class StepState:
     reward_n: int = 0
     errors: int = 0
     first_error: str | None = None
+    staleness_sum: int = 0
+    staleness_max: int = 0
     update: dict = field(default_factory=dict)
     critic: dict = field(default_factory=dict)
 
@@ -70,7 +72,8 @@ def rollout(ctx: Context, st: StepState) -> None:
         if eng.is_data_leader:
             cols = {"prompt_ids": prompts, "response_ids": out.responses,
                     "prompt_index": torch.tensor([prompt_idx[g] for g in mine for _ in range(n)]),
-                    "rollout_log_probs": out.log_probs}
+                    "rollout_log_probs": out.log_probs,
+                    "policy_version": torch.full((len(prompts),), ctx.version, dtype=torch.long)}
             if out.routed_experts is not None:  # MoE routing replay: the experts every token used
                 cols["routed_experts"] = out.routed_experts
             ctx.dock.put(cols, my_rows)
@@ -83,8 +86,17 @@ def reward(ctx: Context, st: StepState) -> None:
     from ..rewards import format_reward, score_batch
 
     r = ctx.recipe
-    b = ctx.dock.get("reward", ["response_ids", "prompt_index"], None, dp_rank=ctx.rank, dp_size=ctx.world,
-                     timeout=r.trainer.dock_timeout_s)
+    b = ctx.dock.get("reward", ["response_ids", "prompt_index", "policy_version"], None, dp_rank=ctx.rank,
+                     dp_size=ctx.world, timeout=r.trainer.dock_timeout_s)
+    if len(b):  # how many policy versions behind the weights being trained each sample is
+        lag = st.step - b["policy_version"]
+        k = r.algorithm.max_staleness
+        if int(lag.max()) > k or int(lag.min()) < 0:
+            raise RuntimeError(f"step {st.step} was handed samples of policy versions "
+                               f"{sorted(set(b['policy_version'].tolist()))}, outside [step - {k}, step] "
+                               f"(algorithm.max_staleness={k})")
+        st.staleness_sum += int(lag.sum())
+        st.staleness_max = max(st.staleness_max, int(lag.max()))
     texts = ctx.tokenizer.batch_decode([x.tolist() for x in b["response_ids"]], skip_special_tokens=True)
     answers = [ctx.dataset[int(i)]["answer"] for i in b["prompt_index"]]
     scores, n_err, first = score_batch(ctx.reward_fn, texts, answers)
@@ -288,7 +300,23 @@ def reshard(ctx: Context, st: StepState | None = None) -> None:
         ctx.actor.offload()  # no-op on CPU; on accelerators frees the device for the KV cache
 
 
+def publish_or_receive(ctx: Context) -> None:
+    """Disaggregated placement: the train ranks send the actor's current weights across the bridge
+    (each its own pieces, no gather); the rollout ranks receive them bucket by bucket into the engine."""
+    if ctx.role == "train":
+        ctx.actor.onload()
+        ctx.bridge.send(ctx.actor.local_shards())
+    else:
+        ctx.rollout.update_weights(ctx.bridge.receive(ctx.device))
+
+
+def publish(ctx: Context, st: StepState) -> None:
+    """Send the version this step produced, if a later rollout step will use it (max_staleness)."""
+    if st.step + 1 + ctx.recipe.algorithm.max_staleness < ctx.end_step:
+        publish_or_receive(ctx)
+
+
 RUNNERS: dict[str, Callable[[Context, StepState], None]] = {
     f.__name__: f for f in (rollout, reward, dynamic_sampling, ref, old, values, outcome_advantage, gae, update,
-                            critic_update, reshard)
+                            critic_update, reshard, publish)
 }

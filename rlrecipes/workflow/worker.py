@@ -22,8 +22,8 @@ from .. import device as dev
 from ..recipe import Recipe
 from . import checkpoint
 from .context import Context, build_engines, build_resharder, load_data
-from .loop import train_step
-from .stages import reshard
+from .loop import rollout_step, train_step
+from .stages import publish_or_receive, reshard
 
 
 class StageFailure(RuntimeError):
@@ -33,11 +33,11 @@ class StageFailure(RuntimeError):
 class Worker:
     """Runs inside a Ray actor (see ``driver.py``)."""
 
-    def __init__(self, rank: int, world: int, recipe_json: dict, run_dir: str, dock, progress) -> None:
+    def __init__(self, rank: int, world: int, recipe_json: dict, run_dir: str, docks: list, progress) -> None:
         self.rank, self.world = rank, world
         self.recipe = Recipe.model_validate(recipe_json)
         self.run_dir = Path(run_dir)
-        self.dock, self.progress = dock, progress
+        self.docks, self.progress = list(docks), progress
         self.ctx: Context | None = None
         self._store = None
 
@@ -87,33 +87,69 @@ class Worker:
         dev.set_device(device)
         store = self._store or dist.TCPStore(master_addr, master_port, self.world, is_master=False,
                                              timeout=self._timeout())
-        dist.init_process_group(dev.comm_backend(device_type), store=store, rank=self.rank, world_size=self.world,
+        role, rank, world, bridge = "both", self.rank, self.world, None
+        if r.resources.placement == "disaggregated":
+            # two worlds (train ranks first, then rollout ranks) joined by the bridge group
+            from ..core.resharder.bridge import bridge_group
+
+            T = self.world - r.resources.rollout_devices
+            role, rank, world = ("train", self.rank, T) if self.rank < T else ("rollout", self.rank - T, self.world - T)
+            bridge = bridge_group(store, self.rank, self.world, self._timeout())
+            store = dist.PrefixStore(f"{role}/", store)
+        dist.init_process_group(dev.comm_backend(device_type), store=store, rank=rank, world_size=world,
                                 timeout=self._timeout())
         dev.manual_seed_all(r.trainer.seed)
-        ctx = self.ctx = Context(self.rank, self.world, r, self.run_dir, device, self.dock, self.progress)
+        ctx = self.ctx = Context(rank, world, r, self.run_dir, device, self.docks[0], self.progress)
+        ctx.role, ctx.docks = role, self.docks
         ctx.stage = "setup"
         load_data(ctx)
         build_engines(ctx)
-        build_resharder(ctx)
-        start_step = checkpoint.load(ctx, Path(resume_from)) if resume_from else 0
-        self.rows = checkpoint.covered_rows(Path(resume_from)) if resume_from and self.rank == 0 else []
-        reshard(ctx)  # rollout weights = actor weights before the first rollout
+        build_resharder(ctx, bridge, self.rank)
+        if role == "rollout":
+            start_step = self._rollout_start(resume_from)
+        else:
+            start_step = checkpoint.load(ctx, Path(resume_from)) if resume_from else 0
+        self.rows = checkpoint.covered_rows(Path(resume_from)) if resume_from and ctx.leader else []
+        ctx.version = start_step
+        if role == "both":
+            reshard(ctx)  # rollout weights = actor weights before the first rollout
+        else:
+            publish_or_receive(ctx)  # the first version crosses the bridge
+        if role == "rollout":
+            return {"rank": self.rank, "role": role, "device": str(device), "start_step": start_step}
         return {"rank": self.rank, "device": str(device), "start_step": start_step,
                 "data": {"prompts": len(ctx.dataset), "dropped_too_long": ctx.dataset.n_dropped_too_long,
                          "chat_joined": ctx.dataset.n_chat_joined,
                          "skipped_malformed": ctx.data_skipped},
-                "skip_old_log_prob": ctx.skip_old, "stages": [s.name for s in ctx.stages],
+                "skip_old_log_prob": ctx.skip_old, "stages": [s.name for s in ctx.stages], "role": role,
                 "reshard_min_bytes": ctx.reshard_plan.min_bytes(self.rank)}
+
+    def _rollout_start(self, resume_from: str | None) -> int:
+        """A rollout worker resumes where the checkpoint's trainer state says (its sampler too)."""
+        if not resume_from:
+            return 0
+        state = checkpoint.trainer_state(Path(resume_from))
+        self.ctx.sampler.load_state_dict(state["sampler"])
+        return int(state["next_step"])
 
     # ------------------------------------------------------------------ the controller loop
     def run(self, start_step: int, end_step: int) -> dict:
         ctx = self.ctx
+        ctx.end_step = end_step
+        if ctx.role == "rollout":
+            try:
+                for step in range(start_step, end_step):
+                    ctx.step = step
+                    rollout_step(ctx, step)
+            except Exception as e:
+                raise self._fail(e, f"stage {ctx.stage!r} of step {ctx.step}") from e
+            return {"rank": self.rank, "last": {}}
         last: dict = {}
         for step in range(start_step, end_step):
             ctx.step = step
             try:
                 last = train_step(ctx, step)
-                if self.rank == 0:
+                if ctx.leader:
                     self.rows.append(last)
                 k = self.recipe.trainer.checkpoint_interval
                 if k and (step + 1) % k == 0:
