@@ -3,6 +3,7 @@
     python benchmarks/reshard.py                                  # 8 gloo ranks, ~200M fp32 params
     python benchmarks/reshard.py --params-m 50 --pairs tp2-tp4 --strategies allgather_naive,allgather_swap
     python benchmarks/reshard.py --world 4 --family deepseek_v3 --pairs ep2-ep8
+    python benchmarks/reshard.py --world 4 --params-m 50 --pairs x-tp2-tp1     # disaggregated placement
 
 Fields per line:
   strategy, layout ("<train> -> <rollout>"), family, params, seconds (max over ranks, barrier to barrier),
@@ -11,6 +12,9 @@ Fields per line:
   peak_extra_bytes (max over ranks of the measured high-water mark minus the level before the call),
   tracked_peak_bytes (the executor's own count of its transient buffers, max over ranks),
   expert_* (the same figures for the expert tensors only, MoE pairs), swap_* (allgather_swap only).
+  Disaggregated pairs (``x-...``): train on the first half of the ranks, rollout on the second
+  (placement, train_ranks, rollout_ranks in the row); only ``auto`` (= cross_alltoallv) runs; the
+  byte and peak figures are given for each side (``train_*`` / ``rollout_*``, max over that side).
 
 Memory method (CPU): every rank runs with ``MALLOC_MMAP_THRESHOLD_=65536`` so large buffers are
 mmap'ed and returned to the kernel when freed; before each call the rank resets its RSS
@@ -45,7 +49,10 @@ PAIRS = {
     "tp4pp2-tp1": ("qwen2", lambda w: (Layout(4, pp=2, dp=w // 8), Layout(1, dp=w))),
     "tp2-tp4": ("qwen2", lambda w: (Layout(2, dp=w // 2), Layout(4, dp=w // 4))),
     "ep2-ep8": ("qwen3_moe", lambda w: (Layout(4, dp=w // 4, ep=2), Layout(1, dp=w, ep=8))),
+    # disaggregated: train TP2 on ranks [0, w/2), rollout TP1 on [w/2, w) (every rollout rank gets the whole model)
+    "x-tp2-tp1": ("qwen2", lambda w: (Layout(2, dp=w // 4), Layout(1, dp=w // 2))),
 }
+DISAGG = {"x-tp2-tp1"}
 
 
 def bench_dims(family: str, params_m: float, pp: int = 2) -> ModelDims:
@@ -69,6 +76,13 @@ def bench_dims(family: str, params_m: float, pp: int = 2) -> ModelDims:
     layers = max(pp, round((params_m * 1e6 - base.embedding_params()) / per_layer))
     layers += (-layers) % pp
     return replace(base, num_layers=layers)
+
+
+def _sum64(t: torch.Tensor) -> float:
+    """Sum in float64, 1 Mi elements at a time (``t.sum(dtype=float64)`` makes a float64 copy of the
+    whole tensor first, which the peak-memory figure would count)."""
+    flat = t.reshape(-1)
+    return sum(float(c.sum(dtype=torch.float64)) for c in flat.split(1 << 20))
 
 
 def _free_port() -> int:
@@ -130,19 +144,24 @@ def _worker(rank, world, port, args, q):
             fam_default, mk = PAIRS[pair]
             family = args.family or fam_default
             train, rollout = mk(world)
+            placement = "disaggregated" if pair in DISAGG else "colocated"
             dims = bench_dims(family, args.params_m, pp=train.pp)
             pp_layers = split_layers(dims.num_layers, train.pp) if train.pp > 1 else None
             specs = param_specs(dims, pp_layers)
-            plan = plan_reshard(train, rollout, specs, dtype_bytes=torch.empty((), dtype=dtype).element_size())
+            plan = plan_reshard(train, rollout, specs, dtype_bytes=torch.empty((), dtype=dtype).element_size(),
+                                placement=placement)
+            is_train = rank in plan.train_ranks
+            j = plan.rollout_rank(rank)
             # local train shards, generated parameter by parameter (never the whole model)
             local, checks = {}, {}
             for s in specs:
                 g = torch.Generator().manual_seed(zlib.crc32(s.name.encode()))
                 full = torch.randn(s.shape, generator=g).to(dtype)
-                t = shard_for(s, full, train, rank)
+                t = shard_for(s, full, train, rank) if is_train else None
                 if t is not None:
                     local[s.name] = t.clone()
-                checks[s.name] = float(shard_for(s, full, rollout, rank).double().sum())
+                if j is not None:
+                    checks[s.name] = float(shard_for(s, full, rollout, j).double().sum())
                 del full
             ex = {s.name for s in specs if s.kind == "expert"}
             ex_idx = {i for i, s in enumerate(specs) if s.kind == "expert"}
@@ -152,6 +171,8 @@ def _worker(rank, world, port, args, q):
             for bucket in Resharder(plan, "auto", bucket_mb=args.bucket_mb).reshard(local):
                 del bucket
             for strategy in args.strategies:
+                if plan.disaggregated and strategy != "auto":
+                    continue
                 rs = Resharder(plan, strategy, bucket_mb=args.bucket_mb)
                 dist.barrier()
                 mem.start()
@@ -159,8 +180,9 @@ def _worker(rank, world, port, args, q):
                 ok = True
                 for bucket in rs.reshard(local):
                     for name, t in bucket:  # the rollout engine loads it; here: check, then drop
-                        ok &= abs(float(t.sum(dtype=torch.float64)) - checks[name]) <= 1e-6 * (1 + abs(checks[name]))
+                        ok &= abs(_sum64(t) - checks[name]) <= 1e-6 * (1 + abs(checks[name]))
                     del bucket
+                    t = None  # the loop variable would keep the last tensor (and a receive buffer it views) alive
                 dist.barrier()
                 secs = time.perf_counter() - t0
                 peak = mem.peak_extra()
@@ -169,6 +191,12 @@ def _worker(rank, world, port, args, q):
                        "seconds": secs, "bytes_sent": rs.stats.sent_bytes, "bytes_recv": rs.stats.recv_bytes,
                        "bytes_min": plan.min_bytes(rank), "peak_extra_bytes": peak,
                        "tracked_peak_bytes": rs.stats.peak_transient_bytes, "exact": ok}
+                if plan.disaggregated:
+                    side = "train" if is_train else "rollout"
+                    row.update(placement=placement, train_ranks=[0, train.world],
+                               rollout_ranks=[train.world, plan.world], side=side,
+                               **{f"{side}_{k}": row[k] for k in ("bytes_sent", "bytes_recv", "bytes_min",
+                                                                  "peak_extra_bytes", "tracked_peak_bytes")})
                 if ex:
                     m = "alltoallv_experts" if strategy in ("alltoallv_experts", "auto") else None
                     if m:
@@ -190,6 +218,13 @@ def _worker(rank, world, port, args, q):
 
 def _merge(rows: list[dict]) -> dict:
     out = dict(rows[0])
+    out.pop("side", None)
+    for side in ("train", "rollout"):
+        for k in ("bytes_sent", "bytes_recv", "bytes_min", "peak_extra_bytes", "tracked_peak_bytes"):
+            vals = [r[f"{side}_{k}"] for r in rows if f"{side}_{k}" in r]
+            out.pop(f"{side}_{k}", None)
+            if vals:
+                out[f"{side}_{k}"] = max(vals)
     for k in ("seconds", "bytes_sent", "bytes_recv", "bytes_min", "peak_extra_bytes", "tracked_peak_bytes",
               "expert_bytes_recv", "expert_peak_tracked", "expert_bytes_min", "swap_out_s", "swap_in_s", "swap_bytes"):
         if k in out:

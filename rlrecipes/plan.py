@@ -9,6 +9,12 @@ impossible layout fails in ``rlrecipes plan`` before anything is launched.
 Scaling policy: the recipe pins a layout at ``resources.nodes``. On another node count the
 TP/PP/EP sizes stay and DP scales; the global batch scales with the actor DP size so every DP
 rank keeps its per-step batch (weak scaling), unless ``keep_batch=True`` (strong scaling).
+
+Placement: ``colocated`` (default) puts every role on all ``world`` devices. ``disaggregated``
+(``resources.placement``) gives the rollout the last ``resources.rollout_devices`` ranks and the
+train roles (actor, ref, critic) the first ``world - rollout_devices``; each group's DP comes from
+its own device count, and the rollout count stays fixed when the node count changes.
+:func:`placement_groups` gives the workflow the two groups' ranks and layouts.
 """
 from __future__ import annotations
 
@@ -22,12 +28,17 @@ from .models import ModelDims
 from .recipe import Recipe
 
 GiB = 1024 ** 3
+# disaggregated placement: a layout that cannot fill its device group whatever the node count (the
+# rollout group's size is fixed; the train group's is n x devices_per_node - rollout_devices)
+ROLLOUT_SPLIT_RULE = "rollout TP*PP divides resources.rollout_devices"
+TRAIN_SPLIT_RULE = "train TP*PP divides world - resources.rollout_devices at some node count"
 # Rules no node count can fix: the nearest-valid-node search is skipped when only these fail.
 NODE_INDEPENDENT_RULES = {"inference settings supported by vllm-ascend", "rollout PP = 1",
                           "engine keeps ref/critic on the actor layout", "engine serves the role here",
                           "engine has pipeline parallelism", "engine has expert parallelism",
                           "engine keeps EP inside the TP group", "GRPO needs a group per prompt",
-                          "engine runs this model here", "routing replay has what it needs"}
+                          "engine runs this model here", "routing replay has what it needs",
+                          "reshard strategy fits the placement", ROLLOUT_SPLIT_RULE, TRAIN_SPLIT_RULE}
 DTYPE_BYTES = 2  # weights and activations in bf16 on accelerators
 
 
@@ -107,6 +118,14 @@ class Plan:
     """role -> engine name (actor, ref, critic: ``actor.engine``; rollout: ``rollout.engine``)."""
     missing_here: list[str] = field(default_factory=list)
     """Engines the plan is valid for but that are not installed on this machine (``run`` refuses)."""
+    placement: str = "colocated"
+    """``colocated`` or ``disaggregated`` (``resources.placement``)."""
+    train_devices: int = 0
+    """Devices of the train group (actor, ref, critic): global ranks ``[0, train_devices)``."""
+    rollout_devices: int = 0
+    """Devices of the rollout group: the last ``rollout_devices`` ranks (= world when colocated)."""
+    reshard_send_bytes_per_device: float = 0.0
+    """disaggregated: the most bytes a train device sends per step (sources spread over replicas)."""
 
     @property
     def ok(self) -> bool:
@@ -116,8 +135,27 @@ class Plan:
     def cards(self) -> int:
         return self.world
 
+    @property
+    def disaggregated(self) -> bool:
+        return self.placement == "disaggregated"
+
+    def placement_lines(self) -> list[str]:
+        """Human-readable lines on the device groups (empty when colocated: the output is unchanged)."""
+        if not self.disaggregated:
+            return []
+        train_roles = [r for r in self.roles if r != "rollout"]
+        T, R = self.train_devices, self.rollout_devices
+        lines = [f"placement: disaggregated -- train group: {T} devices (ranks {_ranks(0, T)}; "
+                 f"{', '.join(train_roles)}) · rollout group: {R} devices (ranks {_ranks(T, T + R)})",
+                 "memory: the train group holds no rollout weights or KV cache, the rollout group no gradients or "
+                 "optimizer state; nothing is swapped out",
+                 f"reshard across groups per step: {self.reshard_bytes_per_device / GiB:.2f} GiB received by each "
+                 f"rollout device at most, {self.reshard_send_bytes_per_device / GiB:.2f} GiB sent by a train "
+                 f"device at most ({self.reshard_method})"]
+        return lines
+
     def to_json(self) -> dict:
-        return {
+        out = {
             "recipe": self.recipe, "ok": self.ok, "nodes": self.nodes, "devices_per_node": self.devices_per_node,
             "world": self.world, "device": self.device, "model_params": self.model_params,
             "roles": {k: asdict(v) for k, v in self.roles.items()},
@@ -132,6 +170,21 @@ class Plan:
             "nearest_valid_nodes": self.nearest_valid_nodes,
             "engines": self.engines, "missing_here": self.missing_here,
         }
+        if self.disaggregated:  # colocated JSON is unchanged
+            T, R = self.train_devices, self.rollout_devices
+            out["placement"] = self.placement
+            out["groups"] = {
+                "train": {"devices": T, "ranks": [0, T], "roles": [r for r in self.roles if r != "rollout"],
+                          "memory_gib": self.train_memory.gib()},
+                "rollout": {"devices": R, "ranks": [T, T + R], "roles": ["rollout"],
+                            "memory_gib": self.rollout_memory.gib()},
+            }
+            out["reshard_send_gib_per_train_device"] = round(self.reshard_send_bytes_per_device / GiB, 3)
+        return out
+
+
+def _ranks(a: int, b: int) -> str:
+    return f"{a}-{b - 1}" if b - a > 1 else str(a)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -158,12 +211,16 @@ def _stage_params(dims: ModelDims, pp_layers: list[int]) -> list[tuple[float, fl
     return out
 
 
-def _layout_violations(role: RoleLayout, dims: ModelDims, world: int, caps: Capabilities) -> list[Violation]:
+def _layout_violations(role: RoleLayout, dims: ModelDims, world: int, caps: Capabilities,
+                       where: Optional[tuple[str, str]] = None) -> list[Violation]:
+    """``where`` = (rule, the role's device set and the fix) under disaggregated placement; the
+    default names the whole world."""
     v: list[Violation] = []
     name = role.role
     if world % (role.tp * role.pp):
-        v.append(Violation("TP*PP divides the world",
-                           f"{name}: TP{role.tp} x PP{role.pp} = {role.tp * role.pp} does not divide {world} devices"))
+        v.append(Violation(where[0] if where else "TP*PP divides the world",
+                           f"{name}: TP{role.tp} x PP{role.pp} = {role.tp * role.pp} does not divide "
+                           f"{where[1] if where else f'{world} devices'}"))
     dp = world // (role.tp * role.pp) if world % (role.tp * role.pp) == 0 else None
     if dp is not None and (dp * role.tp) % role.ep:
         v.append(Violation("EP divides DP*TP", f"{name}: EP{role.ep} does not divide DP{dp} x TP{role.tp} = {dp * role.tp}"))
@@ -306,30 +363,37 @@ def _kv_needed(dims: ModelDims, role: RoleLayout, recipe: Recipe, rows_per_insta
     return seqs * seq * per_token
 
 
-def _reshard_bytes(dims: ModelDims, train: RoleLayout, rollout: RoleLayout) -> float:
-    """Bytes one device receives per step: its rollout shard minus what its train shard already holds.
+def _reshard_bytes(dims: ModelDims, train: RoleLayout, rollout: RoleLayout, placement: str = "colocated") -> float:
+    """Bytes one device receives per step: its rollout shard minus what its train shard already holds
+    (disaggregated: the whole rollout shard, the rollout device holds no train shard).
 
     Assumes nested, aligned shards (TP/EP sizes divide each other), the layout the resharder plans.
     """
     total, experts = dims.total_params(), dims.expert_params()
     dense = total - experts
     need = dense / rollout.tp + experts / rollout.ep
+    if placement == "disaggregated":
+        return need * DTYPE_BYTES
     held = dense / train.pp / max(train.tp, rollout.tp) + experts / train.pp / max(train.ep, rollout.ep)
     return max(0.0, need - held) * DTYPE_BYTES
 
 
-def _exact_reshard_bytes(dims: ModelDims, train: RoleLayout, rollout: RoleLayout) -> tuple[float, str]:
-    """Max bytes any device receives, from the resharder's own plan (aggregated by parameter class)."""
+def _exact_reshard_bytes(dims: ModelDims, train: RoleLayout, rollout: RoleLayout,
+                         placement: str = "colocated") -> tuple[float, str, float]:
+    """Max bytes any device receives, from the resharder's own plan (aggregated by parameter class),
+    the method, and (disaggregated) the most bytes a train device sends."""
     from .core.resharder import Layout, ReshardError
     from .models.sharding import reshard_bytes_summary
 
     try:
         s = reshard_bytes_summary(
             Layout(train.tp, train.pp, train.ep, train.dp, tuple(train.pp_layers) if train.pp_layers else None),
-            Layout(rollout.tp, 1, rollout.ep, rollout.dp), dims, train.pp_layers, dtype_bytes=DTYPE_BYTES)
+            Layout(rollout.tp, 1, rollout.ep, rollout.dp), dims, train.pp_layers, dtype_bytes=DTYPE_BYTES,
+            placement=placement)
     except ReshardError:
-        return _reshard_bytes(dims, train, rollout), "estimate"
-    return float(s["max_min_recv_bytes"]), "resharder plan"
+        recv = _reshard_bytes(dims, train, rollout, placement)
+        return recv, "estimate", recv * rollout.world / train.world if placement == "disaggregated" else 0.0
+    return float(s["max_min_recv_bytes"]), "resharder plan", float(s.get("max_send_bytes", 0.0))
 
 
 def _render_inference(recipe: Recipe, dims: ModelDims, violations: list) -> Optional[dict]:
@@ -396,6 +460,65 @@ def _engine_checks(recipe: Recipe, engines: dict[str, str]) -> tuple[list[Violat
     return violations, missing
 
 
+def _split_devices(recipe: Recipe, world: int) -> tuple[int, int, list[Violation]]:
+    """(train devices, rollout devices, violations) of the placement on ``world`` devices."""
+    res = recipe.resources
+    if res.placement != "disaggregated":
+        return world, world, []
+    R = res.rollout_devices
+    if R is None:  # the schema refuses this; kept for recipes built by hand
+        return world, world, [Violation("rollout devices leave room for training",
+                                        "resources.placement=disaggregated needs resources.rollout_devices; set it "
+                                        "(e.g. resources.rollout_devices=8)")]
+    if R >= world:
+        return 0, R, [Violation("rollout devices leave room for training",
+                                f"resources.rollout_devices={R} leaves no training device on {world} devices; set "
+                                f"resources.rollout_devices below {world} (e.g. {max(1, world // 2)}), or add nodes")]
+    return world - R, R, []
+
+
+def _role_layouts(recipe: Recipe, world: int) -> tuple[dict[str, RoleLayout], int, int, list[Violation]]:
+    """Every role's layout with the device count it spans (DP not yet set), the two device counts,
+    and the placement's own violations."""
+    T, R, violations = _split_devices(recipe, world)
+    a = recipe.actor.layout
+    roles = {"actor": RoleLayout("actor", a.tp, a.pp, a.ep, None, T, a.pp_layers)}
+    if recipe.ref.enabled:
+        r = recipe.ref.layout or a
+        roles["ref"] = RoleLayout("ref", r.tp, r.pp, r.ep, None, T, r.pp_layers)
+    if recipe.algorithm.name == "ppo":
+        c = recipe.critic.layout or a
+        roles["critic"] = RoleLayout("critic", c.tp, c.pp, c.ep, None, T, c.pp_layers)
+    ro = recipe.rollout.layout
+    roles["rollout"] = RoleLayout("rollout", ro.tp, ro.pp, ro.ep, None, R)
+    return roles, T, R, violations
+
+
+def _rollout_devices_that_fit(world: int, roles: dict[str, RoleLayout]) -> list[int]:
+    """Values of resources.rollout_devices in [1, world) with which every role's TP x PP divides its group."""
+    train = [r.tp * r.pp for r in roles.values() if r.role != "rollout"]
+    roll = roles["rollout"].tp * roles["rollout"].pp
+    return [R for R in range(1, world) if R % roll == 0 and all((world - R) % k == 0 for k in train)]
+
+
+def _where(role: RoleLayout, world: int, fits: list[int], devices_per_node: int) -> tuple[str, str]:
+    """(rule, the device set of a disaggregated role and the fix) for the TP*PP rule. The rule is
+    node-independent when no node count can fix it (the nearest-node search is then skipped)."""
+    import math
+
+    k = role.tp * role.pp
+    T, R = (role.world, world - role.world) if role.role != "rollout" else (world - role.world, role.world)
+    near = sorted(fits, key=lambda x: (abs(x - R), x))[:2]
+    fix = (f"set resources.rollout_devices={' or '.join(map(str, sorted(near)))}" if near else
+           "no resources.rollout_devices fits; change the TP/PP sizes")
+    if role.role == "rollout":
+        return ROLLOUT_SPLIT_RULE, f"resources.rollout_devices={R}; {fix}, or a rollout.layout.tp that divides {R}"
+    # n * devices_per_node - R = 0 (mod k) has a solution n iff gcd(devices_per_node, k) divides R
+    rule = "TP*PP divides the world" if R % math.gcd(devices_per_node, k) == 0 else TRAIN_SPLIT_RULE
+    return rule, (f"the {T} training devices (world {world} - resources.rollout_devices={R}); {fix}, "
+                  f"or a {role.role}.layout whose TP x PP divides {T}")
+
+
 def build_plan(recipe: Recipe, nodes: Optional[int] = None, devices_per_node: Optional[int] = None,
                keep_batch: bool = False, _search: bool = True) -> Plan:
     res = recipe.resources
@@ -405,18 +528,18 @@ def build_plan(recipe: Recipe, nodes: Optional[int] = None, devices_per_node: Op
     dims = recipe.model.dims()
 
     a = recipe.actor.layout
-    roles = {"actor": RoleLayout("actor", a.tp, a.pp, a.ep, None, world, a.pp_layers)}
-    if recipe.ref.enabled:
-        r = recipe.ref.layout or a
-        roles["ref"] = RoleLayout("ref", r.tp, r.pp, r.ep, None, world, r.pp_layers)
-    if recipe.algorithm.name == "ppo":
-        c = recipe.critic.layout or a
-        roles["critic"] = RoleLayout("critic", c.tp, c.pp, c.ep, None, world, c.pp_layers)
     ro = recipe.rollout.layout
-    roles["rollout"] = RoleLayout("rollout", ro.tp, ro.pp, ro.ep, None, world)
+    disagg = res.placement == "disaggregated"
+    roles, train_world, rollout_world, split_violations = _role_layouts(recipe, world)
 
     engines = {role: (recipe.rollout.engine if role == "rollout" else recipe.actor.engine) for role in roles}
     violations, missing_here = _engine_checks(recipe, engines)
+    violations += split_violations
+    if disagg and recipe.resharding.strategy != "auto":
+        violations.append(Violation("reshard strategy fits the placement",
+                                    f"resharding.strategy={recipe.resharding.strategy} reshards on one set of devices; "
+                                    "with resources.placement=disaggregated the weights cross from the train group "
+                                    "to the rollout group: set resharding.strategy=auto (cross_alltoallv)"))
     violations += _model_checks(recipe, dims)
     if recipe.algorithm.routing_replay:
         why = []
@@ -438,11 +561,15 @@ def build_plan(recipe: Recipe, nodes: Optional[int] = None, devices_per_node: Op
                                             f"set {role}.layout: null"))
     if ro.pp != 1:
         violations.append(Violation("rollout PP = 1", f"rollout.layout.pp is {ro.pp}; the rollout runs without pipeline stages"))
+    fits = _rollout_devices_that_fit(world, roles) if disagg else []
     for role in roles.values():
+        if role.world < 1:  # no training device left (reported above)
+            continue
         if role.role in caps:
-            violations.extend(_layout_violations(role, dims, world, caps[role.role]))
-        if world % (role.tp * role.pp) == 0:
-            role.dp = world // (role.tp * role.pp)
+            violations.extend(_layout_violations(role, dims, role.world, caps[role.role],
+                                                 _where(role, world, fits, dpn) if disagg else None))
+        if role.world % (role.tp * role.pp) == 0:
+            role.dp = role.world // (role.tp * role.pp)
 
     # batch scaling
     gb, mb = recipe.trainer.global_batch, recipe.trainer.mini_batch
@@ -450,13 +577,16 @@ def build_plan(recipe: Recipe, nodes: Optional[int] = None, devices_per_node: Op
     changes: list[str] = []
     actor = roles["actor"]
     pinned_world = res.nodes * res.devices_per_node
+    pinned_train = pinned_world - (rollout_world if disagg else 0)  # the rollout group keeps its size
     if world != pinned_world:
-        if pinned_world % (a.tp * a.pp) == 0 and actor.dp is not None:
-            pinned_dp = pinned_world // (a.tp * a.pp)
+        if pinned_train > 0 and pinned_train % (a.tp * a.pp) == 0 and actor.dp is not None:
+            pinned_dp = pinned_train // (a.tp * a.pp)
             changes.append(f"{res.nodes} x {res.devices_per_node} -> {nodes} x {dpn} devices: world "
-                           f"{pinned_world} -> {world}")
+                           f"{pinned_world} -> {world}" + (f" (train group {pinned_train} -> {train_world}, rollout "
+                                                          f"group {rollout_world})" if disagg else ""))
             for role in roles.values():
-                old = pinned_world // (role.tp * role.pp)
+                old = (rollout_world if role.role == "rollout" else pinned_train) // (role.tp * role.pp) \
+                    if disagg else pinned_world // (role.tp * role.pp)
                 if role.dp is not None and role.dp != old:
                     changes.append(f"{role.role} DP {old} -> {role.dp} (TP/PP/EP unchanged)")
             if not keep_batch and actor.dp != pinned_dp and gb % pinned_dp == 0 and mb % pinned_dp == 0:
@@ -478,7 +608,8 @@ def build_plan(recipe: Recipe, nodes: Optional[int] = None, devices_per_node: Op
     device_bytes = res.device_memory_gb * GiB
     plan = Plan(recipe=recipe.name, nodes=nodes, devices_per_node=dpn, world=world, device=res.device,
                 device_memory_gb=res.device_memory_gb, roles=roles, global_batch=gb, mini_batch=mb, n_samples=n,
-                changes=changes, model_params=dims.total_params(), engines=engines, missing_here=missing_here)
+                changes=changes, model_params=dims.total_params(), engines=engines, missing_here=missing_here,
+                placement=res.placement, train_devices=train_world, rollout_devices=rollout_world)
     if actor.dp is not None and train_caps is not None:
         plan.train_memory = _train_memory(dims, actor, recipe, actor.dp)
         if plan.train_memory.total > device_bytes:
@@ -489,7 +620,7 @@ def build_plan(recipe: Recipe, nodes: Optional[int] = None, devices_per_node: Op
     if rollout.dp is not None:
         plan.rollout_memory = _rollout_memory(dims, rollout, recipe, device_bytes)
         budget = device_bytes * recipe.rollout.inference.gpu_memory_utilization
-        instances = max(1, world // (rollout.tp * max(1, rollout.ep // rollout.tp)))
+        instances = max(1, rollout.world // (rollout.tp * max(1, rollout.ep // rollout.tp)))
         need_kv = _kv_needed(dims, rollout, recipe, gb * n / instances)
         if plan.rollout_memory.weights > budget:
             violations.append(Violation("rollout weights fit the device",
@@ -500,16 +631,106 @@ def build_plan(recipe: Recipe, nodes: Optional[int] = None, devices_per_node: Op
             violations.append(Violation("KV cache fits the device",
                                         f"only {plan.rollout_memory.kv_cache / GiB:.1f} GiB left for the KV cache"))
         if actor.dp is not None:
-            plan.reshard_bytes_per_device = _reshard_bytes(dims, actor, rollout)
+            plan.reshard_bytes_per_device = _reshard_bytes(dims, actor, rollout, res.placement)
+            if disagg:  # the rollout group's bytes spread over the train devices
+                plan.reshard_send_bytes_per_device = plan.reshard_bytes_per_device * rollout.world / actor.world
             plan.reshard_full_bytes = dims.total_params() * DTYPE_BYTES
     if recipe.rollout.engine == "vllm":
         plan.inference = _render_inference(recipe, dims, violations)
     plan.violations = violations
     if _search and not violations:
-        plan.reshard_bytes_per_device, plan.reshard_method = _exact_reshard_bytes(dims, actor, rollout)
+        plan.reshard_bytes_per_device, plan.reshard_method, plan.reshard_send_bytes_per_device = \
+            _exact_reshard_bytes(dims, actor, rollout, res.placement)
     if _search and any(v.rule not in NODE_INDEPENDENT_RULES for v in violations):
         plan.nearest_valid_nodes = nearest_valid_nodes(recipe, nodes, dpn, keep_batch)
     return plan
+
+
+@dataclass(frozen=True)
+class PlacementGroups:
+    """Which global ranks run what, and the layouts they run (from :func:`placement_groups`).
+
+    Attributes:
+        placement: ``"colocated"`` or ``"disaggregated"``.
+        world: devices (global ranks) of the run.
+        train_ranks: global ranks of the train group (actor, ref, critic); ``range(0, T)``.
+        rollout_ranks: global ranks of the rollout; ``range(T, world)`` when disaggregated,
+            the same ``range(0, world)`` as ``train_ranks`` when colocated.
+        roles: ``actor``, [``ref``], [``critic``], ``rollout`` -> :class:`RoleLayout` with ``dp``
+            and ``world`` (the size of the role's group) filled in. A train role's rank ``i``
+            in its layout is global rank ``i``; the rollout's layout rank ``j`` is global rank
+            ``rollout_ranks[j]``.
+    """
+
+    placement: str
+    world: int
+    train_ranks: range
+    rollout_ranks: range
+    roles: dict
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.placement == "disaggregated"
+
+    def group_of(self, rank: int) -> str:
+        """``"train"``, ``"rollout"`` or (colocated) ``"both"`` for a global rank."""
+        if not 0 <= rank < self.world:
+            raise ValueError(f"rank {rank} outside the {self.world} devices of the run")
+        if not self.disaggregated:
+            return "both"
+        return "train" if rank in self.train_ranks else "rollout"
+
+    def reshard_layouts(self):
+        """The resharder's (train, rollout) :class:`~rlrecipes.core.resharder.Layout` pair (actor -> rollout)."""
+        from .core.resharder import Layout
+
+        a, r = self.roles["actor"], self.roles["rollout"]
+        return (Layout(a.tp, a.pp, a.ep, a.dp, tuple(a.pp_layers) if a.pp_layers else None),
+                Layout(r.tp, 1, r.ep, r.dp))
+
+    def reshard_plan(self, specs, dtype_bytes: int = 2):
+        """The resharder's plan for these groups (``placement`` passed through): hand it to
+        ``Resharder(plan, "auto", bucket_mb=..., group=<a group over all world ranks>)`` and call
+        ``reshard`` on every rank (train ranks with their shards, rollout ranks with ``{}``)."""
+        from .core.resharder import plan_reshard
+
+        train, rollout = self.reshard_layouts()
+        return plan_reshard(train, rollout, specs, dtype_bytes, placement=self.placement)
+
+
+def placement_groups(recipe: Recipe, world: Optional[int] = None) -> PlacementGroups:
+    """The device groups of ``recipe`` on ``world`` devices (default: resources.nodes x devices_per_node).
+
+    Colocated: one group, every role on ``range(world)``. Disaggregated: train roles on
+    ``range(world - rollout_devices)``, the rollout on the last ``rollout_devices`` ranks; each
+    role's DP from its own group. Raises :class:`PlanError` (naming the key and the fix) when the
+    split or a layout's TP x PP x EP does not fit its group; the engine, memory and batch rules are
+    ``build_plan``'s.
+    """
+    res = recipe.resources
+    world = world if world is not None else res.nodes * res.devices_per_node
+    roles, T, R, violations = _role_layouts(recipe, world)
+    disagg = res.placement == "disaggregated"
+    fits = _rollout_devices_that_fit(world, roles) if disagg else []
+    for role in roles.values():
+        if role.world < 1:
+            continue
+        k = role.tp * role.pp
+        if role.world % k:
+            rule, where = _where(role, world, fits, res.devices_per_node) if disagg else \
+                ("TP*PP divides the world", f"{role.world} devices")
+            violations.append(Violation(rule, f"{role.role}: TP{role.tp} x PP{role.pp} = {k} does not divide {where}"))
+            continue
+        role.dp = role.world // k
+        if (role.dp * role.tp) % role.ep:
+            violations.append(Violation("EP divides DP*TP", f"{role.role}: EP{role.ep} does not divide DP{role.dp} x "
+                                                            f"TP{role.tp} = {role.dp * role.tp}"))
+    if violations:
+        raise PlanError(f"{recipe.name} on {world} devices ({res.placement}): "
+                        + "; ".join(str(v) for v in violations))
+    train_ranks = range(T)
+    rollout_ranks = range(T, world) if disagg else range(world)
+    return PlacementGroups(res.placement, world, train_ranks, rollout_ranks, roles)
 
 
 def nearest_valid_nodes(recipe: Recipe, nodes: int, devices_per_node: int, keep_batch: bool = False,

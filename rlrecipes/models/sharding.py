@@ -218,8 +218,11 @@ __all__ = ["Kind", "ParamSpec", "checkpoint_items", "fused_expert_key", "is_expe
 
 
 def reshard_bytes_summary(train, rollout, dims: ModelDims, pp_layers: Sequence[int] | None = None,
-                          dtype_bytes: int = 2) -> dict:
-    """The core's reshard volume for a family's model given by its dims (the even split by default)."""
+                          dtype_bytes: int = 2, placement: str = "colocated") -> dict:
+    """The core's reshard volume for a family's model given by its dims (the even split by default).
+
+    ``placement="disaggregated"``: train and rollout on disjoint ranks (train first), see
+    :func:`rlrecipes.core.resharder.reshard_bytes_summary`."""
     from rlrecipes.core.resharder import Layout
     from rlrecipes.core.resharder import reshard_bytes_summary as summary
 
@@ -227,4 +230,4 @@ def reshard_bytes_summary(train, rollout, dims: ModelDims, pp_layers: Sequence[i
         pp_layers = train.pp_layers or split_layers(dims.num_layers, train.pp)
     if pp_layers is not None and train.pp_layers is None and train.pp > 1:
         train = Layout(train.tp, train.pp, train.ep, train.dp, tuple(pp_layers))
-    return summary(train, rollout, param_specs(dims, pp_layers if train.pp > 1 else None), dtype_bytes)
+    return summary(train, rollout, param_specs(dims, pp_layers if train.pp > 1 else None), dtype_bytes, placement)

@@ -211,6 +211,10 @@ class AlgorithmConfig(_Strict):
     (rollout/logprob_diff_mean, _max)."""
     rollout_correction_cap: float = Field(2.0, gt=1.0)
     """The cap C of tis / mis (> 1)."""
+    max_staleness: int = Field(0, ge=0)
+    """Asynchronous RL: how many optimizer versions the rollout weights may lag behind the actor's when
+    a batch is trained on (0: on-policy, synchronous). Above 0 needs resources.placement=disaggregated
+    (rollout and training on their own devices, so generation overlaps training)."""
     dynamic_sampling: DynamicSampling = Field(default_factory=DynamicSampling)
     overlong: Overlong = Field(default_factory=Overlong)
 
@@ -364,6 +368,14 @@ class ResourcesConfig(_Strict):
     """Memory of one device, for the planner's fit check (A3 die: 64 GB HBM)."""
     cpus_per_worker: float = Field(1.0, gt=0)
     """Ray CPUs reserved per worker actor."""
+    placement: Literal["colocated", "disaggregated"] = "colocated"
+    """colocated: every device holds the actor (ref, critic) and the rollout, in turn (weights
+    resharded in place, training state swapped out while generating). disaggregated: the rollout
+    gets resources.rollout_devices devices of its own (the last ranks), training the rest; weights
+    move across once per step and generation can run ahead (algorithm.max_staleness)."""
+    rollout_devices: Optional[int] = Field(None, ge=1)
+    """disaggregated: devices given to the rollout (rollout TP x EP x DP fills exactly these);
+    the actor, ref and critic layouts fill the other world - rollout_devices. Null when colocated."""
 
 
 class TrainerConfig(_Strict):
@@ -440,6 +452,18 @@ class Recipe(_Strict):
                              f"{self.algorithm.name} set algorithm.use_kl_loss=true instead")
         if self.algorithm.name != "ppo" and self.algorithm.adv_estimator == "gae":
             raise ValueError(f"algorithm.adv_estimator=gae needs a critic: set algorithm.name=ppo (got {self.algorithm.name})")
+        res = self.resources
+        if res.placement == "disaggregated" and res.rollout_devices is None:
+            raise ValueError("resources.placement=disaggregated needs resources.rollout_devices: set it to the devices "
+                             "the rollout gets (e.g. resources.rollout_devices=8); training takes the rest")
+        if res.placement == "colocated" and res.rollout_devices is not None:
+            raise ValueError(f"resources.rollout_devices={res.rollout_devices} only applies to "
+                             f"resources.placement=disaggregated; set resources.placement=disaggregated, or "
+                             f"resources.rollout_devices=null to keep rollout and training on the same devices")
+        if res.placement == "colocated" and self.algorithm.max_staleness > 0:
+            raise ValueError(f"algorithm.max_staleness={self.algorithm.max_staleness} needs rollout and training on "
+                             f"their own devices: set resources.placement=disaggregated (with resources.rollout_devices), "
+                             f"or algorithm.max_staleness=0 for synchronous on-policy training")
         budget, longest = self.trainer.max_tokens_per_micro_batch, \
             self.data.max_prompt_length + self.rollout.sampling.max_new_tokens
         if budget is not None and budget < longest:

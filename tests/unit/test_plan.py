@@ -117,3 +117,87 @@ def test_native_engine_memory_model_follows_fsdp_sharding_and_memory_features():
     assert big.activations == pytest.approx(4 * small.activations)
     fp32 = build_plan(_native_7b("model.dtype=fp32")).train_memory
     assert fp32.activations > m.activations and fp32.weights == m.weights  # masters are fp32 either way
+
+
+# ---- disaggregated placement (issue 16) -------------------------------------------------------
+def _disagg(name="qwen25_7b", rollout_devices=8, *extra):
+    return load_recipe(name, overrides=["resources.placement=disaggregated",
+                                        f"resources.rollout_devices={rollout_devices}", *extra])
+
+
+def test_disaggregated_plan_has_two_device_groups():
+    from rlrecipes.plan import placement_groups
+
+    p = build_plan(_disagg("qwen25_7b", 8, "algorithm.max_staleness=2"))
+    assert p.ok, format_violations(p)
+    assert (p.placement, p.train_devices, p.rollout_devices) == ("disaggregated", 8, 8)
+    a, ro = p.roles["actor"], p.roles["rollout"]
+    assert (a.world, a.dp, ro.world, ro.dp) == (8, 2, 8, 8) and p.roles["ref"].dp == 2
+    # the train group has no KV cache / rollout weights; the rollout group no grads / optimizer
+    assert p.train_memory.kv_cache == 0 and p.train_memory.grads > 0 and p.train_memory.optimizer > 0
+    assert p.rollout_memory.grads == p.rollout_memory.optimizer == 0 and p.rollout_memory.kv_cache > 0
+    # cross-group bytes from the resharder's plan: a rollout device receives its whole rollout shard
+    # (TP1: the whole model), the 8 train devices share the 8 rollout devices' sends
+    assert p.reshard_method == "resharder plan"
+    assert p.reshard_bytes_per_device == pytest.approx(p.reshard_full_bytes, rel=0.01)
+    assert p.reshard_send_bytes_per_device == pytest.approx(p.reshard_bytes_per_device, rel=0.01)
+    j = p.to_json()
+    assert j["groups"]["train"] == {"devices": 8, "ranks": [0, 8], "roles": ["actor", "ref"],
+                                    "memory_gib": p.train_memory.gib()}
+    assert j["groups"]["rollout"]["ranks"] == [8, 16] and j["placement"] == "disaggregated"
+    lines = "\n".join(p.placement_lines())
+    assert "ranks 0-7" in lines and "ranks 8-15" in lines and "nothing is swapped out" in lines
+    g = placement_groups(_disagg("qwen25_7b", 8))
+    assert g.disaggregated and g.train_ranks == range(8) and g.rollout_ranks == range(8, 16)
+    assert g.roles["actor"].dp == 2 and g.roles["rollout"].dp == 8
+    assert g.group_of(3) == "train" and g.group_of(12) == "rollout"
+    train, rollout = g.reshard_layouts()
+    assert (train.world, rollout.world) == (8, 8) and train.pp == 2
+
+
+def test_disaggregated_scales_the_train_group_and_keeps_the_rollout():
+    p = build_plan(_disagg("deepseek_r1_671b", 128), 24)
+    assert p.ok, format_violations(p)
+    assert p.train_devices == 256 and p.rollout_devices == 128
+    assert p.roles["actor"].dp == 8 and p.roles["rollout"].dp == 64
+    assert "train group 128 -> 256, rollout group 128" in " ".join(p.changes)
+    # a rollout device receives its whole shard, more than in the colocated plan where it holds part of it
+    co = build_plan(load_recipe("deepseek_r1_671b"), 16)
+    assert p.reshard_bytes_per_device > co.reshard_bytes_per_device > 0
+
+
+def test_colocated_output_and_groups_unchanged():
+    from rlrecipes.plan import placement_groups
+
+    p = build_plan(load_recipe("qwen25_7b"))
+    assert p.placement == "colocated" and p.placement_lines() == []
+    j = p.to_json()
+    assert "groups" not in j and "placement" not in j
+    g = placement_groups(load_recipe("qwen25_7b"))
+    assert not g.disaggregated and g.train_ranks == g.rollout_ranks == range(16)
+    assert g.group_of(5) == "both" and g.roles["actor"].dp == 4 and g.roles["rollout"].dp == 16
+
+
+@pytest.mark.parametrize("rollout_devices, extra, needles", [
+    (16, [], ["resources.rollout_devices=16", "leaves no training device", "below 16"]),
+    (6, [], ["actor: TP2 x PP2 = 4 does not divide the 10 training devices", "resources.rollout_devices=6",
+             "set resources.rollout_devices=4 or 8"]),
+    (6, ["rollout.layout.tp=4"], ["rollout: TP4 x PP1 = 4 does not divide resources.rollout_devices=6",
+                                  "set resources.rollout_devices=4 or 8", "rollout.layout.tp that divides 6"]),
+    (8, ["resharding.strategy=allgather_swap"], ["resharding.strategy=allgather_swap", "resharding.strategy=auto"]),
+])
+def test_disaggregated_errors_name_the_key_and_the_fix(rollout_devices, extra, needles):
+    from rlrecipes.plan import PlanError, placement_groups
+
+    r = _disagg("qwen25_7b", rollout_devices, *extra)
+    p = build_plan(r)
+    assert not p.ok
+    text = format_violations(p)
+    if rollout_devices != 16:  # no node count fixes these: the nearest-node search is skipped
+        assert "no node count fixes these" in text, text
+    for n in needles:
+        assert n in text, text
+    if not any(e.startswith("resharding.") for e in extra):  # placement_groups checks only the device split
+        with pytest.raises(PlanError) as e:
+            placement_groups(r)
+        assert needles[0] in str(e.value)

@@ -115,3 +115,23 @@ def test_kl_in_reward_needs_token_rewards():
     r = load_recipe("qwen25_7b", overrides=["algorithm.use_kl_in_reward=true", "algorithm.name=ppo",
                                             "algorithm.adv_estimator=gae"])
     assert r.algorithm.use_kl_in_reward
+
+
+@pytest.mark.parametrize("overrides, needles", [
+    (["resources.placement=disaggregated"], ["resources.rollout_devices", "resources.placement=disaggregated"]),
+    (["algorithm.max_staleness=1"], ["algorithm.max_staleness=1", "set resources.placement=disaggregated"]),
+    (["resources.rollout_devices=4"], ["resources.rollout_devices=4", "resources.rollout_devices=null"]),
+    (["resources.rollout_devices=0"], ["`resources.rollout_devices`"]),
+    (["algorithm.max_staleness=-1"], ["`algorithm.max_staleness`"]),
+    (["resources.placement=split"], ["`resources.placement`"]),
+])
+def test_placement_and_staleness_keys(overrides, needles):
+    with pytest.raises(RecipeError) as e:
+        load_recipe("qwen25_7b", overrides=overrides)
+    for n in needles:
+        assert n in str(e.value), str(e.value)
+    r = load_recipe("qwen25_7b", overrides=["resources.placement=disaggregated", "resources.rollout_devices=8",
+                                            "algorithm.max_staleness=2"])
+    assert (r.resources.placement, r.resources.rollout_devices, r.algorithm.max_staleness) == ("disaggregated", 8, 2)
+    d = load_recipe("qwen25_7b")
+    assert (d.resources.placement, d.resources.rollout_devices, d.algorithm.max_staleness) == ("colocated", None, 0)

@@ -12,6 +12,13 @@ Three layers, each usable alone (modules: ``layout.py``, ``plan.py``, ``transfer
 2. :class:`Resharder` -- executors over ``torch.distributed`` (gloo / nccl / hccl): the strategies
    in :data:`STRATEGIES` plus ``auto``. ``Resharder.reshard(local_shards)`` yields the rollout
    shards bucket by bucket, so a rollout engine loads them as they arrive.
+   Disaggregated placement (asynchronous RL, train and rollout on disjoint devices):
+   ``plan_reshard(train, rollout, specs, placement="disaggregated")`` puts the train layout on
+   global ranks ``[0, T)`` and the rollout layout on ``[T, T + R)`` of one world; train ranks keep
+   nothing, rollout ranks receive every slice from a train holder (sources balanced over the
+   replicas). Its executor is ``cross_alltoallv`` (:data:`CROSS_STRATEGIES`, what ``auto``
+   picks): every rank calls ``reshard``; train ranks pass their shards and yield nothing, rollout
+   ranks pass ``{}`` and yield their rollout shards bucket by bucket.
 3. ``Resharder.swap_out`` / ``swap_in`` -- move training weights, grads and optimizer state to host
    memory and release their device storage (``untyped_storage().resize_(0)``), then bring them back
    bit-exactly before the next update.
@@ -22,7 +29,8 @@ TP shards are equal contiguous chunks along ``tp_dim``, experts are chunks of di
 """
 from __future__ import annotations
 
-from .layout import AUTO, Layout, Piece, ReshardError, STRATEGIES, _interval, local_shape, shard_for  # noqa: F401
+from .layout import (AUTO, CROSS_STRATEGIES, PLACEMENTS, Layout, Piece, ReshardError, STRATEGIES, _interval,  # noqa: F401
+                     local_shape, shard_for)
 from .plan import ReshardPlan, plan_reshard, reshard_bytes_summary  # noqa: F401
 from .transfer import HostSwap, ReshardStats  # noqa: F401
 from .executor import Resharder, reshard_to_dict  # noqa: F401

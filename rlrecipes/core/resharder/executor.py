@@ -10,13 +10,14 @@ import torch
 
 from rlrecipes.core.param_spec import ParamSpec
 
-from .layout import AUTO, Layout, Piece, ReshardError, STRATEGIES, _interval, _row_numel, _split_len, local_shape, shard_for
+from .layout import AUTO, CROSS_STRATEGIES, Layout, Piece, ReshardError, STRATEGIES, _interval, _row_numel, _split_len, local_shape, shard_for
 from .plan import ReshardPlan, plan_reshard, reshard_bytes_summary
 from .transfer import HostSwap, ReshardStats, _aligned, _bytes_as, _dist, _groups_for, _nbytes, _pack
 
 
 class Resharder:
-    """Moves weights from the train layout to the rollout layout on the same ranks.
+    """Moves weights from the train layout to the rollout layout: on the same ranks (colocated), or
+    from the train ranks to disjoint rollout ranks of one world (disaggregated plan).
 
     Args:
         plan: from :func:`plan_reshard`.
@@ -25,21 +26,43 @@ class Resharder:
             owner, exactly the plan minimum); the rest (TP down, replicated) via
             ``tp_allgather_pp_alltoall`` when train pp > 1, else ``allgather_swap``.
             ``alltoallv_experts`` moves the non-expert parameters like ``allgather_swap``.
+            A disaggregated plan (:class:`ReshardPlan` with ``placement="disaggregated"``) takes
+            ``cross_alltoallv`` (what ``auto`` picks there): per bucket one all-to-all-v over the
+            whole group, every slice straight from a train holder to its rollout rank.
         bucket_mb: bucket size; a bucket is the set of parameters whose transient buffers on one rank
             add up to at most this (a single larger tensor forms its own bucket).
-        group: the process group spanning the ``plan.train.world`` ranks (None: the default group,
+        group: the process group spanning the ``plan.world`` ranks (None: the default group,
             whose size must equal the world). Subgroups are created by all ranks of the default group.
+            A disaggregated plan also takes a process-group object not registered with
+            torch.distributed (e.g. a ``ProcessGroupGloo`` built over the run's store joining a
+            train world and a rollout world); its own ``rank()`` / ``size()`` then give the ranks.
         dtype: dtype of the weights (torch.dtype or name -> dtype); None: inferred from the local
-            shards and checked to agree across ranks.
+            shards and checked to agree across ranks (rollout-only ranks of a disaggregated plan,
+            which pass no shards, learn it from the train ranks; a per-name mapping must be
+            passed on every rank).
+        device: where the received rollout shards are allocated; None: the device of the local
+            shards (CPU when there are none -- pass it on rollout-only ranks of accelerators).
     """
 
     def __init__(self, plan: ReshardPlan, strategy: str = AUTO, bucket_mb: float = 256.0, group=None,
-                 dtype: torch.dtype | Mapping[str, torch.dtype] | None = None):
-        if strategy not in STRATEGIES + (AUTO,):
-            raise ReshardError(f"unknown reshard strategy {strategy!r}; choose one of {', '.join(STRATEGIES + (AUTO,))}")
+                 dtype: torch.dtype | Mapping[str, torch.dtype] | None = None,
+                 device: torch.device | str | None = None):
+        allowed = STRATEGIES + CROSS_STRATEGIES + (AUTO,)
+        if strategy not in allowed:
+            raise ReshardError(f"unknown reshard strategy {strategy!r}; choose one of {', '.join(allowed)}")
+        cross = getattr(plan, "disaggregated", False)
+        if cross and strategy not in CROSS_STRATEGIES + (AUTO,):
+            raise ReshardError(f"strategy {strategy!r} reshards on one set of ranks, but the plan is disaggregated "
+                               f"(train ranks {_span(plan.train_ranks)}, rollout ranks {_span(plan.rollout_ranks)}); "
+                               f"use 'auto' or 'cross_alltoallv'")
+        if not cross and strategy in CROSS_STRATEGIES:
+            raise ReshardError(f"strategy {strategy!r} moves weights between disjoint train and rollout ranks, but "
+                               f"the plan is colocated; build it with plan_reshard(..., placement='disaggregated') "
+                               f"or use 'auto'")
         if bucket_mb <= 0:
             raise ReshardError(f"bucket_mb must be > 0, got {bucket_mb}")
         self.plan, self.strategy, self.group = plan, strategy, group
+        self._device = torch.device(device) if device is not None else None
         self.bucket_bytes = int(bucket_mb * 2 ** 20)
         self.dtype = dtype
         self.stats = ReshardStats()
@@ -61,6 +84,8 @@ class Resharder:
     # ---- helpers ----------------------------------------------------------------------------
     def _method(self, spec: ParamSpec) -> str:
         st = self.strategy
+        if self.plan.disaggregated:
+            return "cross_alltoallv"
         if st == AUTO:
             t, r = self.plan.train, self.plan.rollout
             # experts, and TP-split params whose rollout slice lies inside one train shard (TP up or
@@ -86,8 +111,12 @@ class Resharder:
                 err = f"rank {me}: local shards mix dtypes {sorted(map(str, dtypes))}; pass dtype={{name: dtype}}"
             elif dtypes:
                 self.dtype = next(iter(dtypes))
+        train_rank = me in plan.train_ranks
+        if not train_rank and local:
+            err = err or (f"rank {me} is a rollout-only rank of the disaggregated plan (train ranks "
+                          f"{_span(plan.train_ranks)}) but got {len(local)} local shards; pass {{}}")
         for s in plan.specs:
-            if plan.train.stage_of(s) != plan.train.coords(me)["pp"]:
+            if not train_rank or plan.train.stage_of(s) != plan.train.coords(me)["pp"]:
                 continue
             t = local.get(s.name)
             want = local_shape(s, plan.train)
@@ -95,12 +124,48 @@ class Resharder:
                 err = err or f"rank {me}: local shard of {s.name} missing (train {plan.train.describe()})"
             elif tuple(t.shape) != want:
                 err = err or f"rank {me}: {s.name} local shard has shape {list(t.shape)}, expected {list(want)}"
+        if plan.disaggregated:
+            # rollout-only ranks hold no shards: an unknown dtype (0) takes the train ranks' one
+            code = 0 if self.dtype is None else _DTYPE_CODES.get(self.dtype, -1) \
+                if isinstance(self.dtype, torch.dtype) else _MAPPING_CODE
+            flag = torch.tensor([1 if err else 0, code, -code if code else -2 ** 40, 1 if code == 0 else 0],
+                                dtype=torch.int64, device=self._comm_device(local))
+            self._all_reduce_max(flag)
+            flag = flag.cpu()
+            known = int(flag[1])
+            if flag[0] or (known and known != -flag[2]) or (flag[3] and known in (0, _MAPPING_CODE, -1)):
+                raise ReshardError(err or "another rank rejected its local shards, or the ranks disagree on the dtype "
+                                   "(pass the same dtype= on every rank, train and rollout)")
+            if self.dtype is None:
+                self.dtype = _CODE_DTYPES[known]
+            return
         code = _DTYPE_CODES.get(self.dtype, -1) if isinstance(self.dtype, torch.dtype) else -2
         flag = torch.tensor([1 if err else 0, code, -code], dtype=torch.int64)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         if flag[0] or flag[1] != -flag[2]:
             raise ReshardError(err or "another rank rejected its local shards, or the ranks disagree on the dtype "
                                "(pass dtype= explicitly)")
+
+    def _all_reduce_max(self, t: torch.Tensor) -> None:
+        dist = _dist()
+        if self._raw:
+            opts = dist.AllreduceOptions()
+            opts.reduceOp = dist.ReduceOp.MAX
+            self.group.allreduce([t], opts).wait()
+        else:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+
+    def _all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits, in_splits) -> None:
+        dist = _dist()
+        if self._raw:
+            self.group.alltoall_base(out, inp, out_splits, in_splits, dist.AllToAllOptions()).wait()
+        else:
+            dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group)
+
+    def _comm_device(self, local: Mapping[str, torch.Tensor]) -> torch.device:
+        if self._device is not None:
+            return self._device
+        return next(iter(local.values())).device if local else torch.device("cpu")
 
     def _buckets(self, idx: list[int], cost) -> list[list[int]]:
         out, cur, acc = [], [], 0
@@ -127,21 +192,26 @@ class Resharder:
         training weights may be swapped out afterwards. Every rank must drain the iterator.
         """
         dist = _dist()
-        if not dist.is_initialized():
+        self._raw = self.plan.disaggregated and _unregistered(self.group)
+        if not self._raw and not dist.is_initialized():
             raise ReshardError("torch.distributed is not initialised")
-        ws = dist.get_world_size(self.group)
-        if ws != self.plan.train.world:
-            raise ReshardError(f"process group has {ws} ranks, plan world is {self.plan.train.world}")
-        self.rank = dist.get_rank(self.group)
-        self._pg = _groups_for(self.plan.train, self.group)
+        ws = self.group.size() if self._raw else dist.get_world_size(self.group)
+        if ws != self.plan.world:
+            raise ReshardError(f"process group has {ws} ranks, plan world is {self.plan.world}"
+                               + (f" (train {self.plan.train.world} + rollout {self.plan.rollout.world} ranks)"
+                                  if self.plan.disaggregated else ""))
+        self.rank = self.group.rank() if self._raw else dist.get_rank(self.group)
+        # a disaggregated plan needs no subgroups (one all-to-all-v over the whole group)
+        self._pg = None if self.plan.disaggregated else _groups_for(self.plan.train, self.group)
         self._check_inputs(local_shards)
-        self.device = next(iter(local_shards.values())).device if local_shards else torch.device("cpu")
+        self.device = self._comm_device(local_shards)
         self.stats = ReshardStats()
         by_method: dict[str, list[int]] = defaultdict(list)
         for i, s in enumerate(self.plan.specs):
             by_method[self._method(s)].append(i)
         # fixed order so every rank runs the same collectives
-        for m in ("alltoallv_experts", "allgather_naive", "allgather_swap", "tp_allgather_pp_alltoall"):
+        for m in ("alltoallv_experts", "allgather_naive", "allgather_swap", "tp_allgather_pp_alltoall",
+                  "cross_alltoallv"):
             if by_method.get(m):
                 st = self.stats
                 sent0, recv0, st._phase_peak = st.sent_bytes, st.recv_bytes, st.live_bytes
@@ -476,8 +546,137 @@ class Resharder:
             del out, outs
 
 
+    # ---- cross_alltoallv (disaggregated) -----------------------------------------------------
+    def _cross_costs(self) -> dict[int, int]:
+        """Per parameter, the most bytes it keeps alive on any one rank during its bucket: a train
+        rank's packed sends; a rollout rank's received bytes, plus an output tensor when its slice
+        arrives in several pieces (a single piece is viewed in place in the receive buffer).
+        The same on every rank, so every rank cuts the same buckets."""
+        plan = self.plan
+        cost: dict[int, int] = defaultdict(int)
+        for r in plan.train_ranks:
+            per: dict[int, int] = defaultdict(int)
+            for p in plan.send[r]:
+                per[p.spec] += p.numel
+            for i, n in per.items():
+                cost[i] = max(cost[i], n * self._esize(i))
+        for r in plan.rollout_ranks:
+            per, pieces = defaultdict(int), defaultdict(int)
+            for p in plan.recv[r]:
+                per[p.spec] += p.numel
+                pieces[p.spec] += 1
+            for i, n in per.items():
+                cost[i] = max(cost[i], n * self._esize(i) * (2 if pieces[i] > 1 else 1))
+        return cost
+
+    def _run_cross_alltoallv(self, idx, local):
+        """Train ranks -> disjoint rollout ranks: per bucket one all-to-all-v over the whole group;
+        a train rank packs the slices it serves (sources balanced by the plan), a rollout rank
+        unpacks its own rollout shard. Train ranks yield nothing; nobody holds more than about one
+        bucket beyond its own weights."""
+        dist = _dist()
+        plan, me, W = self.plan, self.rank, self.plan.world
+        costs = self._cross_costs()
+        sends, recvs = defaultdict(list), defaultdict(list)
+        for p in plan.send[me]:
+            sends[p.spec].append(p)
+        for p in plan.recv[me]:
+            recvs[p.spec].append(p)
+        j = plan.rollout_rank(me)
+        for bucket in self._buckets(idx, lambda i: costs[i]):
+            # pack: destination-major, then (spec, start) -- the receiver unpacks in the same order
+            per_dst = defaultdict(list)
+            for i in bucket:
+                for p in sends.get(i, ()):
+                    per_dst[p.dst].append(p)
+            in_splits = []
+            for dst in range(W):
+                per_dst[dst].sort(key=lambda p: (p.spec, p.start))
+                in_splits.append(sum(p.numel * self._esize(p.spec) for p in per_dst[dst]))
+            sendbuf = torch.empty(sum(in_splits), dtype=torch.uint8, device=self.device)
+            self.stats.alloc(_nbytes(sendbuf))
+            off = 0
+            for dst in range(W):
+                for p in per_dst[dst]:
+                    s = plan.specs[p.spec]
+                    nb = p.numel * self._esize(p.spec)
+                    if s.split_dim is None:
+                        piece = local[s.name]
+                    else:
+                        ta, _ = _interval(s, plan.train, me)
+                        piece = local[s.name].narrow(s.split_dim, p.start - ta, p.stop - p.start)
+                    _pack(sendbuf[off:off + nb], piece)
+                    off += nb
+            per_src = defaultdict(list)
+            for i in bucket:
+                for p in recvs.get(i, ()):
+                    per_src[p.src].append(p)
+            out_splits, order = [], []
+            for src in range(W):
+                lst = sorted(per_src.get(src, ()), key=lambda p: (p.spec, p.start))
+                order += lst
+                out_splits.append(sum(p.numel * self._esize(p.spec) for p in lst))
+            recvbuf = torch.empty(sum(out_splits), dtype=torch.uint8, device=self.device)
+            self.stats.alloc(_nbytes(recvbuf))
+            self._all_to_all(recvbuf, sendbuf, out_splits, in_splits)
+            self.stats.collectives += 1
+            self.stats.sent_bytes += _nbytes(sendbuf)
+            self.stats.recv_bytes += _nbytes(recvbuf)
+            self.stats.free(_nbytes(sendbuf))
+            del sendbuf
+            if j is None:  # a train-only rank: it served its slices, it gets no rollout shard
+                self.stats.free(_nbytes(recvbuf))
+                continue
+            outs, own = {}, 0
+            off = 0
+            for p in order:
+                s = plan.specs[p.spec]
+                nb = p.numel * self._esize(p.spec)
+                dt = self._dtype_of(s.name)
+                rshape = local_shape(s, plan.rollout)
+                if len(recvs[p.spec]) == 1:  # the whole rollout slice in one piece: a view, no copy
+                    outs[p.spec] = _bytes_as(recvbuf[off:off + nb], dt, rshape)
+                else:
+                    o = outs.get(p.spec)
+                    if o is None:
+                        o = outs[p.spec] = torch.empty(rshape, dtype=dt, device=self.device)
+                        self.stats.alloc(_nbytes(o))
+                        own += _nbytes(o)
+                    shape = list(s.shape)
+                    shape[s.split_dim] = p.stop - p.start
+                    ra, _ = _interval(s, plan.rollout, j)
+                    o.narrow(s.split_dim, p.start - ra, p.stop - p.start).copy_(
+                        _bytes_as(recvbuf[off:off + nb], dt, shape))
+                off += nb
+            out = [(plan.specs[i].name, outs[i]) for i in bucket]
+            self.stats.buckets += 1
+            yield out  # single-piece tensors are views of recvbuf: it is part of the bucket's output memory
+            self.stats.free(_nbytes(recvbuf) + own)
+            del out, outs, recvbuf
+
+
 _DTYPE_CODES = {dt: n + 1 for n, dt in enumerate(
     [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.uint8, torch.int32, torch.int64])}
+_CODE_DTYPES = {n: dt for dt, n in _DTYPE_CODES.items()}
+_MAPPING_CODE = 100
+
+
+def _unregistered(group) -> bool:
+    """A process-group object torch.distributed does not know (not part of its default world)."""
+    if group is None:
+        return False
+    dist = _dist()
+    if not dist.is_initialized():
+        return True
+    try:
+        dist.get_rank(group)  # (get_world_size does not check registration)
+    except (ValueError, RuntimeError):
+        return True
+    return False
+
+
+def _span(ranks: range) -> str:
+    return f"{ranks.start}-{ranks.stop - 1}" if len(ranks) > 1 else str(ranks.start)
 
 
 def reshard_to_dict(resharder: Resharder, local_shards: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -488,5 +687,5 @@ def reshard_to_dict(resharder: Resharder, local_shards: Mapping[str, torch.Tenso
     return out
 
 
-__all__ = ["AUTO", "HostSwap", "Layout", "Piece", "ReshardError", "ReshardPlan", "ReshardStats", "Resharder",
+__all__ = ["AUTO", "CROSS_STRATEGIES", "HostSwap", "Layout", "Piece", "ReshardError", "ReshardPlan", "ReshardStats", "Resharder",
            "STRATEGIES", "local_shape", "plan_reshard", "reshard_bytes_summary", "reshard_to_dict", "shard_for"]

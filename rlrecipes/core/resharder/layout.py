@@ -12,7 +12,10 @@ from rlrecipes.core.param_spec import ParamSpec, stage_of_spec
 
 
 STRATEGIES = ("allgather_naive", "allgather_swap", "alltoallv_experts", "tp_allgather_pp_alltoall")
+#: strategies for disaggregated placement (train and rollout on disjoint ranks of one world)
+CROSS_STRATEGIES = ("cross_alltoallv",)
 AUTO = "auto"
+PLACEMENTS = ("colocated", "disaggregated")
 
 
 class ReshardError(ValueError):
@@ -153,12 +156,15 @@ class Piece(NamedTuple):
     numel: int
 
 
-def _validate(train: Layout, rollout: Layout, specs: Sequence[ParamSpec]) -> None:
+def _validate(train: Layout, rollout: Layout, specs: Sequence[ParamSpec], placement: str = "colocated") -> None:
+    if placement not in PLACEMENTS:
+        raise ReshardError(f"unknown placement {placement!r}; choose one of {', '.join(PLACEMENTS)}")
     if rollout.pp != 1:
         raise ReshardError(f"rollout layout must have pp=1, got pp={rollout.pp}")
-    if train.world != rollout.world:
+    if placement == "colocated" and train.world != rollout.world:
         raise ReshardError(f"world sizes differ: train {train.describe()} has {train.world} ranks, "
-                           f"rollout {rollout.describe()} has {rollout.world}")
+                           f"rollout {rollout.describe()} has {rollout.world} (placement='disaggregated' puts "
+                           f"them on disjoint ranks)")
     if not specs:
         raise ReshardError("no parameter specs")
     names = set()
