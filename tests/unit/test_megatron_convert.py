@@ -70,10 +70,92 @@ def test_config_translation_per_family():
     assert ds["moe_shared_expert_intermediate_size"] == SMOKE["deepseek_v3"].moe_intermediate_size
 
 
-def test_megatron_engine_refuses_the_cpu_and_unwritten_layouts_before_building():
+def test_megatron_engine_refuses_the_cpu_before_building():
     from rlrecipes.engines.megatron.train import MegatronTrainEngine
 
-    with pytest.raises(RuntimeError, match="computes on CUDA or NPU, not cpu; use the native engine"):
-        MegatronTrainEngine(SMOKE["qwen2"], device="cpu")
-    with pytest.raises(NotImplementedError, match="TP2 PP1 EP1 is not written yet"):
-        MegatronTrainEngine(SMOKE["qwen2"], layout=(2, 1), device="cpu")
+    for layout, pp in (((1, 1), 1), ((2, 1), 2)):
+        with pytest.raises(RuntimeError, match="computes on CUDA or NPU, not cpu; use the native engine"):
+            MegatronTrainEngine(SMOKE["qwen2"], layout=layout, pp=pp, device="cpu")
+
+
+def _megatron_ranks(layout, rank, etp=1):
+    """megatron's coordinates of a global rank (order tp-cp-ep-dp-pp) as shard.Ranks."""
+    from rlrecipes.engines.megatron.shard import Ranks
+
+    loc = rank % layout.stage_size
+    return Ranks(tp=layout.tp, tp_rank=loc % layout.tp, pp_layers=layout.pp_layers or (), pp_rank=rank // layout.stage_size,
+                 ep=layout.ep, ep_rank=(loc // etp) % layout.ep, etp=etp, etp_rank=loc % etp)
+
+
+LAYOUTS = [("qwen2", dict(tp=2, pp=2, dp=1, pp_layers=(1, 3)), 4), ("qwen2_tied", dict(tp=2, pp=2, dp=1, pp_layers=(3, 1)), 4),
+           ("qwen3_moe", dict(tp=2, ep=4, dp=2), 2), ("qwen3_moe", dict(tp=1, pp=2, ep=2, dp=2, pp_layers=(1, 1)), 2),
+           ("deepseek_v3", dict(tp=2, pp=3, ep=2, dp=1, pp_layers=(1, 1, 1)), 3)]
+
+
+def _dims(case, layers):
+    base = SMOKE["qwen2" if case == "qwen2_tied" else case]
+    return dataclasses.replace(base, num_layers=layers, tie_embeddings=case == "qwen2_tied")
+
+
+@pytest.mark.parametrize("case,kw,layers", LAYOUTS, ids=[f"{c}-{i}" for i, (c, _, _) in enumerate(LAYOUTS)])
+def test_rank_shards_are_the_resharders_slices_and_convert_back(case, kw, layers):
+    """Each rank's megatron tensors (TP / PP / EP slices, local expert numbering) come back under HF
+    names as exactly the slice core.resharder expects that rank to hold in the train layout."""
+    from rlrecipes.core.resharder import Layout
+    from rlrecipes.core.resharder.layout import shard_for
+    from rlrecipes.engines.megatron.shard import full_reader, hf_from_shard, megatron_shard, resharder_shards
+    from rlrecipes.models import param_specs
+
+    dims = dataclasses.replace(_dims(case, layers), num_heads=4, num_kv_heads=2, head_dim=16) \
+        if case != "deepseek_v3" else _dims(case, layers)
+    hf = build_model(dims, seed=3)[0].state_dict()
+    layout = Layout(**kw)
+    specs = param_specs(dims, layout.pp_layers)
+    for rank in range(layout.world):
+        r = _megatron_ranks(layout, rank)
+        mg = megatron_shard(full_reader(hf), dims, r)
+        assert all(".layers." not in k or int(k.split(".")[2]) < (layout.pp_layers or (layers,))[r.pp_rank] for k in mg)
+        if dims.is_moe:
+            local = {int(k.split(".")[6]) for k in mg if "local_experts" in k}
+            assert not local or local == set(range(dims.num_experts // layout.ep))
+        back = resharder_shards(hf_from_shard(mg, dims, r), dims, r)
+        want = {s.name: shard_for(s, hf[s.name], layout, rank) for s in specs}
+        want = {k: v for k, v in want.items() if v is not None}
+        assert set(back) == set(want), rank
+        for k, v in want.items():
+            assert torch.equal(back[k], v), (rank, k)
+
+
+def test_vocab_is_padded_to_a_multiple_of_tp_and_the_padding_dropped_on_the_way_back():
+    from rlrecipes.engines.megatron.shard import Ranks, full_reader, hf_from_shard, megatron_shard, padded_vocab
+
+    dims = dataclasses.replace(SMOKE["qwen2"], vocab_size=33)
+    hf = build_model(dims, seed=3)[0].state_dict()
+    assert padded_vocab(33, 2) == 34 and padded_vocab(32, 4) == 32
+    parts = []
+    for tp_rank in range(2):
+        r = Ranks(tp=2, tp_rank=tp_rank)
+        mg = megatron_shard(full_reader(hf), dims, r)
+        assert mg["embedding.word_embeddings.weight"].shape[0] == 17 and mg["output_layer.weight"].shape[0] == 17
+        parts.append(hf_from_shard(mg, dims, r)["lm_head.weight"])
+    assert not parts[1][16:].any() or parts[1].shape[0] == 16
+    assert torch.equal(torch.cat(parts), hf["lm_head.weight"])
+
+
+def test_layouts_megatron_cannot_split_are_named():
+    from rlrecipes.engines.megatron.shard import Ranks, check_layout
+
+    with pytest.raises(ValueError, match="2 query groups .* TP4"):
+        check_layout(SMOKE["qwen2"], Ranks(tp=4))
+    with pytest.raises(ValueError, match="8 experts do not divide by EP3"):
+        check_layout(SMOKE["qwen3_moe"], Ranks(ep=3))
+    with pytest.raises(ValueError, match=r"pp_layers \[1, 2\] do not split 2 layers"):
+        check_layout(SMOKE["qwen2"], Ranks(pp_layers=(1, 2)))
+
+
+def test_pipeline_layout_places_embedding_and_loss():
+    from rlrecipes.engines.megatron.train import pipeline_layout
+
+    lay = pipeline_layout([7, 7, 8, 8, 8, 8, 8, 7])
+    assert lay[0] == ["embedding"] + ["decoder"] * 7 and lay[-1] == ["decoder"] * 7 + ["loss"]
+    assert sum(row.count("decoder") for row in lay) == 61

@@ -1,11 +1,12 @@
 """megatron-core train engine (with MindSpeed on Ascend): PP / EP / expert-TP training at scale.
 
-Declared here so ``plan`` sizes the recipes that pin it. Written so far: ``convert.py`` (HF config
--> megatron-core ``TransformerConfig``; HF <-> megatron parameter names and layouts, per pipeline
-stage) and ``model.py`` (``GPTModel`` from a model's dims, HF weights loaded), checked against the
-modules megatron-core builds and, on CUDA, against HF logits (docs/megatron.md). The train engine
-itself (pipeline schedule, distributed optimizer, resharder specs, checkpoints) is not written yet
-(``CAPABILITIES.implemented`` is False), so ``run`` refuses it before placing anything.
+``convert.py``: HF config -> megatron-core ``TransformerConfig``, HF <-> megatron names and layouts;
+``shard.py``: each rank's TP / PP / EP / expert-TP slices (vocabulary padded to a multiple of TP),
+their HF-named form in the resharder's layout, the gather for HF export; ``model.py``: ``GPTModel``
+with the local layer spec; ``train.py``: the engine (pipeline schedule, megatron DDP and the
+distributed optimizer, log-probs broadcast from the last stage); ``state.py``: offload / onload and
+per-rank checkpoints. Computes on CUDA (NPU through MindSpeed); ``plan`` refuses other devices
+before anything is placed. What ran where: docs/megatron.md.
 """
 from __future__ import annotations
 
@@ -13,12 +14,13 @@ from ..base import Capabilities
 
 CAPABILITIES = Capabilities(
     name="megatron", roles=frozenset({"train"}), pipeline_parallel=True, expert_parallel=True,
-    expert_tensor_parallel=True, separate_ref_layout=True, devices=("cuda", "npu"),
-    dtypes=("auto", "bf16", "fp16", "fp32"), requires=("megatron.core",),
+    expert_tensor_parallel=True, separate_ref_layout=False, devices=("cuda", "npu"),
+    dtypes=("auto", "bf16", "fp16", "fp32"), requires=("megatron",),  # top level: find_spec("megatron.core") raises without it
     requires_by_device=(("npu", ("mindspeed", "torch_npu")),),
     install="pip install -e '.[megatron]' (CUDA) or '.[ascend]' plus MindSpeed from source (docs/ascend.md)",
-    implemented=False,
-    status="written for TP1 PP1 EP1 and checked on CUDA; TP/PP/EP slicing, resharder specs and checkpoints "
-           "are not: docs/megatron.md")
-TRAIN = None
+    implemented=True,
+    status="TP / PP (any layer split) / EP / expert-TP, resharder shards, offload, per-rank checkpoints; "
+           "actor and ref roles (no critic); multi-rank layouts checked on CPU for shapes and slices only, "
+           "TP1 PP1 EP1 computed on CUDA: docs/megatron.md")
+TRAIN = "rlrecipes.engines.megatron.train:MegatronTrainEngine"
 ROLLOUT = None

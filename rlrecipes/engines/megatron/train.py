@@ -1,11 +1,14 @@
-"""megatron-core train engine: log-probs and train steps through megatron's schedule, megatron DDP
-with the distributed optimizer (CUDA; on Ascend after ``mindspeed.megatron_adaptor``).
+"""megatron-core train engine: log-probs and train steps through megatron's pipeline schedule,
+megatron DDP with the distributed optimizer (CUDA; on Ascend after ``mindspeed.megatron_adaptor``).
 
-Written so far for one model-parallel rank per replica (TP1 PP1 EP1; data parallel over the
-world): ``__init__`` refuses other layouts until the TP/EP slicing of converted tensors and the
-pipeline stage split are written (docs/megatron.md). Micro-batches are padded rows (left-padded
-prompt, right-padded response) with an explicit causal + key-padding mask, as megatron's local
-attention takes; log-probs come from fp32 log-softmax over the (full, TP1) vocabulary.
+Layouts: TP, PP (any per-stage layer split, through megatron's ``pipeline_model_parallel_layout``),
+EP and expert-TP (megatron's default, expert-TP = TP; ``options["expert_tensor_parallel"]`` sets
+another). Each rank reads only its own slices of the HF weights (``shard.py``: grouped q/k/v per
+query group, ``[gate; up]`` per TP rank, the vocabulary padded to a multiple of TP, experts by EP
+rank numbered locally). Micro-batches are padded rows (left-padded prompt, right-padded response)
+with an explicit causal + key-padding mask, as megatron's local attention takes; log-probs come
+from fp32 log-softmax over the vocabulary-parallel logits on the last stage and are broadcast to
+every stage, so each rank of the model-parallel group returns them.
 """
 from __future__ import annotations
 
@@ -14,62 +17,118 @@ import os
 from collections import defaultdict
 from functools import partial
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 import torch
 import torch.distributed as dist
 
 from ... import device as devmod
-from ...algos.logprobs import logprobs_and_entropy
+from ...algos.logprobs import logprobs_and_entropy, vocab_parallel_logprobs_and_entropy
+from ...core.param_spec import split_layers
+from ...core.resharder import Layout
 from ...models import ModelDims
 from .. import base
 from ..base import LossFn, SeqBatch
 from ..native import batching
-from ..native.loader import build_model
+from ..native.loader import build_empty, build_model, source_folder
 from ..native.train import resolve_device
-from .model import build_gpt, load_hf_state
+from . import shard, state
+from .model import build_gpt, load_megatron_state
 
 
-def _init_parallel(tp: int, pp: int, ep: int, seed: int) -> None:
+def _init_parallel(tp: int, pp: int, ep: int, etp: int, seed: int) -> None:
     from megatron.core import parallel_state, tensor_parallel
 
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep)
+        parallel_state.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep,
+                                                 expert_tensor_parallel_size=etp)
+    else:
+        have = (parallel_state.get_tensor_model_parallel_world_size(),
+                parallel_state.get_pipeline_model_parallel_world_size(),
+                parallel_state.get_expert_model_parallel_world_size(),
+                parallel_state.get_expert_tensor_parallel_world_size())
+        if have != (tp, pp, ep, etp):
+            raise ValueError(f"megatron's parallel state is TP{have[0]} PP{have[1]} EP{have[2]} ETP{have[3]} in this "
+                             f"process; this engine wants TP{tp} PP{pp} EP{ep} ETP{etp} (megatron holds one layout "
+                             "per process: give ref/critic the actor's layout)")
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
-def _hf_source(model) -> tuple[dict, ModelDims, dict]:
-    """(full HF state dict on the host, dims, HF config dict) of a folder or of smoke dims."""
-    # TP1 PP1: this rank holds the whole model anyway (sliced reads come with the TP/PP split)
-    hf_model, dims = build_model(model if isinstance(model, ModelDims) else str(model), seed=0)
-    return hf_model.state_dict(), dims, hf_model.config.to_dict()
+def pipeline_layout(pp_layers) -> list[list[str]]:
+    """megatron's ``pipeline_model_parallel_layout`` for a per-stage layer split (any split, uneven
+    included): the embedding on the first stage, the loss on the last."""
+    out = [["decoder"] * int(n) for n in pp_layers]
+    out[0].insert(0, "embedding")
+    out[-1].append("loss")
+    return out
+
+
+def parallel_kwargs(r: shard.Ranks, dtype: torch.dtype) -> dict[str, Any]:
+    """``TransformerConfig`` fields of a layout. With PP, micro-batches of different lengths cross
+    the stages (``variable_seq_lengths``: megatron sends each tensor's shape first), which megatron
+    allows with the all-to-all token dispatcher only (set for dense models too, where it is unused)."""
+    kw: dict[str, Any] = dict(tensor_model_parallel_size=r.tp, pipeline_model_parallel_size=r.pp,
+                              expert_model_parallel_size=r.ep, expert_tensor_parallel_size=r.etp)
+    if r.pp > 1:
+        kw.update(pipeline_dtype=dtype, variable_seq_lengths=True, moe_token_dispatcher_type="alltoall",
+                  pipeline_model_parallel_layout=pipeline_layout(r.pp_layers))
+    return kw
+
+
+def _source(model):
+    """(reader of HF boxes, dims, HF config dict, source folder or None), without reading weights
+    of other ranks from a folder (smoke dims: the tiny model is built whole, seeded)."""
+    folder = source_folder(model)
+    if folder is None:
+        hf_model, dims = build_model(model, seed=0)
+        return shard.full_reader(hf_model.state_dict()), dims, hf_model.config.to_dict(), None
+    from ...models.safetensors_io import SafetensorsFolder
+
+    meta, dims = build_empty(folder)
+    reader = SafetensorsFolder(folder)
+    tied = "model.embed_tokens.weight" if dims.tie_embeddings else None
+    return (lambda name, shape, box: reader.read_param(name, shape, box, tied_to=tied)), dims, meta.config.to_dict(), folder
 
 
 class MegatronTrainEngine(base.TrainEngine):
-    """Actor / reference on megatron-core (see the module docstring for the layouts written so far)."""
+    """Actor / reference on megatron-core (see the module docstring for the layouts)."""
 
-    def __init__(self, model, *, role: str = "actor", layout=(1, 1), pp: int = 1, device=None,
-                 lr: float = 1e-6, weight_decay: float = 0.0, grad_clip: float = 1.0, seed: int = 0,
-                 dtype: str = "auto", micro_batch_size: int = 4, pad_token_id: int = 0,
-                 recompute: bool = False, offload_optimizer: bool = False):
-        tp, ep = (tuple(layout) + (1,))[:2]
-        if (tp, pp, ep) != (1, 1, 1):
-            raise NotImplementedError(f"megatron engine: TP{tp} PP{pp} EP{ep} is not written yet (TP1 PP1 EP1 "
-                                      "is); docs/megatron.md says what is missing")
+    def __init__(self, model, *, role: str = "actor", layout=(1, 1), pp: int = 1, pp_layers=None,
+                 etp: Optional[int] = None, device=None, lr: float = 1e-6, weight_decay: float = 0.0,
+                 grad_clip: float = 1.0, seed: int = 0, dtype: str = "auto", micro_batch_size: int = 4,
+                 pad_token_id: int = 0, recompute: bool = False, offload_optimizer: bool = False):
+        tp, ep = (tuple(int(x) for x in layout) + (1,))[:2]
+        etp = int(etp or tp)
         self.device = resolve_device(device)
         devmod.prepare_megatron(self.device)  # MindSpeed's adaptor on Ascend; refuses the CPU
         devmod.set_device(self.device)
-        _init_parallel(tp, pp, ep, seed)
+        read, self.dims, self.hf_config, self._folder = _source(model)
+        pp_layers = tuple(int(n) for n in pp_layers) if pp_layers else tuple(split_layers(self.dims.num_layers, pp))
+        if len(pp_layers) != pp:
+            raise ValueError(f"pp_layers {list(pp_layers)} has {len(pp_layers)} stages for PP{pp}")
+        shard.check_layout(self.dims, shard.Ranks(tp=tp, pp_layers=pp_layers, ep=ep, etp=etp))
+        world = dist.get_world_size()
+        if world % (tp * pp) or (world // pp) % (ep * etp):
+            raise ValueError(f"megatron layout TP{tp} PP{pp} EP{ep} ETP{etp} does not fit {world} ranks: TP*PP must "
+                             f"divide the world and EP*ETP the {world // max(pp, 1)} ranks of a stage")
+        _init_parallel(tp, pp, ep, etp, seed)
+        from megatron.core import parallel_state as ps
+
+        self.ranks = shard.Ranks(tp=tp, tp_rank=ps.get_tensor_model_parallel_rank(), pp_layers=pp_layers,
+                                 pp_rank=ps.get_pipeline_model_parallel_rank(), ep=ep,
+                                 ep_rank=ps.get_expert_model_parallel_rank(), etp=etp,
+                                 etp_rank=ps.get_expert_tensor_parallel_rank())
+        self.layout = Layout(tp, pp, ep, world // (tp * pp), pp_layers if pp > 1 else None)
         self.role, self.trainable = role, role != "ref"
         self.compute_dtype = devmod.train_dtype(self.device, dtype)
-        hf_state, self.dims, self.hf_config = _hf_source(model)
-        extra: dict[str, Any] = {}
+        extra = parallel_kwargs(self.ranks, self.compute_dtype)
         if recompute:
             extra.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
         self.model = build_gpt(self.dims, hf_config=self.hf_config, params_dtype=self.compute_dtype,
-                               **extra).to(self.device)
-        load_hf_state(self.model, hf_state, self.dims)
-        del hf_state
+                               pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
+                               vocab_size=shard.padded_vocab(self.dims.vocab_size, tp), **extra).to(self.device)
+        load_megatron_state(self.model, shard.megatron_shard(read, self.dims, self.ranks))
+        del read
         self.micro_batch_size, self.pad_token_id = int(micro_batch_size), int(pad_token_id)
         self.optimizer = None
         if self.trainable:
@@ -77,6 +136,18 @@ class MegatronTrainEngine(base.TrainEngine):
         else:
             self.model.requires_grad_(False)
         self.step = 0
+        self._offloaded = None
+
+    @classmethod
+    def create(cls, spec: base.EngineSpec) -> "MegatronTrainEngine":
+        if spec.role == "critic":
+            raise ValueError("the megatron engine has no critic (value head) in this release; use the native engine")
+        return cls(spec.model, role=spec.role, layout=(spec.tp, spec.ep), pp=spec.pp, pp_layers=spec.pp_layers,
+                   etp=spec.options.get("expert_tensor_parallel"), device=spec.device, lr=spec.lr,
+                   weight_decay=spec.weight_decay, grad_clip=spec.grad_clip, seed=spec.seed, dtype=spec.dtype,
+                   micro_batch_size=spec.micro_batch_size, pad_token_id=spec.options.get("pad_token_id", 0),
+                   recompute=spec.recompute if spec.role != "ref" else False,
+                   offload_optimizer=spec.offload_optimizer)
 
     # ------------------------------------------------------------------ setup
     def _build_optimizer(self, lr, weight_decay, grad_clip, offload) -> None:
@@ -109,11 +180,23 @@ class MegatronTrainEngine(base.TrainEngine):
         return {"ids": ids, "pos": pos, "mask": mask}
 
     def _logprobs(self, logits: torch.Tensor, mb: Mapping[str, Any], with_entropy: bool):
+        """Log-probs (+ entropy) of the response tokens from this TP rank's vocabulary shard of the
+        logits (the padding ids past the real vocabulary are left out)."""
         R = mb["response_mask"].shape[1]
-        ids = mb["input_ids"].to(logits.device)
-        return logprobs_and_entropy(logits[:, -R - 1:-1], ids[:, -R:], with_entropy=with_entropy)
+        ids = mb["input_ids"].to(logits.device)[:, -R:]
+        logits = logits[:, -R - 1:-1]
+        a, b, _ = shard.vocab_range(self.dims.vocab_size, self.ranks)
+        if self.ranks.tp == 1:
+            return logprobs_and_entropy(logits[..., :b], ids, with_entropy=with_entropy)
+        from megatron.core import parallel_state as ps
+
+        return vocab_parallel_logprobs_and_entropy(logits[..., :b - a], ids, vocab_start=a,
+                                                   group=ps.get_tensor_model_parallel_group(),
+                                                   with_entropy=with_entropy)
 
     def _run(self, mbs: list[dict], step_fn, *, forward_only: bool) -> list:
+        """Every micro-batch through megatron's schedule (1F1B over the stages when PP > 1); ``step_fn``
+        runs on the last stage only."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         it = iter(mbs)
@@ -129,6 +212,30 @@ class MegatronTrainEngine(base.TrainEngine):
                                            model=[self.model], num_microbatches=len(mbs), seq_length=T,
                                            micro_batch_size=self.micro_batch_size, forward_only=forward_only,
                                            collect_non_loss_data=forward_only)
+
+    # ------------------------------------------------------------------ pipeline results
+    def _pp(self):
+        from megatron.core import parallel_state as ps
+
+        return ps.get_pipeline_model_parallel_group(), ps.get_pipeline_model_parallel_last_rank(), \
+            ps.is_pipeline_last_stage()
+
+    def _from_last_stage(self, flat: Optional[torch.Tensor], numel: int) -> torch.Tensor:
+        """The last stage's flat fp32 tensor on every stage of this rank's pipeline."""
+        if self.ranks.pp == 1:
+            return flat
+        group, src, last = self._pp()
+        buf = flat.to(self.device) if last else torch.empty(numel, dtype=torch.float32, device=self.device)
+        dist.broadcast(buf, src=src, group=group)
+        return buf.cpu()
+
+    def _object_from_last_stage(self, obj):
+        if self.ranks.pp == 1:
+            return obj
+        group, src, _ = self._pp()
+        box = [obj]
+        dist.broadcast_object_list(box, src=src, group=group)
+        return box[0]
 
     # ------------------------------------------------------------------ interface
     def forward(self, batch: SeqBatch, *, with_entropy: bool = False):
@@ -149,6 +256,13 @@ class MegatronTrainEngine(base.TrainEngine):
             self._run(mbs, collect, forward_only=True)
         if self.trainable:
             self.model.train()
+        if self.ranks.pp > 1:  # computed on the last stage: every stage returns them
+            lens = [int(r.numel()) for r in batch.responses]
+            cols = [outs] + ([ents] if with_entropy else [])
+            last = self._pp()[2]
+            flat = torch.cat([torch.cat(c) for c in cols]) if last else None
+            got = self._from_last_stage(flat, sum(lens) * len(cols)).split(lens * len(cols))
+            outs, ents = list(got[:len(lens)]), (list(got[len(lens):]) if with_entropy else ents)
         return outs, (ents if with_entropy else None)
 
     def train_step(self, batch: SeqBatch, loss_fn: LossFn, *, with_entropy: bool = False) -> dict:
@@ -175,8 +289,14 @@ class MegatronTrainEngine(base.TrainEngine):
             return loss * n, {"loss": loss.detach()}
 
         self._run(mbs, step_loss, forward_only=False)
-        ok, grad_norm, _ = self.optimizer.step()
-        skipped = not ok or not all(math.isfinite(x) for x in losses)
+        losses, acc = self._object_from_last_stage((losses, dict(acc)))  # the loss lives on the last stage
+        bad = torch.tensor([0.0 if all(math.isfinite(x) for x in losses) else 1.0], device=self.device)
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        if bad.item():  # a non-finite loss on any rank: no update anywhere (bf16 has no grad scaler to skip it)
+            ok, grad_norm = False, float("nan")
+        else:
+            ok, grad_norm, _ = self.optimizer.step()
+        skipped = not ok
         if not skipped:
             self.step += 1
         return base.step_metrics(self.role, loss=sum(losses) / max(len(losses), 1), grad_norm=grad_norm or 0.0,
@@ -191,18 +311,41 @@ class MegatronTrainEngine(base.TrainEngine):
     def _module(self):
         return getattr(self.model, "module", self.model)
 
-    def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """The model under HF names (TP1 PP1: this rank holds all of it), on the host."""
-        from .convert import megatron_to_hf
-
-        mg = {k: v.detach().cpu() for k, v in self._module().state_dict().items() if not k.endswith("_extra_state")}
-        return megatron_to_hf(mg, self.dims)
+    def _megatron_state(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach() for k, v in self._module().state_dict().items()
+                if torch.is_tensor(v) and not k.endswith("_extra_state")}
 
     def param_specs(self) -> list:
-        raise NotImplementedError("megatron engine: resharder specs are not written yet (docs/megatron.md)")
+        from ...models import param_specs
+
+        return param_specs(self.dims, self.ranks.pp_layers if self.ranks.pp > 1 else None)
 
     def local_shards(self) -> Mapping[str, torch.Tensor]:
-        return self.hf_state_dict()
+        """This rank's weights under HF names in the resharder's train layout (``self.layout``).
+        Collective over the expert groups when expert-TP > 1."""
+        from megatron.core import parallel_state as ps
+
+        hf = shard.hf_from_shard(self._megatron_state(), self.dims, self.ranks)
+        groups = None
+        if self.dims.is_moe and (self.ranks.etp > 1 or self.ranks.ep > 1):
+            groups = shard.ExpertGroups(etp=ps.get_expert_tensor_parallel_group(), ep=ps.get_expert_model_parallel_group(),
+                                        rank_in_stage=dist.get_rank() % self.layout.stage_size)
+        return shard.resharder_shards(hf, self.dims, self.ranks, groups)
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model under HF names on global rank 0 (empty elsewhere), on the host. Collective."""
+        out: dict[str, torch.Tensor] = {}
+        shard.gather_full(self.param_specs(), self.local_shards(), self.layout, dist.get_rank(),
+                          lambda name, t: out.__setitem__(name, t))
+        return out
+
+    def model_parallel_group(self):
+        from megatron.core import parallel_state as ps
+
+        if self.ranks.tp * self.ranks.pp == 1:
+            return None, dist.get_rank()
+        group = ps.get_model_parallel_group()
+        return group, dist.get_global_rank(group, 0)
 
     @property
     def dp_rank(self) -> int:
@@ -218,26 +361,44 @@ class MegatronTrainEngine(base.TrainEngine):
 
     @property
     def is_data_leader(self) -> bool:
-        return True  # TP1 PP1: every rank is its own replica's leader
+        return self.model_parallel_group()[1] == dist.get_rank()
 
+    # ------------------------------------------------------------------ memory and checkpoints
     def offload(self) -> None:
-        raise NotImplementedError("megatron engine: offload is not written yet (docs/megatron.md)")
+        """DDP parameter and gradient buffers, fp32 main parameters and Adam state to host (storage
+        level: every view stays valid); a no-op when already offloaded or nothing is on the device."""
+        if self._offloaded is None and devmod.is_accelerator(self.device.type):
+            self._offloaded = state.offload(self.model, self.optimizer, self.device)
 
     def onload(self) -> None:
-        raise NotImplementedError("megatron engine: onload is not written yet (docs/megatron.md)")
+        if self._offloaded is not None:
+            self._offloaded.restore()
+            self._offloaded = None
+
+    def _layout_record(self) -> dict:
+        r = self.ranks
+        return {"tp": r.tp, "pp_layers": list(r.pp_layers), "ep": r.ep, "etp": r.etp, "dp": self.layout.dp,
+                "family": self.dims.family, "num_layers": self.dims.num_layers, "hidden": self.dims.hidden_size,
+                "dtype": str(self.compute_dtype), "optimizer": self.optimizer is not None}
 
     def save(self, path) -> None:
-        raise NotImplementedError("megatron engine: checkpoints are not written yet (docs/megatron.md)")
+        """Per-rank checkpoint (model + distributed-optimizer shard) with a manifest (``state.py``)."""
+        self.onload()
+        state.save(path, self._module(), self.optimizer, layout=self._layout_record(), step=self.step)
 
     def load(self, path) -> None:
-        raise NotImplementedError("megatron engine: checkpoints are not written yet (docs/megatron.md)")
+        self.onload()
+        self.step = state.load(path, self._module(), self.optimizer, layout=self._layout_record())
 
     def export_hf(self, folder: str | os.PathLike) -> Path:
-        from ..native.loader import save_hf_folder
+        """An HF folder written by global rank 0, one gathered parameter at a time. Collective."""
+        from ..native.loader import HFFolderWriter
         from ...models import hf_config
 
-        state = self.hf_state_dict()
-        if dist.get_rank() == 0:
-            save_hf_folder(state, hf_config(self.dims), folder)
+        writer = HFFolderWriter(folder, hf_config(self.dims)) if dist.get_rank() == 0 else None
+        shard.gather_full(self.param_specs(), self.local_shards(), self.layout, dist.get_rank(),
+                          writer.add if writer is not None else None)
+        if writer is not None:
+            writer.close(tokenizer_from=self._folder)
         dist.barrier()
         return Path(folder)

@@ -1,0 +1,124 @@
+"""megatron-core tier, several processes over gloo: the TP / PP / EP / expert-TP sharded modules
+megatron-core builds on CPU (use_cpu_initialization) have exactly the per-rank names and shapes of
+``shard.megatron_shard``; the HF weights load into them; each rank's ``local_shards`` (HF names) are
+the slices the resharder's ParamSpecs say it holds; gathering them gives the HF model back exactly
+(the export path); the per-rank checkpoint files and the storage-level offload round trip.
+Skipped where megatron-core is not installed."""
+import dataclasses
+import os
+import socket
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+pytestmark = pytest.mark.megatron
+
+WORLD = 4
+CASES = {
+    # a vocabulary padded to a multiple of TP, uneven stages (tied embeddings with PP > 1 build on CUDA
+    # only: megatron moves the last stage's head copy to the GPU to sync it with the embedding)
+    "qwen2_tp2_pp2": dict(family="qwen2", tp=2, pp_layers=(3, 1), ep=1, etp=1,
+                          dims=dict(num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16, vocab_size=33)),
+    # experts over EP and split over expert-TP: local_shards gathers them into the resharder's layout
+    "qwen3_moe_tp2_ep2_etp2": dict(family="qwen3_moe", tp=2, pp_layers=(), ep=2, etp=2,
+                                   dims=dict(num_heads=4, num_kv_heads=2, head_dim=16)),
+    "qwen3_moe_tp1_pp2_ep2": dict(family="qwen3_moe", tp=1, pp_layers=(1, 1), ep=2, etp=1, dims={}),
+}
+
+
+def _worker(rank, port, case, tmp):
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RLRECIPES_DEVICE="cpu")
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    from megatron.core import parallel_state as ps
+
+    from rlrecipes.core.resharder import Layout
+    from rlrecipes.core.resharder.layout import shard_for
+    from rlrecipes.engines.megatron import shard, state
+    from rlrecipes.engines.megatron.model import build_gpt, load_megatron_state
+    from rlrecipes.engines.megatron.train import parallel_kwargs
+    from rlrecipes.engines.native.loader import build_model
+    from rlrecipes.models import SMOKE, param_specs
+
+    c = CASES[case]
+    dims = dataclasses.replace(SMOKE[c["family"]], **c["dims"])
+    tp, pp_layers, ep, etp = c["tp"], c["pp_layers"], c["ep"], c["etp"]
+    pp = max(len(pp_layers), 1)
+    ps.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+    r = shard.Ranks(tp=tp, tp_rank=ps.get_tensor_model_parallel_rank(), pp_layers=pp_layers,
+                    pp_rank=ps.get_pipeline_model_parallel_rank(), ep=ep, ep_rank=ps.get_expert_model_parallel_rank(),
+                    etp=etp, etp_rank=ps.get_expert_tensor_parallel_rank())
+    extra = parallel_kwargs(r, torch.float32)  # the engine's
+    if dims.is_moe:  # the all-to-all dispatcher wants a CUDA stream when built; the all-gather one
+        # builds on CPU (same parameters) but megatron refuses it with variable_seq_lengths
+        extra.update(moe_token_dispatcher_type="allgather", variable_seq_lengths=False)
+    hf_model, _ = build_model(dims, seed=5)
+    hf = hf_model.state_dict()
+    model = build_gpt(dims, hf_config=hf_model.config, cpu_init=True, pre_process=ps.is_pipeline_first_stage(),
+                      post_process=ps.is_pipeline_last_stage(), vocab_size=shard.padded_vocab(dims.vocab_size, tp),
+                      **extra)
+    mg = shard.megatron_shard(shard.full_reader(hf), dims, r)
+    real = {k: tuple(v.shape) for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    assert real == {k: tuple(v.shape) for k, v in mg.items()}, (rank, sorted(set(real) ^ set(mg)))
+    load_megatron_state(model, mg)
+
+    # local_shards, as the engine computes them, against the resharder's slices
+    layout = Layout(tp, pp, ep, WORLD // (tp * pp), pp_layers or None)
+    sd = {k: v for k, v in model.state_dict().items() if torch.is_tensor(v)}
+    groups = shard.ExpertGroups(etp=ps.get_expert_tensor_parallel_group(), ep=ps.get_expert_model_parallel_group(),
+                                rank_in_stage=rank % layout.stage_size)
+    mine = shard.resharder_shards(shard.hf_from_shard(sd, dims, r), dims, r, groups)
+    specs = param_specs(dims, pp_layers or None)
+    for s in specs:
+        want = shard_for(s, hf[s.name], layout, rank)
+        if want is None:
+            assert s.name not in mine, (rank, s.name)
+        elif s.kind == "vocab" or s.name == "lm_head.weight":  # padded vocabulary: megatron's rows, not even chunks
+            a, b, _ = shard.vocab_range(dims.vocab_size, r)
+            assert torch.equal(mine[s.name], hf[s.name][a:b]), (rank, s.name)
+        else:
+            assert tuple(mine[s.name].shape) == tuple(want.shape), (rank, s.name)
+            assert torch.equal(mine[s.name], want), (rank, s.name)
+
+    # export: every parameter gathered on rank 0 equals the HF model's
+    got = {}
+    shard.gather_full(specs, mine, layout, rank, got.__setitem__)
+    if rank == 0:
+        assert set(got) == {s.name for s in specs}
+        assert all(torch.equal(got[k], hf[k]) for k in got)
+
+    # per-rank checkpoint round trip (model part; the optimizer needs megatron DDP, CUDA) and the manifest check
+    rec = {"tp": tp, "pp_layers": list(pp_layers), "ep": ep, "etp": etp}
+    state.save(tmp, model, None, layout=rec, step=3)
+    before = {k: v.clone() for k, v in sd.items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    assert state.load(tmp, model, None, layout=rec) == 3
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items() if torch.is_tensor(v))
+    with pytest.raises(ValueError, match="saved with another layout; tp"):
+        state.load(tmp, model, None, layout=dict(rec, tp=tp * 2))
+
+    # offload moves the parameters' storages to host and brings them back in place
+    ts = state.device_tensors(model, None, torch.device("cpu"))
+    assert len(ts) == len(list(model.parameters()))
+    swapped = state.offload(model, None, torch.device("cpu"))
+    assert swapped.device_nbytes() == 0
+    swapped.restore()
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items() if torch.is_tensor(v))
+    dist.barrier()
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_sharded_modules_match_the_slices_and_specs(case, tmp_path):
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_worker, args=(port, case, str(tmp_path / "ckpt")), nprocs=WORLD, join=True)
