@@ -247,6 +247,10 @@ def _layout_violations(role: RoleLayout, dims: ModelDims, world: int, caps: Capa
                            "with pipeline parallelism (actor.engine: megatron)"))
     if not caps.expert_parallel and role.ep != 1:
         v.append(Violation("engine has expert parallelism", f"{name}: EP{role.ep} with engine {caps.name}; use ep: 1"))
+    if caps.expert_tensor_parallel and name != "rollout" and role.ep > 1 and dp is not None and dp % role.ep:
+        v.append(Violation("engine places EP groups across DP",
+                           f"{name}: EP{role.ep} does not divide DP{dp} (engine {caps.name} splits experts over "
+                           f"TP as well, so the EP groups span data-parallel ranks); use an ep that divides {dp}"))
     if caps.ep_within_tp and role.ep > 1 and role.tp % role.ep:
         v.append(Violation("engine keeps EP inside the TP group",
                            f"{name}: EP{role.ep} does not divide TP{role.tp} (engine {caps.name}); "
@@ -551,6 +555,11 @@ def build_plan(recipe: Recipe, nodes: Optional[int] = None, devices_per_node: Op
         violations += [Violation("routing replay has what it needs", f"algorithm.routing_replay: {w}") for w in why]
     caps = {role: capabilities(name) for role, name in engines.items() if name in BACKENDS}
     train_caps = caps.get("actor")
+    if train_caps is not None and "critic" in roles and not train_caps.critic:
+        violations.append(Violation("engine trains a critic",
+                                    f"algorithm.name={recipe.algorithm.name} trains a critic, which engine "
+                                    f"{train_caps.name} does not (actor.engine); use actor.engine: native for PPO, "
+                                    f"or a critic-free algorithm (grpo, dapo)"))
     if train_caps is not None and not train_caps.separate_ref_layout:
         for role in ("ref", "critic"):
             lay = getattr(recipe, role).layout

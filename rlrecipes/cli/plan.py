@@ -28,10 +28,13 @@ def render_plan(plan) -> None:
     m = Table(title=f"estimated memory per device, GiB (device: {plan.device_memory_gb:g} GiB)")
     for c in ("phase", "weights", "grads", "optimizer", "activations", "transient", "KV cache", "total"):
         m.add_column(c, justify="right" if c != "phase" else "left")
-    for phase, mem in (("train (actor)", plan.train_memory), ("rollout", plan.rollout_memory)):
+    labels = ("train group", "rollout group") if plan.disaggregated else ("train (actor)", "rollout")
+    for phase, mem in zip(labels, (plan.train_memory, plan.rollout_memory)):
         g = mem.gib()
         m.add_row(phase, *(f"{g[k]:.2f}" for k in ("weights", "grads", "optimizer", "activations", "transient", "kv_cache", "total")))
     console.print(m)
+    for line in plan.placement_lines():
+        console.print(escape(line), highlight=False)
     console.print(f"reshard traffic per device per step: [bold]{plan.reshard_bytes_per_device / 2**30:.2f} GiB[/] "
                   f"received at most ({plan.reshard_method}; full model in bf16: {plan.reshard_full_bytes / 2**30:.1f} GiB)")
     if plan.inference:

@@ -56,6 +56,8 @@ class Capabilities:
     """Experts are split over TP as well (megatron's expert-TP); the planner's memory model uses it."""
     separate_ref_layout: bool = False
     """The reference model / critic may use a layout other than the actor's."""
+    critic: bool = True
+    """The engine trains a value model too (PPO's critic)."""
     devices: tuple[str, ...] = ("cpu", "cuda", "npu")
     """Device types the backend runs on."""
     dtypes: tuple[str, ...] = ("auto", "bf16", "fp16", "fp32")

@@ -47,7 +47,16 @@ def missing_modules(name: str, device: str) -> list[str]:
     """Modules the backend needs on ``device`` that do not import here (checked without importing)."""
     caps = capabilities(name)
     need = list(caps.requires) + [m for d, mods in caps.requires_by_device if d == device for m in mods]
-    return [m for m in need if importlib.util.find_spec(m) is None]
+    return [m for m in need if not _importable(m)]
+
+
+def _importable(module: str) -> bool:
+    """Whether ``module`` can be found, without importing it (a dotted name whose parent package is
+    missing counts as missing: find_spec raises there instead of answering None)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ModuleNotFoundError, ValueError):
+        return False
 
 
 def problems(name: str, role: str, device: str | None = None, *, installed: bool = True) -> list[str]:

@@ -204,11 +204,13 @@ class AlgorithmConfig(_Strict):
     routing_replay: bool = False
     """MoE rollout routing replay (R3): the rollout records each token's routed experts and the actor's
     training forwards use exactly those experts (native engines, MoE models)."""
-    rollout_correction: Literal["none", "tis", "mis"] = "none"
+    rollout_correction: Literal["auto", "none", "tis", "mis"] = "auto"
     """Rollout-train mismatch correction per token, with w = pi_train / pi_rollout of the sampled token:
     tis multiplies the policy loss by min(w, cap) (truncated importance sampling); mis by w where
     w <= cap and 0 past it (masked importance sampling). The mismatch is reported either way
-    (rollout/logprob_diff_mean, _max)."""
+    (rollout/logprob_diff_mean, _max). auto: none when on-policy, tis when max_staleness > 0 (the
+    decoupled objective: the clipped ratio against the proximal policy of the old pass, weighted by
+    the truncated proximal / behaviour ratio)."""
     rollout_correction_cap: float = Field(2.0, gt=1.0)
     """The cap C of tis / mis (> 1)."""
     max_staleness: int = Field(0, ge=0)
@@ -239,6 +241,8 @@ class AlgorithmConfig(_Strict):
                              f"{self.clip_ratio_low}, {self.clip_ratio_high}")
         if self.ppo_epochs < 1:
             raise ValueError(f"algorithm.ppo_epochs must be >= 1; got {self.ppo_epochs}")
+        if self.rollout_correction == "auto":
+            self.rollout_correction = "tis" if self.max_staleness > 0 else "none"
         return self
 
 
@@ -460,6 +464,10 @@ class Recipe(_Strict):
             raise ValueError(f"resources.rollout_devices={res.rollout_devices} only applies to "
                              f"resources.placement=disaggregated; set resources.placement=disaggregated, or "
                              f"resources.rollout_devices=null to keep rollout and training on the same devices")
+        if res.placement == "disaggregated" and self.algorithm.dynamic_sampling.enabled:
+            raise ValueError("algorithm.dynamic_sampling.enabled=true runs extra generation rounds inside a step, "
+                             "which the disaggregated rollout workers do not do yet: set resources.placement=colocated, "
+                             "or algorithm.dynamic_sampling.enabled=false")
         if res.placement == "colocated" and self.algorithm.max_staleness > 0:
             raise ValueError(f"algorithm.max_staleness={self.algorithm.max_staleness} needs rollout and training on "
                              f"their own devices: set resources.placement=disaggregated (with resources.rollout_devices), "

@@ -11,7 +11,7 @@ torch.distributed world. Trained weights reach the rollout layout through the Re
 Disaggregated placement (``resources.placement``): ``role == "train"`` workers hold the train
 roles and ``role == "rollout"`` workers only the rollout engine, each set in its own
 torch.distributed world (``rank`` / ``world`` are within it), joined by the bridge group over which
-:class:`~rlrecipes.core.resharder.bridge.WeightBridge` moves each new policy version.
+the Resharder's ``cross_alltoallv`` moves each new policy version.
 """
 from __future__ import annotations
 
@@ -69,7 +69,6 @@ class Context:
     """both (colocated) | train | rollout (disaggregated placement)."""
     docks: list = field(default_factory=list)
     """The dock ring: step s uses ``docks[s % len(docks)]`` (max_staleness + 1 docks)."""
-    bridge: Any = None
     version: int = 0
     """The policy version of the rollout weights (= the step whose update produced them)."""
     end_step: int = 0
@@ -175,15 +174,14 @@ def build_resharder(ctx: Context, bridge_group=None, global_rank: int = 0) -> No
         ctx.resharder = Resharder(ctx.reshard_plan, r.resharding.strategy, bucket_mb=r.resharding.bucket_mb,
                                   group=actor.reshard_group())
         return
-    from ..core.resharder.bridge import WeightBridge
     from ..models import param_specs
 
     R = r.resources.rollout_devices
     T = global_rank + ctx.world - ctx.rank if ctx.role == "train" else global_rank - ctx.rank
-    train_dp = T // (a.tp * a.pp)
-    rollout_dp = R // ro.tp
     dtype = dev.train_dtype(ctx.device, r.model.dtype)
     specs = param_specs(r.model.dims(), pp_layers=pp_layers)  # both sides plan from the same list
-    ctx.reshard_plan = plan_reshard(Layout(a.tp, a.pp, a.ep, train_dp, pp_layers), Layout(ro.tp, 1, ro.ep, rollout_dp),
-                                    specs, dtype_bytes=torch.finfo(dtype).bits // 8, placement="disaggregated")
-    ctx.bridge = WeightBridge(ctx.reshard_plan, bridge_group, global_rank, dtype, bucket_mb=r.resharding.bucket_mb)
+    ctx.reshard_plan = plan_reshard(Layout(a.tp, a.pp, a.ep, T // (a.tp * a.pp), pp_layers),
+                                    Layout(ro.tp, 1, ro.ep, R // ro.tp), specs,
+                                    dtype_bytes=torch.finfo(dtype).bits // 8, placement="disaggregated")
+    ctx.resharder = Resharder(ctx.reshard_plan, r.resharding.strategy, bucket_mb=r.resharding.bucket_mb,
+                              group=bridge_group, dtype=dtype, device=ctx.device)

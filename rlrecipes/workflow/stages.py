@@ -305,9 +305,10 @@ def publish_or_receive(ctx: Context) -> None:
     (each its own pieces, no gather); the rollout ranks receive them bucket by bucket into the engine."""
     if ctx.role == "train":
         ctx.actor.onload()
-        ctx.bridge.send(ctx.actor.local_shards())
+        for _ in ctx.resharder.reshard(ctx.actor.local_shards()):
+            pass  # a train rank only sends
     else:
-        ctx.rollout.update_weights(ctx.bridge.receive(ctx.device))
+        ctx.rollout.update_weights(ctx.resharder.reshard({}))
 
 
 def publish(ctx: Context, st: StepState) -> None:

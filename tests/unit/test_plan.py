@@ -201,3 +201,13 @@ def test_disaggregated_errors_name_the_key_and_the_fix(rollout_devices, extra, n
         with pytest.raises(PlanError) as e:
             placement_groups(r)
         assert needles[0] in str(e.value)
+
+
+def test_megatron_rules_fail_in_plan_before_anything_starts():
+    # PPO's critic: the megatron engine trains none
+    p = build_plan(load_recipe("qwen25_7b", overrides=["algorithm.name=ppo", "algorithm.adv_estimator=gae"]), 1)
+    assert not p.ok and "trains a critic" in format_violations(p) and "actor.engine: native" in format_violations(p)
+    # expert-TP = TP: megatron's EP groups span DP ranks, so EP must divide DP (qwen3 MoE: TP4 -> DP4 on 16)
+    p = build_plan(load_recipe("qwen3_moe_30b", overrides=["actor.layout.ep=8"]), 1)
+    assert not p.ok and "EP8 does not divide DP4" in format_violations(p)
+    assert build_plan(load_recipe("qwen3_moe_30b"), 1).ok

@@ -14,8 +14,8 @@ from ..base import Capabilities
 
 CAPABILITIES = Capabilities(
     name="megatron", roles=frozenset({"train"}), pipeline_parallel=True, expert_parallel=True,
-    expert_tensor_parallel=True, separate_ref_layout=False, devices=("cuda", "npu"),
-    dtypes=("auto", "bf16", "fp16", "fp32"), requires=("megatron",),  # top level: find_spec("megatron.core") raises without it
+    expert_tensor_parallel=True, separate_ref_layout=False, critic=False, devices=("cuda", "npu"),
+    dtypes=("auto", "bf16", "fp16", "fp32"), requires=("megatron.core",),
     requires_by_device=(("npu", ("mindspeed", "torch_npu")),),
     install="pip install -e '.[megatron]' (CUDA) or '.[ascend]' plus MindSpeed from source (docs/ascend.md)",
     implemented=True,
