@@ -453,6 +453,45 @@ class Resharder:
             del out, recvbuf
 
     # ---- alltoallv_experts ------------------------------------------------------------------
+    def _pack_sends(self, bucket, sends, local, W: int, me: int) -> tuple[torch.Tensor, list[int]]:
+        """A bucket's outgoing pieces in one byte buffer, destination-major, then (spec, start): the
+        receiver unpacks in the same order (:meth:`_recv_order`). Returns the buffer and its splits."""
+        plan = self.plan
+        per_dst = defaultdict(list)
+        for i in bucket:
+            for p in sends.get(i, ()):
+                per_dst[p.dst].append(p)
+        in_splits = []
+        for dst in range(W):
+            per_dst[dst].sort(key=lambda p: (p.spec, p.start))
+            in_splits.append(sum(p.numel * self._esize(p.spec) for p in per_dst[dst]))
+        sendbuf = torch.empty(sum(in_splits), dtype=torch.uint8, device=self.device)
+        off = 0
+        for dst in range(W):
+            for p in per_dst[dst]:  # copied straight into the packed buffer
+                s = plan.specs[p.spec]
+                nb = p.numel * self._esize(p.spec)
+                piece = local[s.name]
+                if s.split_dim is not None:
+                    ta, _ = _interval(s, plan.train, me)
+                    piece = piece.narrow(s.split_dim, p.start - ta, p.stop - p.start)
+                _pack(sendbuf[off:off + nb], piece)
+                off += nb
+        return sendbuf, in_splits
+
+    def _recv_order(self, bucket, recvs, W: int) -> tuple[list[int], list]:
+        """The byte split per source and the pieces in the order they arrive."""
+        per_src = defaultdict(list)
+        for i in bucket:
+            for p in recvs.get(i, ()):
+                per_src[p.src].append(p)
+        out_splits, order = [], []
+        for src in range(W):
+            lst = sorted(per_src.get(src, ()), key=lambda p: (p.spec, p.start))
+            order += lst
+            out_splits.append(sum(p.numel * self._esize(p.spec) for p in lst))
+        return out_splits, order
+
     def _run_alltoallv_experts(self, idx, local):
         """Send every slice from its train owner straight to its rollout owner (one all-to-all-v per
         bucket over the whole group); nobody materialises more than its own rollout shard."""
@@ -471,35 +510,8 @@ class Resharder:
             locs[i].append((a, b))
         for bucket in self._buckets(idx, cost):
             bset = set(bucket)
-            # pack: destination-major, then (spec, start) order -- the receiver unpacks in the same order
-            per_dst = defaultdict(list)
-            for i in bucket:
-                for p in sends.get(i, ()):
-                    per_dst[p.dst].append(p)
-            in_splits = []
-            for dst in range(W):
-                per_dst[dst].sort(key=lambda p: (p.spec, p.start))
-                in_splits.append(sum(p.numel * self._esize(p.spec) for p in per_dst[dst]))
-            sendbuf = torch.empty(sum(in_splits), dtype=torch.uint8, device=self.device)
-            off = 0
-            for dst in range(W):
-                for p in per_dst[dst]:  # copied straight into the packed buffer
-                    s = plan.specs[p.spec]
-                    nb = p.numel * self._esize(p.spec)
-                    ta, _ = _interval(s, plan.train, me)
-                    piece = local[s.name].narrow(s.split_dim, p.start - ta, p.stop - p.start) \
-                        if s.split_dim is not None else local[s.name]
-                    _pack(sendbuf[off:off + nb], piece)
-                    off += nb
-            per_src = defaultdict(list)
-            for i in bucket:
-                for p in recvs.get(i, ()):
-                    per_src[p.src].append(p)
-            out_splits, order = [], []
-            for src in range(W):
-                lst = sorted(per_src.get(src, ()), key=lambda p: (p.spec, p.start))
-                order += lst
-                out_splits.append(sum(p.numel * self._esize(p.spec) for p in lst))
+            sendbuf, in_splits = self._pack_sends(bucket, sends, local, W, me)
+            out_splits, order = self._recv_order(bucket, recvs, W)
             recvbuf = torch.empty(sum(out_splits), dtype=torch.uint8, device=self.device)
             self.stats.alloc(_nbytes(sendbuf) + _nbytes(recvbuf))
             dist.all_to_all_single(recvbuf, sendbuf, out_splits, in_splits, group=self.group)
@@ -574,7 +586,6 @@ class Resharder:
         a train rank packs the slices it serves (sources balanced by the plan), a rollout rank
         unpacks its own rollout shard. Train ranks yield nothing; nobody holds more than about one
         bucket beyond its own weights."""
-        dist = _dist()
         plan, me, W = self.plan, self.rank, self.plan.world
         costs = self._cross_costs()
         sends, recvs = defaultdict(list), defaultdict(list)
@@ -584,38 +595,9 @@ class Resharder:
             recvs[p.spec].append(p)
         j = plan.rollout_rank(me)
         for bucket in self._buckets(idx, lambda i: costs[i]):
-            # pack: destination-major, then (spec, start) -- the receiver unpacks in the same order
-            per_dst = defaultdict(list)
-            for i in bucket:
-                for p in sends.get(i, ()):
-                    per_dst[p.dst].append(p)
-            in_splits = []
-            for dst in range(W):
-                per_dst[dst].sort(key=lambda p: (p.spec, p.start))
-                in_splits.append(sum(p.numel * self._esize(p.spec) for p in per_dst[dst]))
-            sendbuf = torch.empty(sum(in_splits), dtype=torch.uint8, device=self.device)
+            sendbuf, in_splits = self._pack_sends(bucket, sends, local, W, me)
             self.stats.alloc(_nbytes(sendbuf))
-            off = 0
-            for dst in range(W):
-                for p in per_dst[dst]:
-                    s = plan.specs[p.spec]
-                    nb = p.numel * self._esize(p.spec)
-                    if s.split_dim is None:
-                        piece = local[s.name]
-                    else:
-                        ta, _ = _interval(s, plan.train, me)
-                        piece = local[s.name].narrow(s.split_dim, p.start - ta, p.stop - p.start)
-                    _pack(sendbuf[off:off + nb], piece)
-                    off += nb
-            per_src = defaultdict(list)
-            for i in bucket:
-                for p in recvs.get(i, ()):
-                    per_src[p.src].append(p)
-            out_splits, order = [], []
-            for src in range(W):
-                lst = sorted(per_src.get(src, ()), key=lambda p: (p.spec, p.start))
-                order += lst
-                out_splits.append(sum(p.numel * self._esize(p.spec) for p in lst))
+            out_splits, order = self._recv_order(bucket, recvs, W)
             recvbuf = torch.empty(sum(out_splits), dtype=torch.uint8, device=self.device)
             self.stats.alloc(_nbytes(recvbuf))
             self._all_to_all(recvbuf, sendbuf, out_splits, in_splits)
