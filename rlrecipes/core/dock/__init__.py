@@ -45,7 +45,7 @@ from .balance import partition_kk, partition_lpt
 from .client import Batch, DockClient
 from .errors import DEFAULT_TIMEOUT_S, DockError, DockTimeout
 from .local import LocalDock
-from .ray_backend import RayDock, _Controller, _Warehouse
+from .ray_backend import RayDock, _Warehouse
 
 __all__ = [
     "Batch", "DEFAULT_TIMEOUT_S", "DockClient", "DockError", "DockTimeout", "LocalDock", "RayDock", "TransferDock",

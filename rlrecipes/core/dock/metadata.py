@@ -115,9 +115,9 @@ class _Meta:
         for col, (dtype, stacked, lens) in columns.items():
             if dtype:
                 self.kinds.setdefault(col, (dtype, stacked))
-            for d, fill in ((self.ready, False), (self.holder, -1), (self.lengths, 0)):
-                if col not in d:
-                    d[col] = np.full(self.n_rows, fill, {False: bool, -1: np.int64, 0: np.int64}[fill])
+            for d, fill, dt in ((self.ready, False, bool), (self.holder, -1, np.int64), (self.lengths, 0, np.int64)):
+                if col not in d:  # (a dict keyed by the fill value made `ready` int64: False == 0)
+                    d[col] = np.full(self.n_rows, fill, dt)
             self.ready[col][r] = True
             self.holder[col][r] = holder
             if lens is not None:
