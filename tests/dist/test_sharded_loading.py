@@ -23,7 +23,8 @@ def _load_cases(rank, tmp):
     import torch.distributed as dist
 
     from rlrecipes.engines.native.loader import save_hf_folder
-    from rlrecipes.engines.native.train import NativeTrainEngine, NativeValueEngine
+    from rlrecipes.engines.native.train import NativeTrainEngine
+    from rlrecipes.engines.native.value import NativeValueEngine
     from rlrecipes.models import smoke_dims
 
     for i, (fam, tp, ep, extra) in enumerate(CASES):

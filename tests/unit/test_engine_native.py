@@ -372,3 +372,43 @@ def test_trained_moe_and_mla_export_loads_with_per_expert_keys_and_same_logits(t
         want = eng.model(input_ids=x).logits
         got = back(input_ids=x).logits
     assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+
+
+def test_dp1_engine_is_the_plain_module_and_trains_like_fsdp(random_seq_batch, pg_loss):
+    """At world size 1 (fp32) the actor is the HF module itself (no FSDP2 wrapper) and its steps,
+    grad norms and forwards equal the FSDP2-wrapped engine's on the same rank bit for bit."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from rlrecipes.engines.native.train import NativeTrainEngine
+
+    engs = [NativeTrainEngine(SMOKE["qwen2"], lr=1e-2, seed=0, grad_clip=0.5, fsdp=f, max_tokens_per_micro_batch=40)
+            for f in (None, True)]
+    assert not engs[0].fsdp and not isinstance(engs[0].model, FSDPModule)
+    assert type(engs[0].model).__name__ == "Qwen2ForCausalLM" and isinstance(engs[1].model, FSDPModule)
+    for step in range(3):
+        batch = random_seq_batch(32, n=9, seed=step)
+        plain, wrapped = (e.train_step(batch, pg_loss) for e in engs)
+        assert plain["actor/micro_batches"] > 1 and plain == wrapped
+        (lp_a, ent_a), (lp_b, ent_b) = (e.forward(batch, with_entropy=True) for e in engs)
+        assert all(torch.equal(a, b) for a, b in zip(lp_a + ent_a, lp_b + ent_b))
+    sa, sb = (e.full_state_dict() for e in engs)
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_forward_leaves_train_mode_as_it_was_and_value_engine_moved():
+    from rlrecipes.engines.base import SeqBatch
+    from rlrecipes.engines.native import train, value
+
+    assert train.NativeValueEngine is value.NativeValueEngine  # the old import path still works
+    actor = train.NativeTrainEngine(SMOKE["qwen2"], lr=1e-3)
+    ref = train.NativeTrainEngine(SMOKE["qwen2"], role="ref")
+    batch = SeqBatch(_prompts(), [torch.tensor([1, 2]), torch.tensor([3]), torch.tensor([4, 5, 6])])
+    seen = []
+    hook = actor.model.model.layers[0].register_forward_pre_hook(lambda m, a: seen.append(m.training))
+    actor.forward(batch)
+    assert seen == [False] and actor.model.training and all(m.training for m in actor.model.modules())
+    actor.train_step(batch, lambda lp, _e, mb: (-(lp * mb["response_mask"]).sum(), {}))
+    assert seen == [False, True]
+    hook.remove()
+    ref.forward(batch)
+    assert not any(m.training for m in ref.model.modules())

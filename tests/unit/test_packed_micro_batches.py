@@ -76,3 +76,84 @@ def test_packed_gradients_equal_padded(engine, mode):
     for k in padded:
         for got in (packed, one_row, whole):
             torch.testing.assert_close(got[k], padded[k], atol=1e-6, rtol=1e-4)
+
+
+# ---- the batched micro-batch builders equal the obvious per-sample loops (bit for bit)
+def _loop_pad_sequences(prompts, responses, pad_id):
+    P, R = max(p.numel() for p in prompts), max(max(x.numel() for x in responses), 1)
+    ids = torch.full((len(prompts), P + R), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(prompts), P + R), dtype=torch.long)
+    rmask = torch.zeros((len(prompts), R))
+    for i, (p, x) in enumerate(zip(prompts, responses)):
+        ids[i, P - p.numel():P], ids[i, P:P + x.numel()] = p, x
+        attn[i, P - p.numel():P + x.numel()] = 1
+        rmask[i, :x.numel()] = 1
+    return {"input_ids": ids, "attention_mask": attn, "response_mask": rmask}
+
+
+def _loop_packed(batch, pad_id, row_tokens):
+    lengths = [p.numel() + x.numel() for p, x in zip(batch.prompts, batch.responses)]
+    rows_of = token_bins(lengths, row_tokens) if row_tokens else [list(range(len(batch)))]
+    L = max(sum(lengths[i] for i in r) for r in rows_of)
+    ids = torch.full((len(rows_of), L), pad_id, dtype=torch.long)
+    pos = torch.zeros((len(rows_of), L), dtype=torch.long)
+    routed = torch.full((len(rows_of), L, *batch.routed_experts[0].shape[1:]), -1, dtype=torch.int32)
+    kr, kc, tg, ur, uc = [], [], [], [], []
+    for r, members in enumerate(rows_of):
+        off = 0
+        for i in members:
+            p, x = batch.prompts[i], batch.responses[i]
+            P, R = p.numel(), x.numel()
+            ids[r, off:off + P], ids[r, off + P:off + P + R] = p, x
+            pos[r, off:off + P + R] = torch.arange(P + R)
+            rec = batch.routed_experts[i][:P + R]
+            routed[r, off:off + rec.shape[0]] = rec
+            kr.append(torch.full((R,), r, dtype=torch.long))
+            kc.append(torch.arange(off + P - 1, off + P + R - 1))
+            tg.append(x.long())
+            ur.append(torch.full((R,), i, dtype=torch.long))
+            uc.append(torch.arange(R))
+            off += P + R
+        pos[r, off:] = torch.arange(L - off)
+    cols = torch.cat(kc)
+    union = torch.unique(cols)
+    return {"input_ids": ids, "position_ids": pos, "logit_index": union, "keep_rows": torch.cat(kr),
+            "keep_cols": torch.searchsorted(union, cols), "targets": torch.cat(tg), "unpack_rows": torch.cat(ur),
+            "unpack_cols": torch.cat(uc), "routed_experts": routed}
+
+
+def _uneven_batch(seed):
+    """Prompts of 1-12 tokens, responses of 0-6 (empty ones included), float64 and float32 columns,
+    routing records one token short of some samples."""
+    g = torch.Generator().manual_seed(seed)
+    P = torch.randint(1, 13, (9,), generator=g).tolist()
+    R = torch.randint(0, 7, (9,), generator=g).tolist()
+    R[0] = 6
+    return SeqBatch(prompts=[torch.randint(1, 32, (p,), generator=g) for p in P],
+                    responses=[torch.randint(1, 32, (r,), generator=g) for r in R],
+                    per_sample={"advantages": torch.randn(9, generator=g)},
+                    per_token={"old": [torch.randn(r, generator=g, dtype=torch.float64) for r in R],
+                               "ref": [torch.randn(r, generator=g) for r in R]},
+                    routed_experts=[torch.randint(0, 8, (p + r - (i % 2), 2, 2), generator=g, dtype=torch.int32)
+                                    for i, (p, r) in enumerate(zip(P, R))])
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_batched_builders_equal_per_sample_loops(seed):
+    from rlrecipes.engines.native.batching import packed_micro_batch, pad_rows, pad_sequences
+
+    batch = _uneven_batch(seed)
+    for key, val in _loop_pad_sequences(batch.prompts, batch.responses, 7).items():
+        got = pad_sequences(batch.prompts, batch.responses, 7)[key]
+        assert got.dtype == val.dtype and torch.equal(got, val), key
+    want = torch.full((9, 8), -1.0)
+    for i, t in enumerate(batch.per_token["old"]):
+        want[i, :t.numel()] = t.float()
+    assert torch.equal(pad_rows(batch.per_token["old"], 8, -1.0), want)
+    with pytest.raises(ValueError, match="does not fit"):
+        pad_rows(batch.per_token["old"], 3)
+    for row_tokens in (None, 12, 18, 40):
+        mb = packed_micro_batch(batch, 7, row_tokens)
+        for key, val in _loop_packed(batch, 7, row_tokens).items():
+            assert mb[key].dtype == val.dtype and torch.equal(mb[key], val), (row_tokens, key)
+        assert torch.equal(mb["old"], pad_rows(batch.per_token["old"], 6))

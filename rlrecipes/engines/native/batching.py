@@ -44,29 +44,42 @@ class MeshRanks:
         return self.mesh.tp_rank == 0
 
 
+def _lengths(rows: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.tensor([int(t.numel()) for t in rows], dtype=torch.long)  # [n]
+
+
+def _fill(out: torch.Tensor, mask: torch.Tensor, rows: Sequence[torch.Tensor]) -> None:
+    """``out[mask] = cat(rows)``: the 1-D rows laid in row-major order at the True places of ``mask``
+    (one batched copy instead of a slice assignment per row)."""
+    if rows:
+        out[mask] = torch.cat(list(rows)).to(out.dtype)
+
+
 def pad_rows(rows: Sequence[torch.Tensor], width: int, value: float = 0.0) -> torch.Tensor:
     """1-D tensors -> ``[len(rows), width]`` float32, right-padded with ``value``."""
     out = torch.full((len(rows), width), value, dtype=torch.float32)  # [B, R]
-    for i, t in enumerate(rows):
-        out[i, :t.numel()] = t.float()
+    lens = _lengths(rows)
+    if rows and int(lens.max()) > width:
+        raise ValueError(f"pad_rows: a row of {int(lens.max())} values does not fit width {width}")
+    # per-row float32 casts, as a row-by-row copy does (cat would promote mixed dtypes first)
+    _fill(out, torch.arange(width)[None, :] < lens[:, None], [t.float() for t in rows])
     return out
 
 
 def pad_sequences(prompts: Sequence[torch.Tensor], responses: Sequence[torch.Tensor], pad_id: int) -> dict:
     """Left-padded prompts + right-padded responses -> ``input_ids``, ``attention_mask``, ``response_mask``."""
-    P = max(int(p.numel()) for p in prompts)
-    R = max(max(int(x.numel()) for x in responses), 1)
+    plen, rlen = _lengths(prompts), _lengths(responses)
+    P = int(plen.max())
+    R = max(int(rlen.max()), 1)
     B = len(prompts)
     ids = torch.full((B, P + R), pad_id, dtype=torch.long)  # [B, T]
-    attn = torch.zeros((B, P + R), dtype=torch.long)  # [B, T]
-    rmask = torch.zeros((B, R), dtype=torch.float32)  # [B, R]
-    for i, (p, x) in enumerate(zip(prompts, responses)):
-        ids[i, P - p.numel():P] = p
-        attn[i, P - p.numel():P] = 1
-        ids[i, P:P + x.numel()] = x
-        attn[i, P:P + x.numel()] = 1
-        rmask[i, :x.numel()] = 1
-    return {"input_ids": ids, "attention_mask": attn, "response_mask": rmask}
+    pmask = torch.arange(P)[None, :] >= (P - plen)[:, None]  # [B, P]: left-padded prompts
+    rmask = torch.arange(R)[None, :] < rlen[:, None]  # [B, R]: right-padded responses
+    prompt_ids, response_ids = ids[:, :P], ids[:, P:]  # views of ids
+    _fill(prompt_ids, pmask, prompts)
+    _fill(response_ids, rmask, responses)
+    attn = torch.cat([pmask, rmask], 1).long()  # [B, T]
+    return {"input_ids": ids, "attention_mask": attn, "response_mask": rmask.float()}
 
 
 def _columns(mb: dict, batch: SeqBatch, R: int) -> None:
@@ -123,11 +136,13 @@ def micro_batches(batch: SeqBatch, size: int, pad_id: int, *, collective: bool =
 
 def rows_to_samples(dest: list, mb: Mapping, rows: torch.Tensor | None, batch: SeqBatch) -> None:
     """``dest[i] = rows[j, :R_i]`` on the host for the ``j``-th sample ``i`` of micro-batch ``mb``
-    (``rows [b, R]``, as the engines' forward returns it; nothing when ``rows`` is None)."""
+    (``rows [b, R]``, as the engines' forward returns it; nothing when ``rows`` is None). One copy
+    to the host for the whole block, then views of it."""
     if rows is None:
         return
+    host = rows.detach().cpu()  # [b, R]
     for j, i in enumerate(mb["sample_index"]):
-        dest[i] = rows[j, :int(batch.responses[i].numel())].detach().cpu()
+        dest[i] = host[j, :int(batch.responses[i].numel())]
 
 
 def token_bins(lengths: Sequence[int], budget: int) -> list[list[int]]:
@@ -159,42 +174,56 @@ def packed_micro_batch(batch: SeqBatch, pad_id: int = 0, row_tokens: int | None 
     ``logit_index [U]`` are the columns the head is evaluated at (the union over rows) and
     ``keep_rows / keep_cols [M]`` pick each response token's logits out of ``[rows, U, V]``.
     """
-    lengths = [int(p.numel()) + int(x.numel()) for p, x in zip(batch.prompts, batch.responses)]
+    plen, rlen = _lengths(batch.prompts), _lengths(batch.responses)  # [n]
+    lengths = (plen + rlen).tolist()
     rows_of = token_bins(lengths, row_tokens) if row_tokens else [list(range(len(batch)))]
-    L = max(sum(lengths[i] for i in r) for r in rows_of)
+    # every sample's row and offset in it, in row order (one batched scatter below, no per-sample ops)
+    order, row_of, offset_of, ends = [], [], [], []
+    for r, members in enumerate(rows_of):
+        offset = 0
+        for i in members:
+            order.append(i)
+            row_of.append(r)
+            offset_of.append(offset)
+            offset += lengths[i]
+        ends.append(offset)
+    L = max(ends)
+    order_t = torch.tensor(order, dtype=torch.long)  # [n]
+    row_t, off_t = torch.tensor(row_of, dtype=torch.long), torch.tensor(offset_of, dtype=torch.long)  # [n]
+    P_o, R_o = plen[order_t], rlen[order_t]  # [n], in row order
+    n_o = P_o + R_o
+
+    def within(counts):  # 0, 1, .., c - 1 for every count c, concatenated
+        total = int(counts.sum())
+        return torch.arange(total) - torch.repeat_interleave(counts.cumsum(0) - counts, counts, output_size=total)
+
+    tok = within(n_o)  # [N]: position of each token inside its sample
+    tok_row = torch.repeat_interleave(row_t, n_o, output_size=tok.numel())  # [N]
+    tok_col = torch.repeat_interleave(off_t, n_o, output_size=tok.numel()) + tok  # [N]
     ids = torch.full((len(rows_of), L), pad_id, dtype=torch.long)
-    pos = torch.zeros((len(rows_of), L), dtype=torch.long)
+    ids[tok_row, tok_col] = torch.cat([t for i in order for t in (batch.prompts[i], batch.responses[i])]).long()
+    # row padding is a block of its own: positions restart at 0 after a row's last sample
+    pos = torch.arange(L)[None, :] - torch.tensor(ends, dtype=torch.long)[:, None]  # [rows, L]
+    pos[tok_row, tok_col] = tok
     routed = None
     if batch.routed_experts is not None:
         shape = batch.routed_experts[0].shape[1:]
         routed = torch.full((len(rows_of), L, *shape), -1, dtype=torch.int32)  # [rows, L, layers, k]
-    keep_r, keep_c, targets, unpack_r, unpack_c = [], [], [], [], []
-    for r, members in enumerate(rows_of):
-        offset = 0
-        for i in members:
-            p, x = batch.prompts[i], batch.responses[i]
-            P, R = int(p.numel()), int(x.numel())
-            ids[r, offset:offset + P], ids[r, offset + P:offset + P + R] = p, x
-            pos[r, offset:offset + P + R] = torch.arange(P + R)
-            if routed is not None:  # the last token was never fed back to the rollout: it keeps -1
-                rec = batch.routed_experts[i][:P + R]
-                routed[r, offset:offset + rec.shape[0]] = rec
-            keep_r.append(torch.full((R,), r, dtype=torch.long))
-            keep_c.append(torch.arange(offset + P - 1, offset + P + R - 1))  # logits that predict x
-            targets.append(x.long())
-            unpack_r.append(torch.full((R,), i, dtype=torch.long))
-            unpack_c.append(torch.arange(R))
-            offset += P + R
-        pos[r, offset:] = torch.arange(L - offset)  # row padding: a block of its own
-    cols = torch.cat(keep_c)
+        for i, r, offset in zip(order, row_of, offset_of):
+            # the last token was never fed back to the rollout: it keeps -1
+            rec = batch.routed_experts[i][:lengths[i]]
+            routed[r, offset:offset + rec.shape[0]] = rec
+    M = int(R_o.sum())
+    j = within(R_o)  # [M]: response slot of each response token
+    cols = torch.repeat_interleave(off_t + P_o - 1, R_o, output_size=M) + j  # logits that predict each token
     union = torch.unique(cols)  # sorted
-    R = max(max(int(x.numel()) for x in batch.responses), 1)
-    lens = torch.tensor([int(x.numel()) for x in batch.responses])
+    R = max(int(rlen.max()), 1)
     mb = {"input_ids": ids, "position_ids": pos,  # [rows, L]
-          "logit_index": union, "keep_rows": torch.cat(keep_r), "keep_cols": torch.searchsorted(union, cols),
-          "targets": torch.cat(targets),  # [M]
-          "unpack_rows": torch.cat(unpack_r), "unpack_cols": torch.cat(unpack_c),  # [M]
-          "response_mask": (torch.arange(R)[None, :] < lens[:, None]).float()}  # [b, R]
+          "logit_index": union, "keep_rows": torch.repeat_interleave(row_t, R_o, output_size=M),
+          "keep_cols": torch.searchsorted(union, cols),
+          "targets": torch.cat([batch.responses[i] for i in order]).long(),  # [M]
+          "unpack_rows": torch.repeat_interleave(order_t, R_o, output_size=M), "unpack_cols": j,  # [M]
+          "response_mask": (torch.arange(R)[None, :] < rlen[:, None]).float()}  # [b, R]
     _columns(mb, batch, R)
     if routed is not None:
         mb["routed_experts"] = routed

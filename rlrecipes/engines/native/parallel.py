@@ -439,13 +439,10 @@ def _replication(t: torch.Tensor, world: int) -> int:
     return max(world // shards, 1)
 
 
-def global_grad_norm(params: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """L2 norm of all gradients across the whole mesh, counting every distinct element once.
-
-    Each rank sums ``|g_local|^2 / replication`` (replication = ranks holding that element:
-    TP copies of norms, ``tp/ep`` copies of expert blocks, DP copies without FSDP) and one
-    sum-all-reduce over the world gives the exact global norm, identical on every rank.
-    """
+def local_grad_sq_sum(params: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """This rank's share of the squared global grad norm (float64): ``sum |g_local|^2 / replication``
+    (replication = ranks holding that element: TP copies of norms, ``tp/ep`` copies of expert blocks,
+    DP copies without FSDP). A sum-all-reduce over the world gives the squared global norm."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     total = torch.zeros((), dtype=torch.float64, device=device)
     for p in params:
@@ -454,7 +451,14 @@ def global_grad_norm(params: Iterable[torch.Tensor], device: torch.device) -> to
             continue
         gl = _local(g)
         total += gl.detach().double().pow(2).sum() / _replication(g, world)
-    if world > 1:
+    return total
+
+
+def global_grad_norm(params: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """L2 norm of all gradients across the whole mesh, counting every distinct element once
+    (:func:`local_grad_sq_sum` and one sum-all-reduce over the world): identical on every rank."""
+    total = local_grad_sq_sum(params, device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(total)
     return total.sqrt().float()
 
@@ -465,13 +469,21 @@ def scale_grads_(params: Iterable[torch.Tensor], coef: float) -> None:
             _local(p.grad).mul_(coef)
 
 
-def allreduce_tp_partial_grads(model: nn.Module, mesh: MeshInfo) -> None:
-    """Sum the per-head norm grads (q_norm/k_norm) over the TP group (each rank saw its heads only)."""
+def tp_partial_params(model: nn.Module, mesh: MeshInfo) -> list[torch.Tensor]:
+    """The parameters whose grads :func:`allreduce_tp_partial_grads` sums over TP (none at TP1)."""
+    if mesh.tp == 1:
+        return []
+    return [p for name, p in model.named_parameters() if tp_partial_grad(name)]
+
+
+def allreduce_tp_partial_grads(model: nn.Module, mesh: MeshInfo, *, params: list[torch.Tensor] | None = None) -> None:
+    """Sum the per-head norm grads (q_norm/k_norm) over the TP group (each rank saw its heads only).
+    ``params``: :func:`tp_partial_params` of ``model``, when the caller keeps it across steps."""
     if mesh.tp == 1:
         return
     group = mesh.tp_mesh.get_group()
-    for name, p in model.named_parameters():
-        if p.grad is not None and tp_partial_grad(name):
+    for p in (tp_partial_params(model, mesh) if params is None else params):
+        if p.grad is not None:
             dist.all_reduce(_local(p.grad), group=group)
 
 
@@ -486,7 +498,8 @@ def convention_slice(full: torch.Tensor, name: str, tp: int, tp_rank: int, ep: i
 
 
 __all__ = ["EPExperts", "MeshInfo", "allreduce_tp_partial_grads", "build_mesh", "convention_slice",
-           "copy_shard_", "full_state_dict", "global_grad_norm", "is_expert", "local_box", "local_shards",
+           "copy_shard_", "full_state_dict", "global_grad_norm", "is_expert", "local_box", "local_grad_sq_sum",
+           "local_shards",
            "named_tensors",
-           "param_rule", "parallelize", "scale_grads_", "tp_dim", "tp_partial_grad", "tp_plan",
+           "param_rule", "parallelize", "scale_grads_", "tp_dim", "tp_partial_grad", "tp_partial_params", "tp_plan",
            "train_layout_shard"]

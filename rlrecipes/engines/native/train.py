@@ -1,4 +1,6 @@
-"""Native train engine: an HF causal LM sharded with DTensor TP, EP-inside-TP and FSDP2.
+"""Native train engine: an HF causal LM sharded with DTensor TP, EP-inside-TP and FSDP2 (FSDP2 only
+where it is needed: DP > 1 or mixed precision; at DP1 fp32 the model is the plain HF module). The PPO
+critic, :class:`~rlrecipes.engines.native.value.NativeValueEngine`, lives in ``value.py``.
 
 Batches (one *micro-batch* is a mapping):
 
@@ -158,13 +160,17 @@ class NativeTrainEngine(MeshRanks, base.TrainEngine):
         self.offload_optimizer = bool(offload_optimizer)
         self._opt_parked: SwappedStorages | None = None
         self._park_on_host_device = False  # tests: exercise the parking path where host is the device
+        self._tp_partial: list[torch.Tensor] | None = None  # q/k-norm weights whose grads sum over TP
 
     @classmethod
     def create(cls, spec: base.EngineSpec) -> "NativeTrainEngine":
         """The engine for ``spec.role`` (``critic`` builds :class:`NativeValueEngine`)."""
         if spec.pp != 1:
             raise ValueError(f"{spec.role}: the native engine has no pipeline parallelism (PP{spec.pp})")
-        klass = NativeValueEngine if spec.role == "critic" else cls
+        if spec.role == "critic":
+            from .value import NativeValueEngine as klass
+        else:
+            klass = cls
         eng = klass(spec.model, role=spec.role, layout=(spec.tp, spec.ep), device=spec.device, lr=spec.lr,
                     weight_decay=spec.weight_decay, grad_clip=spec.grad_clip, seed=spec.seed, dtype=spec.dtype,
                     micro_batch_size=spec.micro_batch_size, pad_token_id=spec.options.get("pad_token_id", 0),
@@ -256,11 +262,13 @@ class NativeTrainEngine(MeshRanks, base.TrainEngine):
 
     def _micro_batches(self, batch: SeqBatch) -> list[dict]:
         """Token-budget packed micro-batches when ``max_tokens_per_micro_batch`` is set, else padded
-        groups of ``micro_batch_size``; the same count on every rank."""
+        groups of ``micro_batch_size``; the same count on every DP rank."""
+        # the count is agreed over DP ranks only: TP peers hold the same batch (the data contract)
+        collective = self.mesh.dp > 1
         if self.max_tokens_per_micro_batch:
             return packed_micro_batches(batch, self.max_tokens_per_micro_batch, self.pad_token_id,
-                                        varlen=self._varlen_attention)
-        return micro_batches(batch, self.micro_batch_size, self.pad_token_id)
+                                        varlen=self._varlen_attention, collective=collective)
+        return micro_batches(batch, self.micro_batch_size, self.pad_token_id, collective=collective)
 
     # ----------------------------------------------------------------------------- inference
     @torch.no_grad()
@@ -270,7 +278,7 @@ class NativeTrainEngine(MeshRanks, base.TrainEngine):
 
         ``batch`` is a micro-batch mapping (see module docstring); ``micro_batch_size`` splits it.
         """
-        self.model.eval()
+        self._set_training(False)
         B = batch["input_ids"].shape[0]
         mbs = micro_batch_size or B
         outs, ents = [], []
@@ -280,8 +288,7 @@ class NativeTrainEngine(MeshRanks, base.TrainEngine):
             logp, ent = self._forward(mb, temperature, with_entropy)
             outs.append(logp)
             ents.append(ent)
-        if self.trainable:
-            self.model.train()
+        self._set_training(self.trainable)
         return torch.cat(outs), (torch.cat(ents) if with_entropy else None)
 
     def forward(self, batch: SeqBatch, *, with_entropy: bool = False):
@@ -290,7 +297,7 @@ class NativeTrainEngine(MeshRanks, base.TrainEngine):
             return [], ([] if with_entropy else None)
         outs: list = [None] * len(batch)
         ents: list = [None] * len(batch)
-        self.model.eval()
+        self._set_training(False)
         with torch.no_grad():
             for mb in self._micro_batches(batch):
                 logp, ent = self._forward(mb, 1.0, with_entropy)
@@ -300,9 +307,13 @@ class NativeTrainEngine(MeshRanks, base.TrainEngine):
             # FSDP2 keeps the root unit (a tied embedding) gathered after forward, for a backward
             # that an inference pass never runs: give that memory back between stages
             self.model.reshard()
-        if self.trainable:
-            self.model.train()
+        self._set_training(self.trainable)
         return outs, (ents if with_entropy else None)
+
+    def _set_training(self, mode: bool) -> None:
+        """``model.train(mode)`` only when the mode changes (the call walks every module)."""
+        if self.model.training != mode:
+            self.model.train(mode)
 
     # ----------------------------------------------------------------------------- training
     def _params(self) -> list[torch.Tensor]:
@@ -332,7 +343,7 @@ class NativeTrainEngine(MeshRanks, base.TrainEngine):
             raise ValueError("train_micro_batches: no micro-batches")
         if loss_scale not in ("mean", "sum"):
             raise ValueError(f"loss_scale={loss_scale!r}: expected 'mean' or 'sum'")
-        self.model.train()
+        self._set_training(True)
         self.optimizer.zero_grad(set_to_none=True)
         n = len(micro_batches)
         acc: dict[str, list[float]] = defaultdict(list)
@@ -346,16 +357,22 @@ class NativeTrainEngine(MeshRanks, base.TrainEngine):
             losses.append(loss.detach().float())
             for k, v in (metrics or {}).items():
                 acc[k].append(float(v))
-        par.allreduce_tp_partial_grads(self.model, self.mesh)
+        if self._tp_partial is None:
+            self._tp_partial = par.tp_partial_params(self.model, self.mesh)
+        par.allreduce_tp_partial_grads(self.model, self.mesh, params=self._tp_partial)
         params = self._params()
-        grad_norm = par.global_grad_norm(params, self.device)
-        loss_bad = torch.tensor([float(not all(torch.isfinite(x).item() for x in losses))], device=self.device)
+        losses_t = torch.stack(losses)  # [n]
+        # the squared grad norm and "a loss was not finite" summed over the world in one collective
+        both = torch.stack([par.local_grad_sq_sum(params, self.device),
+                            (~torch.isfinite(losses_t).all()).double()])  # [2] float64
         if dist.get_world_size() > 1:
-            dist.all_reduce(loss_bad)
-        skipped = bool(loss_bad.item() > 0) or not math.isfinite(grad_norm.item())
+            dist.all_reduce(both)
+        # one host sync for the three numbers the step needs
+        bad, norm, mean_loss = torch.stack([both[1].float(), both[0].sqrt().float(), losses_t.mean()]).tolist()
+        skipped = bad > 0 or not math.isfinite(norm)
         if not skipped:
             if self.grad_clip and self.grad_clip > 0:
-                coef = self.grad_clip / (grad_norm.item() + 1e-6)
+                coef = self.grad_clip / (norm + 1e-6)
                 if coef < 1.0:
                     par.scale_grads_(params, coef)
             self._unpark_optimizer()
@@ -363,7 +380,7 @@ class NativeTrainEngine(MeshRanks, base.TrainEngine):
             self._park_optimizer()
             self.step += 1
         self.optimizer.zero_grad(set_to_none=True)
-        return base.step_metrics(self.metric_prefix, loss=float(torch.stack(losses).mean()), grad_norm=grad_norm,
+        return base.step_metrics(self.metric_prefix, loss=mean_loss, grad_norm=norm,
                                  lr=self.optimizer.param_groups[0]["lr"], skipped=skipped, micro_batches=n,
                                  closure=acc)
 
@@ -501,50 +518,13 @@ class NativeTrainEngine(MeshRanks, base.TrainEngine):
             self._offloaded = None
 
 
-class NativeValueEngine(NativeTrainEngine):
-    """PPO critic: the HF backbone + ``Linear(hidden, 1)`` per token (the ``lm_head`` slot).
+def __getattr__(name: str):
+    # NativeValueEngine lives in value.py (it imports this module); kept importable from here
+    if name == "NativeValueEngine":
+        from .value import NativeValueEngine
 
-    Same batches as the actor; ``values(batch) -> [B, R]`` are read at the same positions as the
-    actor's log-probs (the state before each response token). ``loss_fn(values [b, R], None, mb)``.
-    The head is replicated over TP; the rest is sharded exactly like the actor.
-    """
-
-    metric_prefix = "critic"
-
-    def __init__(self, model: ModelSource, **kwargs):
-        kwargs.setdefault("role", "critic")
-        super().__init__(model, **kwargs)
-
-    def _adapt_model(self, model: nn.Module) -> nn.Module:
-        hidden = model.config.hidden_size
-        g = torch.Generator().manual_seed(self.seed)
-        dtype = model.lm_head.weight.dtype
-        # the initial head, kept whole (H + 1 numbers) so a meta-built model fills its shards from it
-        self._head_init = {"lm_head.weight": torch.randn(1, hidden, generator=g).mul_(hidden ** -0.5).to(dtype),
-                           "lm_head.bias": torch.zeros(1, dtype=dtype)}
-        head = nn.Linear(hidden, 1, bias=True, dtype=dtype, device=model.lm_head.weight.device)
-        if head.weight.device.type != "meta":
-            with torch.no_grad():
-                head.weight.copy_(self._head_init["lm_head.weight"])
-                head.bias.zero_()
-        model.config.tie_word_embeddings = False
-        model.lm_head = head
-        model.config.critic_head = True
-        return model
-
-    def _init_missing(self, name, shape):
-        return self._head_init.get(name)
-
-    def _head_output(self, logits, targets, temperature, with_entropy):
-        return logits[..., 0].float(), None  # [b, R]
-
-    @torch.no_grad()
-    def values(self, batch: Mapping[str, Any], *, micro_batch_size: int | None = None) -> torch.Tensor:
-        """Per-token values ``[B, R]`` (fp32)."""
-        return self.log_probs(batch, micro_batch_size=micro_batch_size)[0]
-
-    def export_hf(self, folder, *, dtype=None):
-        raise TypeError("a critic has a value head, not an LM head: use save()/load() (DCP)")
+        return NativeValueEngine
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["NativeTrainEngine", "NativeValueEngine", "resolve_device", "response_len_of"]
+__all__ = ["NativeTrainEngine", "resolve_device", "response_len_of"]
