@@ -149,8 +149,6 @@ def build_engines(ctx: Context) -> None:
                                                                grad_clip=r.actor.grad_clip))
     ctx.n_mini = mini_batches_per_rollout(r.trainer.global_batch, r.trainer.mini_batch)
     ctx.skip_old = resolve_skip_old_log_prob(alg.skip_old_log_prob, alg.ppo_epochs, ctx.n_mini)
-    if alg.max_staleness > 0:
-        ctx.skip_old = False  # off-policy: the old pass is the proximal policy of decoupled PPO
     stages = spec.stages(alg, use_ref=ctx.use_ref, skip_old=ctx.skip_old)
     if ctx.role == "train":  # generation runs on the rollout workers; new weights cross the bridge
         stages = [replace(s, runner="publish", name="publish") if s.runner == "reshard" else s
