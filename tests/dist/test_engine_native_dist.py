@@ -226,9 +226,26 @@ def case_rollout_ckpt(rank, tmp):
         eng.log_probs(_batch(dims.vocab_size, 8))  # the TP peer of rank 0's forward
 
 
+def case_shards(rank):
+    """local_shards gathers plain dim-0 FSDP shards in one collective per dtype (uneven chunks at DP3)
+    and the rest one by one: both give exactly what each tensor's own redistribute gives."""
+    from rlrecipes.engines.native import parallel as par
+    from rlrecipes.engines.native.train import NativeTrainEngine
+    from rlrecipes.models import SMOKE
+
+    for fam in ("qwen2", "qwen3_moe"):  # DP3 (TP+FSDP layouts: case_tp)
+        eng = NativeTrainEngine(SMOKE[fam], layout=(1, 1), device="cpu", lr=1e-3, seed=1)
+        got = par.local_shards(eng.model)
+        want = {n: par.train_layout_shard(t) for n, t in par.named_tensors(eng.model)}
+        assert list(got) == list(want)
+        for n in want:
+            assert torch.equal(got[n], want[n]), (fam, n)
+
+
 # ------------------------------------------------------------------------------------- harness
 def _run(rank, tmp, case):
-    {"tp": case_tp, "dp": case_dp}[case](rank) if case != "rollout_ckpt" else case_rollout_ckpt(rank, tmp)
+    cases = {"tp": case_tp, "dp": case_dp, "shards": case_shards}
+    cases[case](rank) if case != "rollout_ckpt" else case_rollout_ckpt(rank, tmp)
 
 
 def _spawn(case):
@@ -246,6 +263,10 @@ def test_train_dp2_fsdp_matches_single_process_and_skips_nan():
 
 def test_rollout_tp2_greedy_load_shards_checkpoint_export():
     _spawn("rollout_ckpt")
+
+
+def test_local_shards_batched_fsdp_gather_is_exact():
+    run_ranks(_run, 3, "shards")
 
 
 if __name__ == "__main__":  # pragma: no cover
