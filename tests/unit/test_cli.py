@@ -39,7 +39,7 @@ def test_plan_json_and_exit_codes():
     assert data["ok"] and data["roles"]["actor"]["dp"] == 24
     res = invoke("plan", "deepseek_r1_671b", "--nodes", "3")
     assert res.exit_code == 1
-    assert "TP*PP divides the world" in res.output and "nearest valid node counts: 8" in res.output
+    assert "TP*PP divides the world" in res.output and "nearest valid node counts: 16" in res.output
 
 
 def test_bad_input_is_a_message_not_a_traceback():
