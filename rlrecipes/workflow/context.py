@@ -157,9 +157,10 @@ def build_engines(ctx: Context) -> None:
     ctx.kl_ctl = make_kl_controller(alg.kl_controller, alg.kl_coef, alg.kl_target, alg.kl_horizon)
 
 
-def build_resharder(ctx: Context, bridge_group=None, global_rank: int = 0) -> None:
+def build_resharder(ctx: Context, bridge_group=None, groups=None) -> None:
     """Plan the train -> rollout weight flow from the train engine's own ParamSpecs (colocated), or
-    the bridge between the two worlds (disaggregated: both sides plan from the model's specs)."""
+    across the bridge between the two worlds (disaggregated, ``groups`` = ``plan.placement_groups``:
+    both sides plan from the model's specs)."""
     r = ctx.recipe
     a, ro = r.actor.layout, r.rollout.layout
     pp_layers = tuple(a.pp_layers) if a.pp_layers else None
@@ -174,12 +175,8 @@ def build_resharder(ctx: Context, bridge_group=None, global_rank: int = 0) -> No
         return
     from ..models import param_specs
 
-    R = r.resources.rollout_devices
-    T = global_rank + ctx.world - ctx.rank if ctx.role == "train" else global_rank - ctx.rank
     dtype = dev.train_dtype(ctx.device, r.model.dtype)
     specs = param_specs(r.model.dims(), pp_layers=pp_layers)  # both sides plan from the same list
-    ctx.reshard_plan = plan_reshard(Layout(a.tp, a.pp, a.ep, T // (a.tp * a.pp), pp_layers),
-                                    Layout(ro.tp, 1, ro.ep, R // ro.tp), specs,
-                                    dtype_bytes=torch.finfo(dtype).bits // 8, placement="disaggregated")
+    ctx.reshard_plan = groups.reshard_plan(specs, dtype_bytes=torch.finfo(dtype).bits // 8)
     ctx.resharder = Resharder(ctx.reshard_plan, r.resharding.strategy, bucket_mb=r.resharding.bucket_mb,
                               group=bridge_group, dtype=dtype, device=ctx.device)

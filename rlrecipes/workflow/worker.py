@@ -87,13 +87,16 @@ class Worker:
         dev.set_device(device)
         store = self._store or dist.TCPStore(master_addr, master_port, self.world, is_master=False,
                                              timeout=self._timeout())
-        role, rank, world, bridge = "both", self.rank, self.world, None
+        role, rank, world, bridge, groups = "both", self.rank, self.world, None, None
         if r.resources.placement == "disaggregated":
             # two worlds (train ranks first, then rollout ranks) joined by the bridge group
             from ..core.resharder.bridge import bridge_group
+            from ..plan import placement_groups
 
-            T = self.world - r.resources.rollout_devices
-            role, rank, world = ("train", self.rank, T) if self.rank < T else ("rollout", self.rank - T, self.world - T)
+            groups = placement_groups(r, self.world)
+            role = groups.group_of(self.rank)
+            mine = groups.train_ranks if role == "train" else groups.rollout_ranks
+            rank, world = mine.index(self.rank), len(mine)
             bridge = bridge_group(store, self.rank, self.world, self._timeout())
             store = dist.PrefixStore(f"{role}/", store)
         dist.init_process_group(dev.comm_backend(device_type), store=store, rank=rank, world_size=world,
@@ -104,7 +107,7 @@ class Worker:
         ctx.stage = "setup"
         load_data(ctx)
         build_engines(ctx)
-        build_resharder(ctx, bridge, self.rank)
+        build_resharder(ctx, bridge, groups)
         if role == "rollout":
             start_step = self._rollout_start(resume_from)
         else:
