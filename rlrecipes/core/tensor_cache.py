@@ -114,6 +114,9 @@ class TensorCache:
             raise ValueError(f"TensorCache.exchange: wanted_rows_per_rank has {len(wanted_rows_per_rank)} "
                              f"entries for a group of {world} ranks")
         columns = list(columns)
+        if world == 1:  # one rank: no collective, only the local lookup (and its CacheMiss)
+            mine = [int(r) for r in wanted_rows_per_rank[0]]
+            return {c: self.get(c, mine) for c in columns}
         # Per destination: rows it wants that this rank holds (for every requested column).
         sends: list[list[int]] = []
         for dst in range(world):
@@ -159,6 +162,8 @@ class TensorCache:
         """Like :meth:`exchange` when each rank only knows its own wanted rows: all-gathers the
         wants first (one more small collective)."""
         world = dist.get_world_size(group)
+        if world == 1:  # nothing to ask anyone: the rows are here or nowhere
+            return self.exchange(columns, [list(my_rows)], group, keep=keep)
         wants: list = [None] * world
         dist.all_gather_object(wants, [int(r) for r in my_rows], group=group)
         return self.exchange(columns, wants, group, keep=keep)

@@ -234,11 +234,16 @@ class PromptSampler:
         return self.num_rows // self.dp_size
 
     def epoch_indices(self, epoch: int) -> list[int]:
-        """This rank's index order for ``epoch``."""
+        """This rank's index order for ``epoch`` (the current epoch's is kept: drawn every step)."""
+        cached = self.__dict__.get("_epoch_cache")
+        if cached is not None and cached[0] == epoch:
+            return list(cached[1])
         order = list(range(self.num_rows))
         if self.shuffle:
             random.Random(f"rlrecipes-data-{self.seed}-{epoch}").shuffle(order)
-        return order[self.dp_rank::self.dp_size][: self.per_rank]
+        mine = order[self.dp_rank::self.dp_size][: self.per_rank]
+        self.__dict__["_epoch_cache"] = (epoch, mine)
+        return list(mine)
 
     def next_indices(self, n: int) -> list[int]:
         if n <= 0 or n > self.per_rank:

@@ -209,10 +209,14 @@ def run_recipe(recipe: Recipe, plan: Plan, on_event: EventSink, out: Optional[Pa
         pg = placement_group(world, resource, cpw)
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        # one dock per step in flight: rollout may run max_staleness steps ahead of training
-        docks = [TransferDock.ray(name=f"dock-{os.getpid()}-{i}")
-                 for i in range(1 + (recipe.algorithm.max_staleness if recipe.resources.placement == "disaggregated" else 0))]
-        dock = docks[0]
+        # one dock per step in flight: rollout may run max_staleness steps ahead of training.
+        # One worker: the dock lives in its process (TransferDock.in_worker), as the controller and
+        # the node warehouse would be its only peers; else Ray actors, where a blocked get holds a
+        # warehouse thread (room for every worker's get and writes at once).
+        n_docks = 1 + (recipe.algorithm.max_staleness if recipe.resources.placement == "disaggregated" else 0)
+        docks = ([TransferDock.in_worker()] if world == 1 else
+                 [TransferDock.ray(name=f"dock-{os.getpid()}-{i}", concurrency=max(64, 4 * world + 16))
+                  for i in range(n_docks)])
         progress = ray.remote(_Progress).options(num_cpus=0).remote()
         RayWorker = ray.remote(Worker)
         env = {"env_vars": {"RLRECIPES_DEVICE": device_type, "OMP_NUM_THREADS": str(max(1, int(cpw))),
@@ -227,7 +231,8 @@ def run_recipe(recipe: Recipe, plan: Plan, on_event: EventSink, out: Optional[Pa
         pids = ray.get([w.pid.remote() for w in workers])
         nodes = ray.get([w.node_id.remote() for w in workers])
         (run_dir / "workers.json").write_text(json.dumps({"pids": pids, "nodes": nodes,
-                                                          "dock_warehouse_nodes": dock.warehouse_nodes}))
+                                                          "dock_warehouse_nodes": getattr(docks[0], "warehouse_nodes",
+                                                                                          nodes[:1])}))
         addr = ray.get(workers[0].node_ip.remote())
         port = ray.get(workers[0].open_store.remote())
         info = _wait([w.setup.remote(addr, port, str(ckpt) if ckpt else None) for w in workers], progress, "setup")

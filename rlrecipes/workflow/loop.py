@@ -62,7 +62,10 @@ def train_step(ctx: Context, step: int) -> dict:
              "dock_stage": t.dock_wait, "stale_sum": st.staleness_sum, "stale_max": st.staleness_max,
              "reward_sum": st.reward_sum, "reward_n": st.reward_n, "errors": st.errors, "first_error": st.first_error}
     gathered: list = [None] * ctx.world
-    dist.all_gather_object(gathered, facts)
+    if ctx.world == 1:
+        gathered[0] = facts
+    else:
+        dist.all_gather_object(gathered, facts)
     if not ctx.leader:
         return {}
     row = metrics_row(ctx, st, gathered, step_s)

@@ -60,7 +60,8 @@ def rollout(ctx: Context, st: StepState) -> None:
     rows = broadcast(rows) if ctx.world > 1 else rows
     prompt_idx = ctx.sampler.next_indices(st.target)  # identical on every rank
     mine = list(range(eng.dp_rank, st.target, eng.dp_size))
-    prompts = [torch.tensor(ctx.dataset[prompt_idx[g]]["prompt_ids"], dtype=torch.long) for g in mine for _ in range(n)]
+    group_prompts = [torch.tensor(ctx.dataset[prompt_idx[g]]["prompt_ids"], dtype=torch.long) for g in mine]
+    prompts = [p for p in group_prompts for _ in range(n)]  # a group's samples share one (read-only) tensor
     my_rows = [rows[g * n + j] for g in mine for j in range(n)]
     t0 = time.perf_counter()
     eng.wake()

@@ -37,7 +37,9 @@ class Worker:
         self.rank, self.world = rank, world
         self.recipe = Recipe.model_validate(recipe_json)
         self.run_dir = Path(run_dir)
-        self.docks, self.progress = list(docks), progress
+        # a placeholder from TransferDock.in_worker() becomes the dock in this process
+        self.docks = [d.build() if hasattr(d, "build") else d for d in docks]
+        self.progress = progress
         self.ctx: Context | None = None
         self._store = None
 

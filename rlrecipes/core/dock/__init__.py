@@ -16,7 +16,9 @@ Two backends, one API (:class:`DockClient`):
   per-consumer consumption, row -> warehouse map, groups, per-row token lengths, cache holders) and
   one *warehouse* actor per Ray node, pinned there with ``NodeAffinitySchedulingStrategy``, that
   holds the tensors of the rows assigned to it. The controller runs inside the first node's
-  warehouse process (one event loop, no locks), so claims and commits there cost no extra hop.
+  warehouse process, so claims and commits there cost no extra hop. Warehouses are threaded actors
+  (one lock around the store, one condition around the metadata): a call costs about half of an
+  asyncio actor's on a small host (0.7 vs 1.3 ms measured here), and a blocked claim holds a thread.
   Clients (worker actors, each with the same picklable handle) ask the controller *which* rows and
   *where*, then write to / read from the warehouses directly. The driver never touches sample data. A get is one client round trip: the
   caller's node warehouse claims at the controller and answers with the rows it holds. A put is
@@ -48,9 +50,23 @@ from .local import LocalDock
 from .ray_backend import RayDock, _Warehouse
 
 __all__ = [
-    "Batch", "DEFAULT_TIMEOUT_S", "DockClient", "DockError", "DockTimeout", "LocalDock", "RayDock", "TransferDock",
-    "partition_kk", "partition_lpt",
+    "Batch", "DEFAULT_TIMEOUT_S", "DockClient", "DockError", "DockTimeout", "InWorker", "LocalDock", "RayDock",
+    "TransferDock", "partition_kk", "partition_lpt",
 ]
+
+
+class InWorker:
+    """A picklable placeholder for a dock that the one process using it builds itself
+    (:meth:`TransferDock.in_worker`): the process calls :meth:`build`."""
+
+    def __init__(self, equal_count: bool = True):
+        self.equal_count = equal_count
+
+    def build(self) -> LocalDock:
+        return LocalDock(equal_count=self.equal_count)
+
+    def shutdown(self) -> None:
+        pass
 
 
 class TransferDock:
@@ -63,13 +79,24 @@ class TransferDock:
         return LocalDock(equal_count=equal_count)
 
     @staticmethod
+    def in_worker(*, equal_count: bool = True) -> InWorker:
+        """For a run whose every client is one process (a single worker): the controller and the
+        warehouse live in that process, so a get or put crosses no process boundary. The same
+        bookkeeping and store as the Ray backend; pass the placeholder to the process, which calls
+        ``build()``."""
+        return InWorker(equal_count)
+
+    @staticmethod
     def ray(*, name: str | None = None, nodes: Sequence[str] | None = None,
-            placement: str = "round_robin", equal_count: bool = True) -> RayDock:
+            placement: str = "round_robin", equal_count: bool = True, concurrency: int = 256) -> RayDock:
         """Start the controller and one warehouse per alive Ray node (or per id in ``nodes``).
 
         ``placement``: ``round_robin`` assigns prompt groups to warehouses in turn;
         ``writer_node`` puts the groups on the warehouse of the node that calls ``add_groups``.
         ``name``: a name prefix for the actors (findable with ``ray.get_actor``).
+        ``concurrency``: threads per warehouse actor. A get blocks one thread of the caller's node
+        warehouse (and of the head's) until its rows are ready, so it must exceed the number of
+        clients that read at once (the workflow passes a bound from the worker count).
         Needs ``ray.init`` first. Call ``shutdown()`` on the returned client to stop the actors.
         """
         import ray
@@ -93,7 +120,8 @@ class TransferDock:
                 w_opts["name"] = f"{name}:warehouse{i}"
             # warehouse 0 (the first node's) hosts the metadata controller in its process
             head = warehouses[0] if warehouses else None
-            warehouses.append(ray.remote(_Warehouse).options(**w_opts).remote(i, head, len(nodes), equal_count))
+            warehouses.append(ray.remote(_Warehouse).options(**w_opts, max_concurrency=concurrency).remote(
+                i, head, len(nodes), equal_count))
         ray.get([w.set_peers.remote(warehouses) for w in warehouses])
         got = ray.get([w.node_id.remote() for w in warehouses])
         if got != nodes:  # NodeAffinity with soft=False guarantees this; check anyway

@@ -193,7 +193,9 @@ class _Meta:
                 units = self._groups_of(rows)
             else:
                 units = [[int(x)] for x in rows]
-            weights = [float(w[u].sum()) for u in units]
+            sizes = [len(u) for u in units]
+            weights = (np.add.reduceat(w[np.concatenate(units)], np.cumsum([0] + sizes[:-1])).astype(float).tolist()
+                       if units else [])  # one pass over the rows, not a numpy call per unit
             bins = (partition_lpt(weights, dp_size, True) if self.equal_count
                     else partition_kk(weights, dp_size))
             part = [sorted(x for i in b for x in units[i]) for b in bins]

@@ -120,8 +120,11 @@ def unpack(p: Packed, copy: bool) -> torch.Tensor | list[torch.Tensor]:
     if p.stacked and len(set(p.shapes)) <= 1:
         shape = p.shapes[0] if p.shapes else ()
         return t.reshape(len(p.shapes), *shape)  # [rows, *row_shape]
-    off = p.offsets.tolist()
-    return [t[off[i]:off[i + 1]].view(p.shapes[i]) for i in range(len(p.shapes))]
+    # one C++ split into views (a Python slice per row costs several times more)
+    rows = torch.split(t, np.diff(p.offsets).tolist())
+    if all(len(s) == 1 for s in p.shapes):
+        return list(rows)
+    return [r.view(s) for r, s in zip(rows, p.shapes)]
 
 
 class _ColumnStore:

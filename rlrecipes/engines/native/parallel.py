@@ -89,15 +89,24 @@ class MeshInfo:
 
     @property
     def tp_rank(self) -> int:
-        return self.tp_mesh.get_local_rank()
+        r = self.__dict__.get("_tp_rank")  # fixed for the mesh's life; asked on every call
+        if r is None:
+            r = self.__dict__["_tp_rank"] = self.tp_mesh.get_local_rank()
+        return r
 
     @property
     def dp_rank(self) -> int:
-        return self.dp_mesh.get_local_rank()
+        r = self.__dict__.get("_dp_rank")  # fixed for the mesh's life; asked on every call
+        if r is None:
+            r = self.__dict__["_dp_rank"] = self.dp_mesh.get_local_rank()
+        return r
 
     @property
     def ep_rank(self) -> int:
-        return self.ep_mesh.get_local_rank()
+        r = self.__dict__.get("_ep_rank")  # fixed for the mesh's life; asked on every call
+        if r is None:
+            r = self.__dict__["_ep_rank"] = self.ep_mesh.get_local_rank()
+        return r
 
     @property
     def world(self) -> int:
