@@ -8,7 +8,8 @@ Ray, the same global batch and a pure-DP actor at every W) and reports, as media
   forward + backward + optimizer), the slowest worker's per stage;
 - ``step_s`` and ``overhead_s_per_step = step_s - sum(compute_s)``: dispatch, dock round trips,
   reward, advantages, resharding, Python glue;
-- ``overhead_share``: the run's own ``perf/overhead_share`` (median).
+- ``overhead_share``: the run's own ``perf/overhead_share`` (median);
+- ``dock_backend``: ``in_worker`` for W=1 (the dock lives in the one worker's process), else ``ray``.
 
 Usage: ``python benchmarks/step_overhead.py [--recipe qwen25_7b] [--workers 1,2,4] [--steps 12]``.
 On a 2-core machine W=4 oversubscribes the cores: compare W=1 and W=2 there.
@@ -43,7 +44,8 @@ def run(recipe: str, workers: int, steps: int, out: Path) -> dict:
             "overhead_s_per_step": round(step_s - sum(compute.values()), 4),
             "dock_round_trips": med("dock/round_trips"), "dock_wait_s": round(med("dock/wait_s"), 4),
             "dock_s": {k: round(med(f"dock_s/{k}"), 4) for k in stages},
-            "overhead_share": round(med("perf/overhead_share"), 4)}
+            "overhead_share": round(med("perf/overhead_share"), 4),
+            "dock_backend": json.loads((out / "workers.json").read_text()).get("dock_backend")}
 
 
 def main(argv=None) -> None:

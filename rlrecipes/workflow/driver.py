@@ -230,9 +230,10 @@ def run_recipe(recipe: Recipe, plan: Plan, on_event: EventSink, out: Optional[Pa
                                                             str(run_dir.resolve()), docks, progress))
         pids = ray.get([w.pid.remote() for w in workers])
         nodes = ray.get([w.node_id.remote() for w in workers])
-        (run_dir / "workers.json").write_text(json.dumps({"pids": pids, "nodes": nodes,
-                                                          "dock_warehouse_nodes": getattr(docks[0], "warehouse_nodes",
-                                                                                          nodes[:1])}))
+        in_worker = not hasattr(docks[0], "warehouse_nodes")
+        (run_dir / "workers.json").write_text(json.dumps({
+            "pids": pids, "nodes": nodes, "dock_backend": "in_worker" if in_worker else "ray",
+            "dock_warehouse_nodes": nodes[:1] if in_worker else docks[0].warehouse_nodes}))
         addr = ray.get(workers[0].node_ip.remote())
         port = ray.get(workers[0].open_store.remote())
         info = _wait([w.setup.remote(addr, port, str(ckpt) if ckpt else None) for w in workers], progress, "setup")
