@@ -5,6 +5,7 @@ each raylet must hold its own TransferDock warehouse. The cluster is stopped eve
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -46,7 +47,8 @@ def test_launch_sh_head_and_worker_modes_on_a_two_raylet_cluster(tmp_path, clust
     worker = head = None
     try:
         head = subprocess.Popen(["bash", str(launch), "--smoke", "--steps", "2", "--quiet", "--out", str(tmp_path / "run")],
-                                env=dict(env, NODE_RANK="0"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                env=dict(env, NODE_RANK="0"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
         # the worker node joins once the head's GCS answers
         deadline = time.time() + 120
         while time.time() < deadline:
@@ -57,7 +59,7 @@ def test_launch_sh_head_and_worker_modes_on_a_two_raylet_cluster(tmp_path, clust
                 assert head.poll() is None, head.communicate()
                 time.sleep(0.5)
         worker = subprocess.Popen(["bash", str(launch)], env=dict(env, NODE_RANK="1"), stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True)
+                                  stderr=subprocess.PIPE, text=True, start_new_session=True)
         out, err = head.communicate(timeout=600)
         assert head.returncode == 0, (out[-3000:], err[-3000:])
         assert "2/2 nodes" in out, out[-2000:]
@@ -68,6 +70,9 @@ def test_launch_sh_head_and_worker_modes_on_a_two_raylet_cluster(tmp_path, clust
         assert len(set(info["nodes"])) == 2, info  # one worker on each raylet
         assert sorted(info["dock_warehouse_nodes"]) == sorted(set(info["nodes"]))  # a warehouse per raylet
     finally:
-        for p in (worker, head):
-            if p is not None and p.poll() is None:
-                p.kill()
+        for p in (worker, head):  # the whole session: `ray start --block` outlives a killed bash
+            if p is not None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
