@@ -23,6 +23,7 @@ from typing import Optional
 
 from . import device as devmod
 from .engines.base import Capabilities
+from .engines.native import small_model
 from .engines.registry import BACKENDS, capabilities, problems
 from .models import ModelDims
 from .recipe import Recipe
@@ -305,7 +306,9 @@ def _native_train_memory(dims: ModelDims, role: RoleLayout, recipe: Recipe, dp: 
     * optimizer step: one fp32 temporary per parameter (the foreach ``sqrt`` of the second moment).
 
     ``activations`` holds the saved activations and logits, ``transient`` the rest of the worst
-    phase. Checked against measurement by ``benchmarks/engine_memory.py``.
+    phase. A small model (``engines.native.small_model``) is replicated over DP in full precision,
+    and kept gathered through a call under FSDP: the same rule the engine applies. Checked against
+    measurement by ``benchmarks/engine_memory.py``.
     """
     c = devmod.compute_bytes(recipe.resources.device, recipe.model.dtype)
     tp, ep = role.tp, role.ep
@@ -316,7 +319,11 @@ def _native_train_memory(dims: ModelDims, role: RoleLayout, recipe: Recipe, dp: 
     layer_e = max(b for _, b in per_layer) / ep
     ne = sum(a for a, _ in per_layer) / tp + embed * (1 if dims.tie_embeddings else 2) + dims.hidden_size
     e = sum(b for _, b in per_layer) / ep
-    local = ne / dp + e / expert_dp  # this rank's shard of every parameter
+    # a small model (engines.native.small_model) in full precision is replicated over DP, not sharded
+    small = small_model(4 * (sum(a + b for a, b in per_layer) + dims.vocab_size * dims.hidden_size
+                             * (1 if dims.tie_embeddings else 2) + dims.hidden_size))
+    replicated = small and c == 4 and dp > 1
+    local = ne + e if replicated else ne / dp + e / expert_dp  # this rank's part of every parameter
     m = Memory(weights=4 * local, grads=4 * local)
     if not recipe.actor.offload_optimizer:
         m.optimizer = 8 * local
@@ -345,6 +352,10 @@ def _native_train_memory(dims: ModelDims, role: RoleLayout, recipe: Recipe, dp: 
     else:
         phases += [embed * unit]
     phases.append(4 * local - m.activations)  # optimizer step: the foreach temporary, activations gone
+    if replicated:  # no units in flight: the gradients' flat all-reduce buffer or the optimizer temporary
+        phases = [4 * local - m.activations]
+    elif small:  # FSDP, every unit kept gathered (with its unsharded gradient) through the call
+        phases.append((ne + e) * unit)
     m.transient = max(0.0, *phases)
     return m
 

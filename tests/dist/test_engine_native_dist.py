@@ -109,12 +109,16 @@ def case_dp(rank):
     from rlrecipes.engines.native.train import NativeTrainEngine
     from rlrecipes.models import SMOKE
 
-    for fam in ("qwen2", "qwen3_moe"):
+    # FSDP2, and the replication a small model gets by default (one gradient all-reduce a step)
+    for fam, fsdp in (("qwen2", True), ("qwen3_moe", True), ("qwen2", None), ("qwen3_moe", None)):
         dims = SMOKE[fam]
         mbs = [_batch(dims.vocab_size, 3), _batch(dims.vocab_size, 4)]
         ref_after, ref_norm = _ref_step(dims, mbs, lr=1e-2, clip=0.5)
-        eng = NativeTrainEngine(dims, layout=(1, 1), device="cpu", lr=1e-2, weight_decay=0.01, grad_clip=0.5, seed=0, eps=EPS)
-        assert eng.fsdp and eng.mesh.dp == 2
+        eng = NativeTrainEngine(dims, layout=(1, 1), device="cpu", lr=1e-2, weight_decay=0.01, grad_clip=0.5, seed=0,
+                                eps=EPS, fsdp=fsdp)
+        if eng.fsdp != bool(fsdp) or eng._replicated == bool(fsdp) or eng.mesh.dp != 2:
+            raise AssertionError(f"fsdp={fsdp}: engine fsdp={eng.fsdp} replicated={eng._replicated}")
+        fam = f"{fam} {'fsdp' if fsdp else 'replicated'}"
         metrics = eng.train_micro_batches([mbs[rank]], _loss)  # each DP rank its own micro-batch
         if abs(metrics["actor/grad_norm"] - ref_norm) > 1e-4 * max(1.0, ref_norm):
             raise AssertionError(f"{fam} dp2: grad_norm {metrics['actor/grad_norm']} != reference {ref_norm}")
@@ -136,6 +140,29 @@ def case_dp(rank):
             raise AssertionError(f"{fam} dp2: NaN loss not reported as skipped: {metrics}")
         for name, t in eng.full_state_dict().items():
             _close(t, before[name], f"{fam} dp2 skipped step changed {name}", atol=0, rtol=0)
+
+    # A small model under FSDP stays gathered for a whole call (small_model_bytes) ==
+    # gathered around each use (0): two micro-batches per rank, the same step bit for bit, and
+    # every parameter is sharded again after the call.
+    from torch.distributed.tensor import DTensor
+
+    dims = SMOKE["qwen2"]
+    mine = [_batch(dims.vocab_size, 10 + 2 * rank), _batch(dims.vocab_size, 11 + 2 * rank)]
+    got = []
+    for hold in (1 << 30, 0):
+        eng = NativeTrainEngine(dims, layout=(1, 1), device="cpu", lr=1e-2, seed=0, eps=EPS, fsdp=True,
+                                small_model_bytes=hold)
+        if bool(eng._fsdp_units) != bool(hold):
+            raise AssertionError(f"small_model_bytes={hold}: held units {len(eng._fsdp_units)}")
+        m = eng.train_micro_batches(mine, _loss)
+        unsharded = [n for n, p in eng.model.named_parameters() if not isinstance(p, DTensor)]
+        if unsharded:
+            raise AssertionError(f"small_model_bytes={hold}: still gathered after the step: {unsharded[:4]}")
+        got.append((m["actor/grad_norm"], eng.full_state_dict()))
+    if got[0][0] != got[1][0]:
+        raise AssertionError(f"held vs per-use FSDP: grad_norm {got[0][0]} != {got[1][0]}")
+    for name, t in got[1][1].items():
+        _close(got[0][1][name], t, f"held vs per-use FSDP {name}", atol=0, rtol=0)
 
 
 def case_rollout_ckpt(rank, tmp):
@@ -234,7 +261,7 @@ def case_shards(rank):
     from rlrecipes.models import SMOKE
 
     for fam in ("qwen2", "qwen3_moe"):  # DP3 (TP+FSDP layouts: case_tp)
-        eng = NativeTrainEngine(SMOKE[fam], layout=(1, 1), device="cpu", lr=1e-3, seed=1)
+        eng = NativeTrainEngine(SMOKE[fam], layout=(1, 1), device="cpu", lr=1e-3, seed=1, fsdp=True)
         got = par.local_shards(eng.model)
         want = {n: par.train_layout_shard(t) for n, t in par.named_tensors(eng.model)}
         assert list(got) == list(want)

@@ -30,21 +30,22 @@ def _load_cases(rank, tmp):
     for i, (fam, tp, ep, extra) in enumerate(CASES):
         dims = smoke_dims(fam, **extra)
         folder = os.path.join(tmp, f"case{i}")
-        for klass in (NativeTrainEngine, NativeValueEngine):
-            whole = klass(dims, layout=(tp, ep), seed=3)
+        for klass, fsdp in ((NativeTrainEngine, True), (NativeValueEngine, True), (NativeTrainEngine, None)):
+            # FSDP-sharded, and the replication a small model gets at DP > 1 by default
+            whole = klass(dims, layout=(tp, ep), seed=3, fsdp=fsdp)
             want = whole.full_state_dict()
-            if rank == 0 and klass is NativeTrainEngine:
+            if rank == 0 and klass is NativeTrainEngine and fsdp:
                 save_hf_folder(want, whole.config, folder)
             dist.barrier()
-            got = klass(folder, layout=(tp, ep), seed=3).full_state_dict()
+            got = klass(folder, layout=(tp, ep), seed=3, fsdp=fsdp).full_state_dict()
             assert set(want) == set(got), (fam, tp, ep, set(want) ^ set(got))
             for k in want:
                 assert torch.equal(want[k], got[k]), (fam, tp, ep, klass.__name__, k)
         # the sharded export (several files + index) reads back to the same tensors
-        eng = NativeTrainEngine(folder, layout=(tp, ep), seed=3)
+        eng = NativeTrainEngine(folder, layout=(tp, ep), seed=3, fsdp=True)
         out = os.path.join(tmp, f"export{i}")
         eng.export_hf(out, max_shard_bytes=4096)
-        again = NativeTrainEngine(out, layout=(tp, ep), seed=3).full_state_dict()
+        again = NativeTrainEngine(out, layout=(tp, ep), seed=3, fsdp=True).full_state_dict()
         ref = eng.full_state_dict()
         assert all(torch.equal(ref[k], again[k]) for k in ref), fam
         if rank == 0:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -504,6 +504,24 @@ def _replication(t: torch.Tensor, world: int) -> int:
         if p.is_shard():
             shards *= t.device_mesh.size(i)
     return max(world // shards, 1)
+
+
+def allreduce_dp_grads(params: Sequence[torch.Tensor], mesh: MeshInfo) -> None:
+    """Replicated DP (no FSDP): average every gradient over the DP group in one all-reduce of one
+    flat buffer per dtype (a missing gradient counts as zeros, so every rank sends the same
+    layout). Each rank's local TP/EP shard is reduced with the DP peers holding the same shard."""
+    group = mesh.dp_mesh.get_group()
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        by_dtype.setdefault(p.grad.dtype, []).append(_local(p.grad))
+    for grads in by_dtype.values():
+        flat = torch.cat([g.reshape(-1) for g in grads])  # [sum numel]
+        dist.all_reduce(flat, group=group)
+        flat /= mesh.dp
+        for g, v in zip(grads, torch.split(flat, [g.numel() for g in grads])):
+            g.copy_(v.view_as(g))
 
 
 def local_grad_sq_sum(params: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:

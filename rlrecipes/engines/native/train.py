@@ -22,6 +22,7 @@ aggregation over the global batch, weight the loss inside the closure and use ``
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from collections import defaultdict
@@ -37,7 +38,7 @@ from rlrecipes.algos.logprobs import logprobs_and_entropy, vocab_parallel_logpro
 from rlrecipes.core.swap import SwappedStorages
 from rlrecipes.engines import base
 from rlrecipes.engines.base import LossFn, SeqBatch
-from rlrecipes.engines.native import CAPABILITIES
+from rlrecipes.engines.native import CAPABILITIES, SMALL_MODEL_BYTES, small_model
 from rlrecipes.engines.native import parallel as par
 from rlrecipes.engines.native.batching import MeshRanks, micro_batches, packed_micro_batches, rows_to_samples
 from rlrecipes.engines.native.loader import (HFFolderWriter, ModelSource, build_empty, build_model, materialize,
@@ -83,10 +84,18 @@ class NativeTrainEngine(MeshRanks, base.TrainEngine):
         dtype: ``"auto"`` (bf16 where ``device.supports_bf16``, fp32 on CPU), ``"bf16"``,
             ``"fp16"``, ``"fp32"`` or a torch.dtype: the compute dtype. Actor master weights,
             gradient reduction and optimizer state stay fp32 (FSDP2 mixed precision).
-        fsdp: wrap with FSDP2; default: when ``dp > 1`` or the actor computes in low precision.
+        fsdp: wrap with FSDP2; default: when the actor computes in low precision, or ``dp > 1``
+            and the model is not small (``small_model_bytes``). ``False`` at ``dp > 1``: replicated.
         attn_implementation: HF attention backend (``"sdpa"`` or ``"eager"``).
         micro_batch_size: samples per forward/backward in :meth:`forward` / :meth:`train_step`.
         pad_token_id: token id written at padded positions (masked out; any id works).
+        small_model_bytes: a model of at most this many parameter bytes is *small*
+            (:data:`~rlrecipes.engines.native.SMALL_MODEL_BYTES`, 256 MiB; 0: nothing is). Small and
+            in full precision at DP > 1 (``fsdp=None``): replicated, with one all-reduce of all
+            gradients per step (DDP-style, exact to FSDP within fp32 rounding). Small under FSDP
+            (low precision): every unit stays gathered through a whole :meth:`forward` /
+            :meth:`train_micro_batches` call instead of being re-gathered per micro-batch and
+            in backward, then reshards.
     """
 
     metric_prefix = "actor"
@@ -98,7 +107,7 @@ class NativeTrainEngine(MeshRanks, base.TrainEngine):
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, fsdp: bool | None = None,
                  attn_implementation: str = "sdpa", micro_batch_size: int = 4, pad_token_id: int = 0,
                  max_tokens_per_micro_batch: int | None = None, recompute: bool = False,
-                 offload_optimizer: bool = False):
+                 offload_optimizer: bool = False, small_model_bytes: int = SMALL_MODEL_BYTES):
         if role not in ("actor", "ref", "critic"):
             raise ValueError(f"role={role!r}: expected 'actor', 'ref' or 'critic'")
         layout = tuple(layout)
@@ -120,7 +129,9 @@ class NativeTrainEngine(MeshRanks, base.TrainEngine):
                                               attn_implementation=attn_implementation)
             hf_model = self._adapt_model(hf_model)
         low_precision = self.compute_dtype != param_dtype
-        self.fsdp = bool(fsdp) if fsdp is not None else (self.mesh.dp > 1 or low_precision)
+        small = small_model(sum(p.numel() * p.element_size() for p in hf_model.parameters()), small_model_bytes)
+        self.fsdp = bool(fsdp) if fsdp is not None else (low_precision or (self.mesh.dp > 1 and not small))
+        self._replicated = not self.fsdp and self.mesh.dp > 1  # DP copies: gradients all-reduced
         if low_precision and not self.fsdp:
             raise ValueError("mixed precision training needs FSDP2 (fsdp=True) in the native engine")
         if recompute:
@@ -161,6 +172,8 @@ class NativeTrainEngine(MeshRanks, base.TrainEngine):
         self._opt_parked: SwappedStorages | None = None
         self._park_on_host_device = False  # tests: exercise the parking path where host is the device
         self._tp_partial: list[torch.Tensor] | None = None  # q/k-norm weights whose grads sum over TP
+        self._fsdp_units = [m for m in self.model.modules() if m is not self.model and hasattr(m, "reshard")] \
+            if self.fsdp and small else []
 
     @classmethod
     def create(cls, spec: base.EngineSpec) -> "NativeTrainEngine":
@@ -176,7 +189,9 @@ class NativeTrainEngine(MeshRanks, base.TrainEngine):
                     micro_batch_size=spec.micro_batch_size, pad_token_id=spec.options.get("pad_token_id", 0),
                     max_tokens_per_micro_batch=spec.max_tokens_per_micro_batch,
                     recompute=spec.recompute if spec.role != "ref" else False,
-                    offload_optimizer=spec.offload_optimizer)
+                    offload_optimizer=spec.offload_optimizer,
+                    **({"small_model_bytes": int(spec.options["small_model_bytes"])}
+                       if "small_model_bytes" in spec.options else {}))
         if spec.options.get("routing_replay") and spec.role == "actor":
             eng.replay_routing()
         return eng
@@ -298,7 +313,7 @@ class NativeTrainEngine(MeshRanks, base.TrainEngine):
         outs: list = [None] * len(batch)
         ents: list = [None] * len(batch)
         self._set_training(False)
-        with torch.no_grad():
+        with torch.no_grad(), self._gathered_once():
             for mb in self._micro_batches(batch):
                 logp, ent = self._forward(mb, 1.0, with_entropy)
                 rows_to_samples(outs, mb, logp, batch)
@@ -309,6 +324,26 @@ class NativeTrainEngine(MeshRanks, base.TrainEngine):
             self.model.reshard()
         self._set_training(self.trainable)
         return outs, (ents if with_entropy else None)
+
+    @contextlib.contextmanager
+    def _gathered_once(self):
+        """Small models under FSDP (see ``small_model_bytes``): every unit stays gathered from its
+        first all-gather to the end of the call (no re-gather per micro-batch or in backward; the
+        gradient reduce-scatter still runs once, on the last micro-batch), then reshards."""
+        units = self._fsdp_units
+        if not units:
+            yield
+            return
+        for m in units:
+            m.set_reshard_after_forward(False, recurse=False)
+            m.set_reshard_after_backward(False, recurse=False)
+        try:
+            yield
+        finally:
+            for m in units:
+                m.set_reshard_after_forward(True, recurse=False)
+                m.set_reshard_after_backward(True, recurse=False)
+                m.reshard()
 
     def _set_training(self, mode: bool) -> None:
         """``model.train(mode)`` only when the mode changes (the call walks every module)."""
@@ -348,15 +383,18 @@ class NativeTrainEngine(MeshRanks, base.TrainEngine):
         n = len(micro_batches)
         acc: dict[str, list[float]] = defaultdict(list)
         losses = []
-        for i, mb in enumerate(micro_batches):
-            if self.fsdp:
-                self.model.set_requires_gradient_sync(i == n - 1)
-            logp, ent = self._forward(mb, temperature, with_entropy)
-            loss, metrics = loss_fn(logp, ent, mb)
-            (loss / n if loss_scale == "mean" else loss).backward()
-            losses.append(loss.detach().float())
-            for k, v in (metrics or {}).items():
-                acc[k].append(float(v))
+        with self._gathered_once():
+            for i, mb in enumerate(micro_batches):
+                if self.fsdp:
+                    self.model.set_requires_gradient_sync(i == n - 1)
+                logp, ent = self._forward(mb, temperature, with_entropy)
+                loss, metrics = loss_fn(logp, ent, mb)
+                (loss / n if loss_scale == "mean" else loss).backward()
+                losses.append(loss.detach().float())
+                for k, v in (metrics or {}).items():
+                    acc[k].append(float(v))
+        if self._replicated:
+            par.allreduce_dp_grads(self._params(), self.mesh)
         if self._tp_partial is None:
             self._tp_partial = par.tp_partial_params(self.model, self.mesh)
         par.allreduce_tp_partial_grads(self.model, self.mesh, params=self._tp_partial)
