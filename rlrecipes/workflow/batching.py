@@ -38,7 +38,12 @@ def train_rows(ctx: Context, engine: TrainEngine, consumer: str, columns: Sequen
     data = {"rows": list(b.rows) if b is not None else [],
             **({c: list(b[c]) if isinstance(b[c], list) else b[c] for c in columns} if b is not None else {})}
     if cached:  # collective on every rank: one all-to-all moves the cached rows to their consumer
-        data.update(ctx.cache.exchange_mine(list(cached), data["rows"]))
+        if engine.dp_size == ctx.world and b is not None and b.partition is not None:
+            # every rank is its DP rank's leader and the dock's partition already names each one's
+            # rows (entry r = DP rank r = world rank r): no all-gather of the wants first
+            data.update(ctx.cache.exchange(list(cached), b.partition))
+        else:
+            data.update(ctx.cache.exchange_mine(list(cached), data["rows"]))
     return share_in_model_parallel_group(engine, data)
 
 

@@ -49,7 +49,8 @@ def train_step(ctx: Context, step: int) -> dict:
     else:  # the rollout workers fill this step's dock; the prompt order advances in step with theirs
         ctx.sampler.next_indices(r.trainer.global_batch)
     ctx.cache.clear(step)
-    dist.barrier()
+    # no barrier: the previous step ended in a collective (the facts' all-gather below), and a
+    # worker's first dock write this step follows rank 0's reset (the rows come from its broadcast)
     ctx.actor.onload()
     st = StepState(step=step, target=r.trainer.global_batch)
     run_stages(ctx, st)

@@ -240,40 +240,35 @@ def update(ctx: Context, st: StepState) -> None:
                     mismatch.setdefault(k, []).append(out.pop(k))
             out = {k: v for k, v in out.items() if not k.startswith("rollout/")}
     ctx.timer.add_compute("update", time.perf_counter() - t0)
-    st.update = _update_metrics(ctx, out, totals)
-    st.update.update(_mismatch_metrics(ctx, mismatch))
+    st.update = _update_metrics(ctx, out, totals, mismatch)
 
 
-def _mismatch_metrics(ctx: Context, parts: dict[str, list[float]]) -> dict:
-    """``rollout/logprob_diff_mean`` / ``_max`` (|pi_train - pi_rollout| over response tokens) and the
-    importance-weight statistics, reduced over mini-batches and DP ranks (data leaders only)."""
-    keys = ["rollout/logprob_diff_sum", "rollout/tokens_sum", "rollout/is_weight_sum", "rollout/is_capped_sum"]
+_MISMATCH = ["rollout/logprob_diff_sum", "rollout/tokens_sum", "rollout/is_weight_sum", "rollout/is_capped_sum"]
+_CLOSURE = ["actor/kl", "actor/pg_loss"]
+
+
+def _update_metrics(ctx: Context, out: dict, totals: list[float], parts: dict[str, list[float]]) -> dict:
+    """The update's row entries, reduced over DP ranks (data leaders only) in one SUM and one MAX
+    all-reduce: the closure's kl / pg_loss (per-rank means of per-micro-batch contributions, so
+    summed), ``rollout/logprob_diff_mean`` / ``_max`` (|pi_train - pi_rollout| over response tokens)
+    and the importance-weight statistics over the mini-batches of epoch 0."""
     lead = ctx.actor.is_data_leader
-    sums = torch.tensor([sum(parts.get(k, [0.0])) if lead else 0.0 for k in keys], dtype=torch.float64)
+    n_micro = out.pop("actor/micro_batches", 1) if out else 1
+    sums = torch.tensor([sum(parts.get(k, [0.0])) if lead else 0.0 for k in _MISMATCH]
+                        + [out.get(k, 0.0) * n_micro if lead else 0.0 for k in _CLOSURE], dtype=torch.float64)
     mx = torch.tensor([max(parts.get("rollout/logprob_diff_max", [0.0]))], dtype=torch.float64)
     dist.all_reduce(sums)
     dist.all_reduce(mx, op=dist.ReduceOp.MAX)
-    diff, tokens, wsum, capped = sums.tolist()
-    if not tokens:
-        return {}
-    out = {"rollout/logprob_diff_mean": diff / tokens, "rollout/logprob_diff_max": float(mx)}
-    if ctx.recipe.algorithm.rollout_correction != "none":
-        out.update({"rollout/is_weight_mean": wsum / tokens, "rollout/is_capped_frac": capped / tokens})
-    return out
-
-
-def _update_metrics(ctx: Context, out: dict, totals: list[float]) -> dict:
+    diff, tokens, wsum, capped, *closure = sums.tolist()
     if not out:
         return {"actor/skipped_step": 1.0, "tokens": 0}
-    # closure metrics are per-rank means of per-micro-batch contributions: sum them over DP
-    n_micro = out.pop("actor/micro_batches", 1)
-    for key in ("actor/kl", "actor/pg_loss"):
-        if key in out:
-            t = torch.tensor([out[key] * n_micro if ctx.actor.is_data_leader else 0.0])
-            dist.all_reduce(t)
-            out[key] = float(t)
+    out.update({k: v for k, v in zip(_CLOSURE, closure) if k in out})
     g_tokens, g_seqs, g_prompt_tokens = totals
     out.update({"tokens": g_tokens + g_prompt_tokens, "response_tokens": g_tokens, "samples": g_seqs})
+    if tokens:
+        out.update({"rollout/logprob_diff_mean": diff / tokens, "rollout/logprob_diff_max": float(mx)})
+        if ctx.recipe.algorithm.rollout_correction != "none":
+            out.update({"rollout/is_weight_mean": wsum / tokens, "rollout/is_capped_frac": capped / tokens})
     if ctx.use_ref and "actor/kl" in out and hasattr(ctx.kl_ctl, "update"):
         ctx.kl_ctl.update(out["actor/kl"], int(g_seqs))
     return out

@@ -506,22 +506,31 @@ def _replication(t: torch.Tensor, world: int) -> int:
     return max(world // shards, 1)
 
 
-def allreduce_dp_grads(params: Sequence[torch.Tensor], mesh: MeshInfo) -> None:
+def allreduce_dp_grads(params: Sequence[torch.Tensor], mesh: MeshInfo,
+                       flag: torch.Tensor | None = None) -> torch.Tensor | None:
     """Replicated DP (no FSDP): average every gradient over the DP group in one all-reduce of one
     flat buffer per dtype (a missing gradient counts as zeros, so every rank sends the same
-    layout). Each rank's local TP/EP shard is reduced with the DP peers holding the same shard."""
+    layout). Each rank's local TP/EP shard is reduced with the DP peers holding the same shard.
+    ``flag`` (a 0-dim number) rides in the first buffer and comes back summed over the group."""
     group = mesh.dp_mesh.get_group()
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         by_dtype.setdefault(p.grad.dtype, []).append(_local(p.grad))
+    summed = None
     for grads in by_dtype.values():
-        flat = torch.cat([g.reshape(-1) for g in grads])  # [sum numel]
+        parts = [g.reshape(-1) for g in grads]
+        if flag is not None and summed is None:
+            parts.append(flag.reshape(1).to(grads[0].dtype))
+        flat = torch.cat(parts)  # [sum numel (+ 1)]
         dist.all_reduce(flat, group=group)
+        if flag is not None and summed is None:
+            summed, flat = flat[-1].double(), flat[:-1]
         flat /= mesh.dp
         for g, v in zip(grads, torch.split(flat, [g.numel() for g in grads])):
             g.copy_(v.view_as(g))
+    return summed if flag is not None else None
 
 
 def local_grad_sq_sum(params: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:

@@ -275,11 +275,13 @@ class NativeTrainEngine(MeshRanks, base.TrainEngine):
             if routing is not None:
                 routing.stop()
 
-    def _micro_batches(self, batch: SeqBatch) -> list[dict]:
+    def _micro_batches(self, batch: SeqBatch, training: bool = True) -> list[dict]:
         """Token-budget packed micro-batches when ``max_tokens_per_micro_batch`` is set, else padded
         groups of ``micro_batch_size``; the same count on every DP rank."""
-        # the count is agreed over DP ranks only: TP peers hold the same batch (the data contract)
-        collective = self.mesh.dp > 1
+        # the count is agreed over DP ranks only: TP peers hold the same batch (the data contract).
+        # Replicated DP runs no collective in a forward: inference needs no agreement; training
+        # keeps it, so "mean" loss scaling divides by the same count everywhere
+        collective = self.mesh.dp > 1 and (training or not self._replicated)
         if self.max_tokens_per_micro_batch:
             return packed_micro_batches(batch, self.max_tokens_per_micro_batch, self.pad_token_id,
                                         varlen=self._varlen_attention, collective=collective)
@@ -314,7 +316,7 @@ class NativeTrainEngine(MeshRanks, base.TrainEngine):
         ents: list = [None] * len(batch)
         self._set_training(False)
         with torch.no_grad(), self._gathered_once():
-            for mb in self._micro_batches(batch):
+            for mb in self._micro_batches(batch, training=False):
                 logp, ent = self._forward(mb, 1.0, with_entropy)
                 rows_to_samples(outs, mb, logp, batch)
                 rows_to_samples(ents, mb, ent, batch)
@@ -393,18 +395,25 @@ class NativeTrainEngine(MeshRanks, base.TrainEngine):
                 losses.append(loss.detach().float())
                 for k, v in (metrics or {}).items():
                     acc[k].append(float(v))
-        if self._replicated:
-            par.allreduce_dp_grads(self._params(), self.mesh)
-        if self._tp_partial is None:
-            self._tp_partial = par.tp_partial_params(self.model, self.mesh)
-        par.allreduce_tp_partial_grads(self.model, self.mesh, params=self._tp_partial)
         params = self._params()
         losses_t = torch.stack(losses)  # [n]
-        # the squared grad norm and "a loss was not finite" summed over the world in one collective
-        both = torch.stack([par.local_grad_sq_sum(params, self.device),
-                            (~torch.isfinite(losses_t).all()).double()])  # [2] float64
-        if dist.get_world_size() > 1:
-            dist.all_reduce(both)
+        bad_here = (~torch.isfinite(losses_t).all()).double()
+        if self._replicated and self.mesh.dp == dist.get_world_size():
+            # pure replicated DP: the "a loss was not finite" flag rides in the gradients' one
+            # all-reduce, and every rank then holds the whole averaged gradient (its norm is local)
+            bad_all = par.allreduce_dp_grads(params, self.mesh, flag=bad_here)
+            both = torch.stack([sum((p.grad.double().pow(2).sum() for p in params),
+                                    torch.zeros((), dtype=torch.float64)), bad_all])
+        else:
+            if self._replicated:
+                par.allreduce_dp_grads(params, self.mesh)
+            if self._tp_partial is None:
+                self._tp_partial = par.tp_partial_params(self.model, self.mesh)
+            par.allreduce_tp_partial_grads(self.model, self.mesh, params=self._tp_partial)
+            # the squared grad norm and "a loss was not finite" summed over the world in one collective
+            both = torch.stack([par.local_grad_sq_sum(params, self.device), bad_here])  # [2] float64
+            if dist.get_world_size() > 1:
+                dist.all_reduce(both)
         # one host sync for the three numbers the step needs
         bad, norm, mean_loss = torch.stack([both[1].float(), both[0].sqrt().float(), losses_t.mean()]).tolist()
         skipped = bad > 0 or not math.isfinite(norm)
