@@ -6,8 +6,8 @@ Ray, the same global batch and a pure-DP actor at every W) and reports, as media
 - ``stage_s``: wall seconds of each stage (the slowest worker's);
 - ``compute_s``: model-compute seconds inside the compute stages (rollout decode/prefill, forward,
   forward + backward + optimizer), the slowest worker's per stage;
-- ``step_s`` and ``overhead_s_per_step = step_s - sum(compute_s)``: dispatch, dock round trips,
-  reward, advantages, resharding, Python glue;
+- ``step_s``, and ``overhead_s_per_step``: the median over steps of the step's seconds minus its
+  compute seconds -- dispatch, dock round trips, reward, advantages, resharding, Python glue;
 - ``overhead_share``: the run's own ``perf/overhead_share`` (median);
 - ``dock_backend``: ``in_worker`` for W=1 (the dock lives in the one worker's process), else ``ray``.
 
@@ -41,7 +41,10 @@ def run(recipe: str, workers: int, steps: int, out: Path) -> dict:
     compute = {k: round(med(f"compute_s/{k}"), 4) for k in comp}
     return {"recipe": recipe, "workers": workers, "steps_used": len(rows), "step_s": round(step_s, 4),
             "stage_s": {k: round(med(f"timing_s/{k}"), 4) for k in stages}, "compute_s": compute,
-            "overhead_s_per_step": round(step_s - sum(compute.values()), 4),
+            # per step (its own step and compute seconds), then the median: medians of the parts
+            # taken over different steps need not add up
+            "overhead_s_per_step": round(statistics.median(
+                (r.get("timing_s/step") or 0.0) - sum(r.get(f"compute_s/{k}") or 0.0 for k in comp) for r in rows), 4),
             "dock_round_trips": med("dock/round_trips"), "dock_wait_s": round(med("dock/wait_s"), 4),
             "dock_s": {k: round(med(f"dock_s/{k}"), 4) for k in stages},
             "overhead_share": round(med("perf/overhead_share"), 4),

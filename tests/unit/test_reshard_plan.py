@@ -183,3 +183,32 @@ def test_deepseek_671b_summary_on_256_ranks_is_fast():
     assert s["max_rollout_shard_bytes"] >= expert_bytes // 128
     with pytest.raises(ReshardError, match="256 experts .* rollout ep=512|world sizes differ"):
         reshard_bytes_summary(train, Layout(1, dp=512, ep=512), dims)
+
+
+def test_one_rank_reshard_hands_the_train_shards_over_without_copies(tmp_path):
+    """World 1: every rollout shard is the train tensor itself (a view, no collective), cast when
+    the rollout dtype differs; a missing or misshapen shard is refused before anything moves."""
+    import torch.distributed as dist
+
+    from rlrecipes.core.resharder import Resharder
+
+    dims = SMOKE["qwen2"]
+    specs = param_specs(dims)
+    plan = plan_reshard(Layout(1, 1, 1, 1), Layout(1, 1, 1, 1), specs)
+    shards = {s.name: torch.randn(s.shape) for s in specs}
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        out = [kv for bucket in Resharder(plan, bucket_mb=1).reshard(shards) for kv in bucket]
+        assert [n for n, _ in out] == [s.name for s in specs]
+        assert all(t.data_ptr() == shards[n].data_ptr() for n, t in out)  # views, not copies
+        half = dict(kv for bucket in Resharder(plan, dtype=torch.bfloat16).reshard(shards) for kv in bucket)
+        assert all(t.dtype == torch.bfloat16 and torch.equal(t, shards[n].to(torch.bfloat16)) for n, t in half.items())
+        bad = dict(shards)
+        bad[specs[0].name] = torch.zeros(3)
+        with pytest.raises(ReshardError, match="local shard has shape"):
+            list(Resharder(plan).reshard(bad))
+        del bad[specs[0].name]
+        with pytest.raises(ReshardError, match="missing"):
+            list(Resharder(plan).reshard(bad))
+    finally:
+        dist.destroy_process_group()

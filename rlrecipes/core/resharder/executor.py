@@ -100,6 +100,10 @@ class Resharder:
     def _dtype_of(self, name: str) -> torch.dtype:
         return self.dtype[name] if isinstance(self.dtype, Mapping) else self.dtype
 
+    def _cast(self, t: torch.Tensor, i: int) -> torch.Tensor:
+        dtype = self._dtype_of(self.plan.specs[i].name)
+        return t if dtype is None or t.dtype == dtype else t.to(dtype)
+
     def _check_inputs(self, local: Mapping[str, torch.Tensor]) -> None:
         """Validate the local shards and agree on the outcome across ranks before moving data."""
         dist = _dist()
@@ -124,6 +128,10 @@ class Resharder:
                 err = err or f"rank {me}: local shard of {s.name} missing (train {plan.train.describe()})"
             elif tuple(t.shape) != want:
                 err = err or f"rank {me}: {s.name} local shard has shape {list(t.shape)}, expected {list(want)}"
+        if plan.world == 1:  # nobody to agree with
+            if err:
+                raise ReshardError(err)
+            return
         if plan.disaggregated:
             # rollout-only ranks hold no shards: an unknown dtype (0) takes the train ranks' one
             code = 0 if self.dtype is None else _DTYPE_CODES.get(self.dtype, -1) \
@@ -188,8 +196,10 @@ class Resharder:
         """Yield this rank's rollout shards, bucket by bucket, as ``[(name, tensor), ...]``.
 
         ``local_shards`` maps name -> this rank's train-layout shard (parameters of other pipeline
-        stages absent). Yielded tensors are fresh (never views of the training weights), so the
-        training weights may be swapped out afterwards. Every rank must drain the iterator.
+        stages absent). The consumer copies each bucket's tensors into its own weights before asking
+        for the next (both rollout engines do): on a one-rank plan they are the training shards
+        themselves (views; cast when the dtypes differ), elsewhere fresh buffers. Every rank must
+        drain the iterator.
         """
         dist = _dist()
         self._raw = self.plan.disaggregated and _unregistered(self.group)
@@ -206,6 +216,14 @@ class Resharder:
         self._check_inputs(local_shards)
         self.device = self._comm_device(local_shards)
         self.stats = ReshardStats()
+        if self.plan.world == 1:
+            # one rank: each rollout shard is the whole tensor, which is the train shard itself. No
+            # buffer, no collective: the train tensors go out as views (cast when the rollout dtype
+            # differs), in bucket-sized groups, and the consumer copies them into its own weights
+            idx = list(range(len(self.plan.specs)))
+            for bucket in self._buckets(idx, lambda i: local_shards[self.plan.specs[i].name].nbytes):
+                yield [(self.plan.specs[i].name, self._cast(local_shards[self.plan.specs[i].name], i)) for i in bucket]
+            return
         by_method: dict[str, list[int]] = defaultdict(list)
         for i, s in enumerate(self.plan.specs):
             by_method[self._method(s)].append(i)
