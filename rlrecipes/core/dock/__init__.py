@@ -2,16 +2,18 @@
 
 Modules: ``client.py`` (the :class:`DockClient` API, :class:`Batch`), ``metadata.py`` (controller
 bookkeeping and the balanced hand-out), ``balance.py`` (LPT / Karmarkar-Karp), ``packing.py`` (columns
-as numpy arrays, the column store), ``local.py`` (in-process backend), ``ray_backend.py`` (controller
-and per-node warehouse actors); :class:`TransferDock` (here) constructs either.
+as numpy arrays, the column store), ``warehouse.py`` (the controller and the warehouse: the one
+implementation of writes, claims and reads), ``local.py`` (in-process backend: one warehouse in the
+client's process), ``ray_backend.py`` (the client of per-node warehouse actors); :class:`TransferDock`
+(here) constructs either.
 
 One row per sample; columns (``prompt_ids``, ``response_ids``, ``scores``, ``ref_log_probs``, ...)
 are written by the stage that produces them and read by every stage that needs them.
 
 Two backends, one API (:class:`DockClient`):
 
-* ``TransferDock.local()`` -- in-process and thread-safe (one lock + condition); unit tests and
-  single-process runs.
+* ``TransferDock.local()`` -- in-process and thread-safe: one warehouse (lock) hosting the
+  controller (condition variable) in the client's process; unit tests and single-process runs.
 * ``TransferDock.ray()`` -- a *controller* that holds metadata only (per-column readiness,
   per-consumer consumption, row -> warehouse map, groups, per-row token lengths, cache holders) and
   one *warehouse* actor per Ray node, pinned there with ``NodeAffinitySchedulingStrategy``, that
@@ -47,7 +49,8 @@ from .balance import partition_kk, partition_lpt
 from .client import Batch, DockClient
 from .errors import DEFAULT_TIMEOUT_S, DockError, DockTimeout
 from .local import LocalDock
-from .ray_backend import RayDock, _Warehouse
+from .ray_backend import RayDock
+from .warehouse import _Warehouse
 
 __all__ = [
     "Batch", "DEFAULT_TIMEOUT_S", "DockClient", "DockError", "DockTimeout", "InWorker", "LocalDock", "RayDock",

@@ -1,216 +1,15 @@
-"""The Ray backend: one warehouse actor per node holding the tensors, the metadata-only controller
-hosted in the first node's warehouse process (so its claims and commits cost no extra hop there),
-and the client that talks to both; the driver never touches sample data."""
+"""The Ray backend's client: the warehouses (``warehouse.py``) run as one threaded actor per node, the
+metadata-only controller inside the first node's (so its claims and commits cost no extra hop
+there); the client talks to both, and the driver never touches sample data."""
 from __future__ import annotations
 
-import threading
 import time
 
 import numpy as np
 
 from .errors import DockError, DockTimeout, DEFAULT_TIMEOUT_S
-from .packing import Packed, slice_packed, concat_packed, unpack, _ColumnStore
-from .metadata import _Meta
+from .packing import Packed, slice_packed, concat_packed, unpack
 from .client import Batch, DockClient, _put_meta, _cached_meta, _empty_batch
-
-
-# ----------------------------------------------------------------------------------------------
-# Ray backend.
-# ----------------------------------------------------------------------------------------------
-
-class _Controller:
-    """The metadata controller: ``_Meta`` behind one condition variable. It runs in the head
-    warehouse's process, called from that actor's threads (a threaded actor: a Ray call to it costs
-    about half the latency of an asyncio actor's on a small host); a claim blocks its thread until
-    the rows are ready."""
-
-    def __init__(self, n_warehouses: int, equal_count: bool):
-        self.meta = _Meta(n_warehouses, equal_count)
-        self.cond = threading.Condition()
-
-    def reset(self, step):
-        with self.cond:
-            self.meta.reset(step)
-            self.cond.notify_all()
-
-    def add_groups(self, n_groups, group_size, warehouse=None):
-        with self.cond:
-            rows = self.meta.add_groups(n_groups, group_size, warehouse)
-            self.cond.notify_all()
-            return self.meta.step, rows, self.meta.warehouse[rows].tolist() if rows else []
-
-    def placement(self, rows):
-        with self.cond:
-            return self.meta.step, self.meta.placement(rows)
-
-    def mark_ready(self, meta, rows, holder=-1):
-        with self.cond:
-            self.meta.mark_ready(meta, rows, holder)
-            self.cond.notify_all()
-
-    def commit(self, step, warehouse, meta, rows):
-        """A warehouse stored ``rows``: mark them ready. Called by the warehouse (not the client)
-        after the data is in place, so a reader that claims the rows finds them. Returns None,
-        ``("misplaced", step, warehouses)`` when the writer's row -> warehouse map was stale, or
-        ``("error", message)``; the warehouse then takes the write back."""
-        with self.cond:
-            if step != self.meta.step:
-                return ("error", f"put: the dock moved to step {self.meta.step} while writing rows "
-                                 f"{list(rows)[:8]} (written at step {step})")
-            try:
-                whs = self.meta.placement(rows)
-                if any(w != warehouse for w in whs):
-                    return ("misplaced", self.meta.step, whs)
-                self.meta.mark_ready(meta, rows, -1)
-            except DockError as e:
-                return ("error", str(e))
-            self.cond.notify_all()
-            return None
-
-    def claim(self, consumer, columns, count, dp_rank, dp_size, whole_groups, timeout):
-        """("ok", rows, cached, stored) or ("timeout", diagnostics)."""
-        deadline = time.monotonic() + timeout
-        with self.cond:
-            while True:
-                rows = self.meta.try_claim(consumer, columns, count, dp_rank, dp_size, whole_groups)
-                if rows is not None:
-                    self.cond.notify_all()  # a new partition may serve ranks waiting for it
-                    cached, stored = self.meta.where(columns, rows)
-                    stored["step"] = self.meta.step
-                    return ("ok", rows, cached, stored)
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return ("timeout", self.meta.diagnose(consumer, columns, count, dp_rank, dp_size))
-                self.cond.wait(left)
-
-    def cached_on(self, column, rows):
-        with self.cond:
-            return self.meta.cached_on(column, rows)
-
-    def all_consumed(self, consumer):
-        with self.cond:
-            return self.meta.all_consumed(consumer)
-
-    def drop_rows(self, rows):
-        with self.cond:
-            by_wh = self.meta.drop_rows(rows)
-            self.cond.notify_all()
-            return by_wh
-
-    def stats(self):
-        with self.cond:
-            return self.meta.stats()
-
-    def step(self):
-        with self.cond:
-            return self.meta.step
-
-
-class _Warehouse:
-    """Ray actor body (threaded: ``max_concurrency`` calls at once, each on its own thread): the
-    tensors of the rows assigned to this warehouse (one per node), behind one lock. A write stores
-    the rows, then tells the controller they are ready (``commit``) before answering the writer.
-    Rows that belong to another warehouse (the writer's row map was stale) are taken back and
-    forwarded there, so a write completes without the writer."""
-
-    MAX_HOPS = 2
-    CONTROL = frozenset({"reset", "add_groups", "placement", "mark_ready", "commit", "claim", "cached_on",
-                         "all_consumed", "drop_rows", "stats", "step"})
-
-    def __init__(self, index: int, head=None, n_warehouses: int = 1, equal_count: bool = True):
-        """``head``: the handle of the warehouse that hosts the controller; None: this one does."""
-        self.index = index
-        self.head = head
-        self.ctl = _Controller(n_warehouses, equal_count) if head is None else None
-        self.peers: list = []
-        self.store = _ColumnStore()
-        self.step = None
-        self.lock = threading.Lock()
-
-    def control(self, method: str, *args):
-        """A controller call from a client or another warehouse (head warehouse only)."""
-        if self.ctl is None or method not in self.CONTROL:
-            raise DockError(f"warehouse {self.index}: no controller method {method!r} here")
-        return getattr(self.ctl, method)(*args)
-
-    def _control(self, method: str, *args):
-        """The controller: in this process on the head warehouse (no hop), else one actor call."""
-        if self.ctl is not None:
-            return getattr(self.ctl, method)(*args)
-        import ray
-        return ray.get(self.head.control.remote(method, *args))
-
-    def set_peers(self, warehouses: list) -> None:
-        self.peers = list(warehouses)
-
-    def node_id(self) -> str:
-        import ray
-        return ray.get_runtime_context().get_node_id()
-
-    def clear(self, step):
-        with self.lock:
-            self.store.clear()
-            self.step = step
-
-    def write(self, rows, packed: dict, meta: dict, hops: int = 0):
-        """Store, then commit at the controller. Answers None when done here, ``("moved", step,
-        warehouses)`` when the rows were forwarded to their warehouses and committed there, or
-        ``("error", message)`` with nothing kept."""
-        with self.lock:
-            step = self.step
-            undo = [u for c, p in packed.items() for u in self.store.write(c, rows, p)]
-        res = self._control("commit", step, self.index, meta, rows)
-        if res is None:
-            return None
-        with self.lock:
-            if self.step == step:
-                self.store.undo(undo)
-        if res[0] != "misplaced":
-            return res
-        whs = res[2]
-        if hops >= self.MAX_HOPS or not self.peers:
-            return ("error", f"put: rows {list(rows)[:8]} kept moving between warehouses")
-        by_wh: dict[int, list[int]] = {}
-        for i, w in enumerate(whs):
-            by_wh.setdefault(int(w), []).append(i)
-        import ray
-        answers = ray.get([self.peers[w].write.remote(
-            [rows[i] for i in pos], {c: slice_packed(p, pos) for c, p in packed.items()},
-            {c: (d, st, [ls[i] for i in pos]) for c, (d, st, ls) in meta.items()}, hops + 1)
-            for w, pos in by_wh.items()])
-        bad = next((a for a in answers if a is not None and a[0] == "error"), None)
-        return bad or ("moved", res[1], whs)
-
-    def read(self, step, columns, rows) -> dict:
-        with self.lock:
-            if step != self.step:
-                raise DockError(f"warehouse {self.index}: read for step {step}, dock at step {self.step}")
-            return {c: self.store.read(c, rows) for c in columns}
-
-    def claim_read(self, consumer, columns, count, dp_rank, dp_size, whole_groups, timeout):
-        """The controller's claim, then this warehouse's share of the claimed rows read here: one
-        client round trip when the rows live on the caller's node (``("ok", ..., index, data)``)."""
-        res = self._control("claim", consumer, columns, count, dp_rank, dp_size, whole_groups, timeout)
-        if res[0] != "ok":
-            return res
-        _, rows, cached, stored = res
-        mine = stored["by_warehouse"].get(self.index)
-        data = None
-        with self.lock:
-            if mine and stored["columns"] and stored["step"] == self.step:
-                data = {c: self.store.read(c, mine) for c in stored["columns"]}
-        return ("ok", rows, cached, stored, self.index, data)
-
-    def drop(self, rows):
-        with self.lock:
-            self.store.drop(rows)
-
-    def store_stats(self):
-        with self.lock:
-            s = self.store.stats()
-        s["index"] = self.index
-        s["node_id"] = self.node_id()
-        return s
 
 
 class RayDock(DockClient):
@@ -406,7 +205,7 @@ class RayDock(DockClient):
         self.flush()
         s = self._wait(self._ctl("stats", ))
         s["backend"] = "ray"
-        s["warehouses"] = self._wait([w.store_stats.remote() for w in self._warehouses])
+        s["warehouses"] = self._wait([w.store_stats.remote(True) for w in self._warehouses])
         return s
 
     def shutdown(self) -> None:
