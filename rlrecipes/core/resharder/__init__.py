@@ -1,6 +1,8 @@
 """Resharding of trained weights from the train layout to the rollout layout (DESIGN §3.2).
 
-Three layers, each usable alone (modules: ``layout.py``, ``plan.py``, ``transfer.py``, ``executor.py``):
+Three layers, each usable alone (modules: ``layout.py``, ``plan.py``, ``transfer.py``, ``executor.py``;
+the strategies in ``strategies_allgather.py``, ``strategies_pp.py``, ``strategies_experts.py``,
+``strategies_cross.py``, mixins of :class:`Resharder`):
 
 1. :class:`Layout` and :func:`plan_reshard` -- a *pure* plan. From the train layout
    ``(tp, pp, ep, dp)``, the rollout layout ``(tp, ep, dp)`` (pp = 1) and the parameter specs
@@ -34,3 +36,7 @@ from .layout import (AUTO, CROSS_STRATEGIES, PLACEMENTS, Layout, Piece, ReshardE
 from .plan import ReshardPlan, plan_reshard, reshard_bytes_summary  # noqa: F401
 from .transfer import HostSwap, ReshardStats  # noqa: F401
 from .executor import Resharder, reshard_to_dict  # noqa: F401
+
+__all__ = ["AUTO", "CROSS_STRATEGIES", "HostSwap", "Layout", "PLACEMENTS", "Piece", "ReshardError", "ReshardPlan",
+           "ReshardStats", "Resharder", "STRATEGIES", "_interval", "local_shape", "plan_reshard", "reshard_bytes_summary",
+           "reshard_to_dict", "shard_for"]
