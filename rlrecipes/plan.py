@@ -4,7 +4,8 @@
 every layout rule at once, and estimates per-device memory (weights, gradients, optimizer state,
 activations, rollout weights and KV cache) and the weight bytes each device receives when the
 trained weights are resharded into the rollout layout. Nothing here starts a process, so an
-impossible layout fails in ``rlrecipes plan`` before anything is launched.
+impossible layout fails in ``rlrecipes plan`` before anything is launched. The per-engine memory
+models are in :mod:`rlrecipes.plan_memory`.
 
 Scaling policy: the recipe pins a layout at ``resources.nodes``. On another node count the
 TP/PP/EP sizes stay and DP scales; the global batch scales with the actor DP size so every DP
@@ -21,14 +22,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-from . import device as devmod
 from .engines.base import Capabilities
-from .engines.native import small_model
 from .engines.registry import BACKENDS, capabilities, problems
 from .models import ModelDims
+from .plan_memory import DTYPE_BYTES, GiB, Memory, _kv_needed, _rollout_memory, _train_memory
 from .recipe import Recipe
 
-GiB = 1024 ** 3
 # disaggregated placement: a layout that cannot fill its device group whatever the node count (the
 # rollout group's size is fixed; the train group's is n x devices_per_node - rollout_devices)
 ROLLOUT_SPLIT_RULE = "rollout TP*PP divides resources.rollout_devices"
@@ -40,7 +39,6 @@ NODE_INDEPENDENT_RULES = {"inference settings supported by vllm-ascend", "rollou
                           "engine keeps EP inside the TP group", "GRPO needs a group per prompt",
                           "engine runs this model here", "routing replay has what it needs",
                           "reshard strategy fits the placement", ROLLOUT_SPLIT_RULE, TRAIN_SPLIT_RULE}
-DTYPE_BYTES = 2  # weights and activations in bf16 on accelerators
 
 
 @dataclass
@@ -59,29 +57,6 @@ class RoleLayout:
         if self.pp_layers and self.pp > 1:
             s += f" layers {','.join(map(str, self.pp_layers))}"
         return s
-
-
-@dataclass
-class Memory:
-    """Per-device memory of one phase, in bytes."""
-
-    weights: float = 0.0
-    grads: float = 0.0
-    optimizer: float = 0.0
-    activations: float = 0.0
-    transient: float = 0.0
-    """Short-lived peaks on top of the rest: FSDP-gathered units and their gradients/reduce buffers,
-    optimizer-step temporaries (whichever phase peaks higher)."""
-    kv_cache: float = 0.0
-
-    @property
-    def total(self) -> float:
-        return self.weights + self.grads + self.optimizer + self.activations + self.transient + self.kv_cache
-
-    def gib(self) -> dict[str, float]:
-        d = {k: round(v / GiB, 2) for k, v in asdict(self).items()}
-        d["total"] = round(self.total / GiB, 2)
-        return d
 
 
 @dataclass
@@ -189,29 +164,6 @@ def _ranks(a: int, b: int) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-def _even_split(layers: int, pp: int) -> list[int]:
-    base, extra = divmod(layers, pp)
-    return [base + (1 if i < extra else 0) for i in range(pp)]
-
-
-def _stage_params(dims: ModelDims, pp_layers: list[int]) -> list[tuple[float, float]]:
-    """(non-expert, expert) parameters held by each pipeline stage (embedding first, head last)."""
-    out, start = [], 0
-    for s, n in enumerate(pp_layers):
-        ne = e = 0.0
-        for layer in range(start, start + n):
-            a, b = dims.layer_params(layer)
-            ne += a
-            e += b
-        if s == 0:
-            ne += dims.vocab_size * dims.hidden_size
-        if s == len(pp_layers) - 1:
-            ne += dims.hidden_size + (0 if dims.tie_embeddings else dims.vocab_size * dims.hidden_size)
-        out.append((ne, e))
-        start += n
-    return out
-
-
 def _layout_violations(role: RoleLayout, dims: ModelDims, world: int, caps: Capabilities,
                        where: Optional[tuple[str, str]] = None) -> list[Violation]:
     """``where`` = (rule, the role's device set and the fix) under disaggregated placement; the
@@ -257,125 +209,6 @@ def _layout_violations(role: RoleLayout, dims: ModelDims, world: int, caps: Capa
                            f"{name}: EP{role.ep} does not divide TP{role.tp} (engine {caps.name}); "
                            "use ep <= tp with tp % ep == 0"))
     return v
-
-
-def _train_memory(dims: ModelDims, role: RoleLayout, recipe: Recipe, dp: int) -> Memory:
-    if recipe.actor.engine == "native":
-        return _native_train_memory(dims, role, recipe, dp)
-    pp_layers = role.pp_layers or _even_split(dims.num_layers, role.pp)
-    if len(pp_layers) != role.pp or sum(pp_layers) != dims.num_layers:
-        pp_layers = _even_split(dims.num_layers, role.pp)
-    worst = Memory()
-    seq = recipe.data.max_prompt_length + recipe.rollout.sampling.max_new_tokens
-    # engines with expert-TP (megatron) split each expert over TP as well; the native engine does not
-    etp = role.tp if recipe.actor.engine in BACKENDS and capabilities(recipe.actor.engine).expert_tensor_parallel else 1
-    for s, (ne, e) in enumerate(_stage_params(dims, pp_layers)):
-        params = ne / role.tp + e / (role.ep * etp)
-        expert_dp = max(1, dp * role.tp // (role.ep * etp))
-        m = Memory()
-        m.weights = params * DTYPE_BYTES
-        m.grads = params * 4  # megatron DDP's gradient buffer in fp32 (grad_reduce_in_fp32, as the engine sets)
-        if not recipe.actor.offload_optimizer:
-            # fp32 master + Adam m, v, sharded over DP (distributed optimizer)
-            m.optimizer = 12 * (ne / role.tp / dp + e / (role.ep * etp) / expert_dp)
-        layers = pp_layers[s]
-        per_layer = recipe.trainer.micro_batch * seq * dims.hidden_size * DTYPE_BYTES / role.tp
-        # with recomputation only each layer's input is kept; without, ~16 activations per layer
-        m.activations = per_layer * layers * (1 if recipe.actor.recompute else 16) + \
-            recipe.trainer.micro_batch * seq * dims.vocab_size * 4 / role.tp  # fp32 logits
-        if m.total > worst.total:
-            worst = m
-    return worst
-
-
-def _micro_batch_tokens(recipe: Recipe) -> int:
-    """Tokens in one micro-batch: the token budget when packing, else micro_batch padded rows."""
-    seq = recipe.data.max_prompt_length + recipe.rollout.sampling.max_new_tokens
-    return recipe.trainer.max_tokens_per_micro_batch or recipe.trainer.micro_batch * seq
-
-
-def _native_train_memory(dims: ModelDims, role: RoleLayout, recipe: Recipe, dp: int) -> Memory:
-    """Per-device memory of the native engine (HF model, DTensor TP/EP, FSDP2 over DP), steady state.
-
-    FSDP2 keeps fp32 master weights, fp32 gradients and Adam's two moments sharded over DP (experts
-    over the ranks that share an expert shard). On top, for the worst phase of a step:
-
-    * backward: saved activations and the logits, beside the FSDP unit in flight (gathered in the
-      compute dtype, its unsharded gradient and the reduce-scatter input); a tied embedding stays
-      gathered in the root unit through backward and reduce-scatters at its very end;
-    * optimizer step: one fp32 temporary per parameter (the foreach ``sqrt`` of the second moment).
-
-    ``activations`` holds the saved activations and logits, ``transient`` the rest of the worst
-    phase. A small model (``engines.native.small_model``) is replicated over DP in full precision,
-    and kept gathered through a call under FSDP: the same rule the engine applies. Checked against
-    measurement by ``benchmarks/engine_memory.py``.
-    """
-    c = devmod.compute_bytes(recipe.resources.device, recipe.model.dtype)
-    tp, ep = role.tp, role.ep
-    expert_dp = max(1, dp * tp // ep)
-    embed = dims.vocab_size * dims.hidden_size / tp
-    per_layer = [dims.layer_params(i) for i in range(dims.num_layers)]  # (non-expert, expert)
-    layer_ne = max(a for a, _ in per_layer) / tp
-    layer_e = max(b for _, b in per_layer) / ep
-    ne = sum(a for a, _ in per_layer) / tp + embed * (1 if dims.tie_embeddings else 2) + dims.hidden_size
-    e = sum(b for _, b in per_layer) / ep
-    # a small model (engines.native.small_model) in full precision is replicated over DP, not sharded
-    small = small_model(4 * (sum(a + b for a, b in per_layer) + dims.vocab_size * dims.hidden_size
-                             * (1 if dims.tie_embeddings else 2) + dims.hidden_size))
-    replicated = small and c == 4 and dp > 1
-    local = ne + e if replicated else ne / dp + e / expert_dp  # this rank's part of every parameter
-    m = Memory(weights=4 * local, grads=4 * local)
-    if not recipe.actor.offload_optimizer:
-        m.optimizer = 8 * local
-    tokens = _micro_batch_tokens(recipe)
-    width = dims.intermediate_size if not dims.is_moe else \
-        dims.moe_intermediate_size * (dims.experts_per_token + dims.num_shared_experts)
-    # per layer without recompute: ~10 hidden-sized tensors per token (replicated over TP: no
-    # sequence parallelism) and ~4 of the MLP width (split over TP); with recompute, each layer's
-    # input, plus one layer rebuilt during its backward
-    full_layer = tokens * c * (10 * dims.hidden_size + 4 * width / tp)
-    kept = tokens * c * dims.hidden_size
-    act = (kept * dims.num_layers + full_layer) if recipe.actor.recompute else full_layer * dims.num_layers
-    logits = tokens * dims.vocab_size / tp * (c + 4)  # compute-dtype logits, fp32 chunks saved for backward
-    m.activations = act + logits
-    # FSDP units: gathered params (c), unsharded grad (c), the fp32 reduce-scatter input (4; on CPU
-    # gloo reduces through one more buffer of that size, measured); two decoder layers in flight.
-    # Untied, the embedding and the head are units of their own, gathered only around their use.
-    # Tied, they sit in the root unit: gathered from forward through backward with the head's
-    # gradient, and at the end of backward the embedding's own gradient joins before the root
-    # reduce-scatters; the activations are gone by then.
-    reduce = 4 * (1 if devmod.is_accelerator(recipe.resources.device) else 2)
-    unit = 2 * c + reduce
-    phases = [2 * (layer_ne + layer_e) * unit]  # backward, beside the activations
-    if dims.tie_embeddings:
-        phases += [embed * 2 * c, embed * (3 * c + reduce) - m.activations]
-    else:
-        phases += [embed * unit]
-    phases.append(4 * local - m.activations)  # optimizer step: the foreach temporary, activations gone
-    if replicated:  # no units in flight: the gradients' flat all-reduce buffer or the optimizer temporary
-        phases = [4 * local - m.activations]
-    elif small:  # FSDP, every unit kept gathered (with its unsharded gradient) through the call
-        phases.append((ne + e) * unit)
-    m.transient = max(0.0, *phases)
-    return m
-
-
-def _rollout_memory(dims: ModelDims, role: RoleLayout, recipe: Recipe, device_bytes: float) -> Memory:
-    total, experts = dims.total_params(), dims.expert_params()
-    m = Memory()
-    m.weights = ((total - experts) / role.tp + experts / role.ep) * DTYPE_BYTES
-    budget = device_bytes * recipe.rollout.inference.gpu_memory_utilization
-    m.kv_cache = max(0.0, budget - m.weights)
-    return m
-
-
-def _kv_needed(dims: ModelDims, role: RoleLayout, recipe: Recipe, rows_per_instance: float) -> float:
-    seq = recipe.data.max_prompt_length + recipe.rollout.sampling.max_new_tokens
-    seqs = min(recipe.rollout.inference.max_num_seqs, max(1.0, rows_per_instance))
-    per_token = dims.kv_bytes_per_token(DTYPE_BYTES)
-    if not dims.is_mla:  # MLA's latent cache is replicated across TP; GQA heads are split
-        per_token /= role.tp
-    return seqs * seq * per_token
 
 
 def _reshard_bytes(dims: ModelDims, train: RoleLayout, rollout: RoleLayout, placement: str = "colocated") -> float:
