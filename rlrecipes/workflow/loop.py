@@ -43,9 +43,8 @@ def train_step(ctx: Context, step: int) -> dict:
     ctx.use_dock(step)
     trips0, wait0 = ctx.dock.round_trips, ctx.dock.wait_s
     if ctx.role == "both":
-        ctx.version = step  # colocated: the rollout always holds the current weights
-        if ctx.rank == 0:
-            ctx.dock.reset(step)
+        ctx.version = step  # colocated: the rollout always holds the current weights; rank 0's
+        # rollout stage resets the dock and allocates the step's groups in one call
     else:  # the rollout workers fill this step's dock; the prompt order advances in step with theirs
         ctx.sampler.next_indices(r.trainer.global_batch)
     ctx.cache.clear(step)

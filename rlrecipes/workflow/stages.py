@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ..algos import overlong_reward_penalty
+from ..core.dock import Batch
 from ..algos.spec import (actor_loss_fn, critic_loss_fn, dynamic_sampling_column, gae_advantages,
                           outcome_advantages)
 from ..engines.base import SamplingParams
@@ -49,14 +50,23 @@ class StepState:
     staleness_max: int = 0
     update: dict = field(default_factory=dict)
     critic: dict = field(default_factory=dict)
+    # Colocated workers keep what they generated: ``fresh`` holds this round's rows (scored by this
+    # worker's reward stage without a dock read), ``scored`` every (rows, scores) it scored, whole
+    # groups, from which the outcome advantage is computed without a dock read either.
+    fresh: Batch | None = None
+    scored: list | None = None
 
 
 # ------------------------------------------------------------------------------ generation
 def rollout(ctx: Context, st: StepState) -> None:
-    """Generate n responses for each of ``st.target`` new prompt groups (rows added by rank 0)."""
+    """Generate n responses for each of ``st.target`` new prompt groups (rows added by rank 0; a
+    colocated step's first round starts the step's dock in the same call)."""
     r, n = ctx.recipe, ctx.recipe.trainer.n_samples_per_prompt
     eng = ctx.rollout
-    rows = ctx.dock.add_groups(st.target, n) if ctx.rank == 0 else None
+    rows = None
+    if ctx.rank == 0:
+        first = ctx.role == "both" and st.round == 0
+        rows = ctx.dock.reset(st.step, groups=(st.target, n)) if first else ctx.dock.add_groups(st.target, n)
     rows = broadcast(rows) if ctx.world > 1 else rows
     prompt_idx = ctx.sampler.next_indices(st.target)  # identical on every rank
     mine = list(range(eng.dp_rank, st.target, eng.dp_size))
@@ -78,26 +88,43 @@ def rollout(ctx: Context, st: StepState) -> None:
             if out.routed_experts is not None:  # MoE routing replay: the experts every token used
                 cols["routed_experts"] = out.routed_experts
             ctx.dock.put(cols, my_rows)
+            if ctx.role == "both":
+                st.fresh = Batch(my_rows, {c: cols[c] for c in _REWARD_COLS}, {}, None)
+    if ctx.role == "both" and st.fresh is None:  # a rollout TP peer, or no groups for this DP rank
+        st.fresh = Batch([], {"response_ids": [], "prompt_index": torch.zeros(0, dtype=torch.long),
+                              "policy_version": torch.zeros(0, dtype=torch.long)}, {}, None)
     eng.sleep()
     ctx.timer.add_compute("rollout", time.perf_counter() - t0)
     st.gen_groups += st.target
 
 
+_REWARD_COLS = ["response_ids", "prompt_index", "policy_version"]
+
+
 def reward(ctx: Context, st: StepState) -> None:
+    """Score this round's rows. A colocated worker scores the rows it generated itself (whole
+    groups, equal counts per DP rank: no dock read, and its outcome advantage needs none either);
+    otherwise the rows come from the dock, balanced over the workers."""
     from ..rewards import format_reward, score_batch
 
     r = ctx.recipe
-    b = ctx.dock.get("reward", ["response_ids", "prompt_index", "policy_version"], None, dp_rank=ctx.rank,
-                     dp_size=ctx.world, timeout=r.trainer.dock_timeout_s)
-    if len(b):  # how many policy versions behind the weights being trained each sample is
-        lag = st.step - b["policy_version"]
-        k = r.algorithm.max_staleness
-        if int(lag.max()) > k or int(lag.min()) < 0:
-            raise RuntimeError(f"step {st.step} was handed samples of policy versions "
-                               f"{sorted(set(b['policy_version'].tolist()))}, outside [step - {k}, step] "
-                               f"(algorithm.max_staleness={k})")
-        st.staleness_sum += int(lag.sum())
-        st.staleness_max = max(st.staleness_max, int(lag.max()))
+    if st.fresh is not None:
+        b, st.fresh = st.fresh, None
+        st.scored = st.scored if st.scored is not None else []
+    else:
+        b = ctx.dock.get("reward", _REWARD_COLS, None, dp_rank=ctx.rank, dp_size=ctx.world,
+                         timeout=r.trainer.dock_timeout_s)
+    st.round += 1
+    if not len(b):  # a rollout TP peer that holds no rows, or a DP rank with no share this round
+        return
+    lag = st.step - b["policy_version"]  # policy versions behind the weights being trained
+    k = r.algorithm.max_staleness
+    if int(lag.max()) > k or int(lag.min()) < 0:
+        raise RuntimeError(f"step {st.step} was handed samples of policy versions "
+                           f"{sorted(set(b['policy_version'].tolist()))}, outside [step - {k}, step] "
+                           f"(algorithm.max_staleness={k})")
+    st.staleness_sum += int(lag.sum())
+    st.staleness_max = max(st.staleness_max, int(lag.max()))
     texts = ctx.tokenizer.batch_decode([x.tolist() for x in b["response_ids"]], skip_special_tokens=True)
     answers = [ctx.dataset[int(i)]["answer"] for i in b["prompt_index"]]
     scores, n_err, first = score_batch(ctx.reward_fn, texts, answers)
@@ -106,17 +133,17 @@ def reward(ctx: Context, st: StepState) -> None:
         scores += r.reward.format_weight * torch.tensor([format_reward(t) for t in texts])
     raw = scores.clone()
     ov = r.algorithm.overlong
-    if ov.enabled and len(b):
+    if ov.enabled:
         scores = scores + overlong_reward_penalty(b.lengths("response_ids"),
                                                   max_response_len=r.rollout.sampling.max_new_tokens,
                                                   buffer_len=ov.buffer_len, penalty_factor=ov.penalty_factor)
-    if len(b):
-        ctx.dock.put({"scores": scores, "acc": raw}, b.rows)
+    ctx.dock.put({"scores": scores, "acc": raw}, b.rows)
+    if st.scored is not None:
+        st.scored.append((list(b.rows), scores))
     st.reward_sum += float(raw.sum())
     st.reward_n += len(b)
     st.errors += n_err
     st.first_error = st.first_error or first
-    st.round += 1
 
 
 def dynamic_sampling(ctx: Context, st: StepState) -> None:
@@ -183,12 +210,27 @@ def outcome_advantage(ctx: Context, st: StepState) -> None:
     """GRPO / DAPO: group-normalised outcome advantage, one number per sample."""
     r = ctx.recipe
     n = r.trainer.n_samples_per_prompt
-    b = ctx.dock.get("advantage", ["scores", "response_ids"], None, dp_rank=ctx.rank, dp_size=ctx.world,
-                     whole_groups=True, timeout=r.trainer.dock_timeout_s)
-    if not len(b):
+    if st.scored is not None:  # colocated: the whole groups this worker generated and scored
+        rows, scores = _own_scored(st, r.algorithm.dynamic_sampling.enabled)
+    else:
+        b = ctx.dock.get("advantage", ["scores"], None, dp_rank=ctx.rank, dp_size=ctx.world,
+                         whole_groups=True, timeout=r.trainer.dock_timeout_s)
+        rows, scores = list(b.rows), b["scores"]
+    if not rows:
         return
-    adv = outcome_advantages(r.algorithm, b["scores"].float(), torch.arange(len(b)) // n)  # [rows]
-    ctx.dock.put({"advantages": adv.contiguous()}, b.rows)
+    adv = outcome_advantages(r.algorithm, scores.float(), torch.arange(len(rows)) // n)  # [rows]
+    ctx.dock.put({"advantages": adv.contiguous()}, rows)
+
+
+def _own_scored(st: StepState, filtered: bool) -> tuple[list[int], torch.Tensor]:
+    """The rows this worker scored, in group order, less the groups dynamic sampling dropped."""
+    rows = [x for rs, _ in st.scored for x in rs]
+    scores = torch.cat([sc for _, sc in st.scored]) if st.scored else torch.zeros(0)
+    if filtered:
+        live = {x for g in st.kept_rows[:st.target] for x in g}  # groups past the target were trimmed
+        keep = [i for i, x in enumerate(rows) if x in live]
+        rows, scores = [rows[i] for i in keep], scores[torch.tensor(keep, dtype=torch.long)]
+    return rows, scores
 
 
 def gae(ctx: Context, st: StepState) -> None:

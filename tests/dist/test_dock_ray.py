@@ -132,6 +132,10 @@ def test_a_get_is_one_round_trip_and_a_put_none(dock):
     n = dock.round_trips
     b = dock.get("c", ["a", "logp"], None, timeout=5)
     assert dock.round_trips == n + 1 and b["a"].tolist() == [0.0, 1.0, 2.0, 3.0] and b.holders["logp"] == [0] * 4
+    # a new step and its first groups: one round trip
+    n = dock.round_trips
+    rows = dock.reset(1, groups=(2, 2))
+    assert dock.round_trips == n + 1 and rows == [0, 1, 2, 3] and dock.stats()["step"] == 1
     # a reader that claims right after an unsettled put still sees the rows (claims wait for commits)
     dock.put({"s": torch.ones(4)}, rows)
     assert dock.get("d", ["s"], None, timeout=5)["s"].tolist() == [1.0] * 4

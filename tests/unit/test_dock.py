@@ -293,3 +293,13 @@ def test_blocked_reader_wakes_when_writer_puts():
 def test_batch_helpers_on_empty_and_stacked():
     b = Batch([0, 1], {"x": torch.tensor([[1, 2], [3, 4]])})
     assert b.lengths("x").tolist() == [2, 2] and torch.equal(b.padded("x"), b["x"])
+
+
+def test_reset_with_groups_starts_the_step_and_allocates_in_one_call(dock):
+    rows = dock.add_groups(1, 2)
+    dock.put({"a": torch.ones(2)}, rows)
+    assert dock.reset(3, groups=(2, 2)) == [0, 1, 2, 3]    # the old rows are gone: numbering restarts
+    st = dock.stats()
+    assert st["step"] == 3 and st["rows"] == 4 and st["warehouses"][0]["bytes"] == 0
+    assert dock.add_groups(1, 2) == [4, 5]                 # later rounds continue after them
+    assert dock.reset(4) is None and dock.stats()["rows"] == 0

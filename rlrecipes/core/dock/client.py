@@ -85,7 +85,10 @@ class DockClient(abc.ABC):
         without waiting); raises the first failed one."""
 
     @abc.abstractmethod
-    def reset(self, step: int) -> None:
+    def reset(self, step: int, groups: tuple[int, int] | None = None) -> list[int] | None:
+        """Start step ``step`` with no rows. ``groups=(n_groups, group_size)`` also allocates the
+        step's first groups in the same call (one round trip, not two) and returns their rows, as
+        :meth:`add_groups` would."""
         ...
 
     @abc.abstractmethod

@@ -84,11 +84,17 @@ class RayDock(DockClient):
         import ray
         return ray
 
-    def reset(self, step: int) -> None:
+    def reset(self, step: int, groups: tuple[int, int] | None = None) -> list[int] | None:
         self.flush()
-        # Warehouses and controller in parallel: one round trip of latency.
-        self._wait([w.clear.remote(step) for w in self._warehouses] + [self._ctl("reset", step)])
+        wh = self._local_warehouse() if groups is not None and self._placement == "writer_node" else None
+        # Warehouses and controller in parallel: one round trip of latency, the groups included.
+        *_, res = self._wait([w.clear.remote(step) for w in self._warehouses] + [self._ctl("reset", step, groups, wh)])
         self._wh_of = {}
+        if res is None:
+            return None
+        _, rows, whs = res
+        self._learn(rows, whs)
+        return rows
 
     def _local_warehouse(self) -> int | None:
         if self._home is None:

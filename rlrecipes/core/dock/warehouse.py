@@ -26,16 +26,22 @@ class _Controller:
         self.meta = _Meta(n_warehouses, equal_count)
         self.cond = threading.Condition()
 
-    def reset(self, step):
+    def reset(self, step, groups=None, warehouse=None):
+        """Start ``step``; with ``groups=(n_groups, group_size)`` allocate them too (as add_groups)."""
         with self.cond:
             self.meta.reset(step)
             self.cond.notify_all()
+            return self._add(groups[0], groups[1], warehouse) if groups is not None else None
+
+    def _add(self, n_groups, group_size, warehouse):
+        rows = self.meta.add_groups(n_groups, group_size, warehouse)
+        return self.meta.step, rows, self.meta.warehouse[rows].tolist() if rows else []
 
     def add_groups(self, n_groups, group_size, warehouse=None):
         with self.cond:
-            rows = self.meta.add_groups(n_groups, group_size, warehouse)
+            out = self._add(n_groups, group_size, warehouse)
             self.cond.notify_all()
-            return self.meta.step, rows, self.meta.warehouse[rows].tolist() if rows else []
+            return out
 
     def placement(self, rows):
         with self.cond:
