@@ -92,12 +92,12 @@ class Plain:
         loss = -(torch.where(self.rmask.bool(), logp * self.adv, 0.0)).sum() / self.rmask.sum()
         loss.backward()
         if self.tp:  # DTensor and plain (replicated norm) grads mixed: clip_grad_norm_ refuses them
-            from rlrecipes.engines.native import parallel as par
+            from rlrecipes.engines.native import grads as grad_ops
 
             params = list(self.model.parameters())
-            norm = float(par.global_grad_norm(params, self.ids.device))
+            norm = float(grad_ops.global_grad_norm(params, self.ids.device))
             if norm > 1.0:
-                par.scale_grads_(params, 1.0 / (norm + 1e-6))
+                grad_ops.scale_grads_(params, 1.0 / (norm + 1e-6))
         else:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.opt.step()

@@ -70,7 +70,7 @@ def _close(a, b, what, atol=2e-5, rtol=1e-4):
 # ------------------------------------------------------------------------------------- cases
 def case_tp(rank):
     from rlrecipes.engines.native.loader import build_model
-    from rlrecipes.engines.native.parallel import convention_slice
+    from rlrecipes.engines.native.shards import convention_slice
     from rlrecipes.engines.native.train import NativeTrainEngine
     from rlrecipes.models import SMOKE
 
@@ -170,7 +170,7 @@ def case_rollout_ckpt(rank, tmp):
     from transformers import AutoModelForCausalLM
 
     from rlrecipes.engines.native.loader import build_model
-    from rlrecipes.engines.native.parallel import convention_slice
+    from rlrecipes.engines.native.shards import convention_slice
     from rlrecipes.engines.native.rollout import NativeRolloutEngine, left_pad
     from rlrecipes.engines.native.train import NativeTrainEngine
     from rlrecipes.models import SMOKE
@@ -256,14 +256,14 @@ def case_rollout_ckpt(rank, tmp):
 def case_shards(rank):
     """local_shards gathers plain dim-0 FSDP shards in one collective per dtype (uneven chunks at DP3)
     and the rest one by one: both give exactly what each tensor's own redistribute gives."""
-    from rlrecipes.engines.native import parallel as par
+    from rlrecipes.engines.native import shards as shard_ops
     from rlrecipes.engines.native.train import NativeTrainEngine
     from rlrecipes.models import SMOKE
 
     for fam in ("qwen2", "qwen3_moe"):  # DP3 (TP+FSDP layouts: case_tp)
         eng = NativeTrainEngine(SMOKE[fam], layout=(1, 1), device="cpu", lr=1e-3, seed=1, fsdp=True)
-        got = par.local_shards(eng.model)
-        want = {n: par.train_layout_shard(t) for n, t in par.named_tensors(eng.model)}
+        got = shard_ops.local_shards(eng.model)
+        want = {n: shard_ops.train_layout_shard(t) for n, t in shard_ops.named_tensors(eng.model)}
         assert list(got) == list(want)
         for n in want:
             assert torch.equal(got[n], want[n]), (fam, n)

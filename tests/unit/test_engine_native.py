@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from rlrecipes.engines.native import parallel as par
+from rlrecipes.engines.native import shards as shard_ops
 from rlrecipes.engines.native.loader import build_model, check_hf_folder
 from rlrecipes.engines.native.rollout import NativeRolloutEngine, left_pad, sample_next
 from rlrecipes.models import SMOKE
@@ -136,8 +137,8 @@ def test_param_rules_follow_conventions():
         assert r(name) == "replicate", name
     assert par.is_expert("model.layers.3.mlp.experts.down_proj")
     full = torch.arange(8 * 6).reshape(8, 6)
-    assert torch.equal(par.convention_slice(full, "model.layers.0.mlp.experts.down_proj", 2, 1, 2, 1), full[4:])
-    assert torch.equal(par.convention_slice(full, "model.layers.0.self_attn.o_proj.weight", 2, 1, 1, 0), full[:, 3:])
+    assert torch.equal(shard_ops.convention_slice(full, "model.layers.0.mlp.experts.down_proj", 2, 1, 2, 1), full[4:])
+    assert torch.equal(shard_ops.convention_slice(full, "model.layers.0.self_attn.o_proj.weight", 2, 1, 1, 0), full[:, 3:])
 
 
 @pytest.mark.parametrize("family", list(SMOKE))

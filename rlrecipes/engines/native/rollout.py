@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 from rlrecipes import device as devmod
 from rlrecipes.engines.native import parallel as par
+from rlrecipes.engines.native import shards as shard_ops
 from rlrecipes.engines import base
 from rlrecipes.engines.base import RolloutOutput, SamplingParams
 from rlrecipes.engines.native import CAPABILITIES
@@ -190,7 +191,7 @@ class NativeRolloutEngine(MeshRanks, base.RolloutEngine):
 
     # ----------------------------------------------------------------------------- weights
     def _tensors(self) -> dict[str, torch.Tensor]:
-        return dict(par.named_tensors(self.model))
+        return dict(shard_ops.named_tensors(self.model))
 
     def shard_shapes(self) -> dict[str, tuple[int, ...]]:
         """Local (rollout-layout) shape of every parameter / persistent buffer on this rank."""
@@ -212,7 +213,7 @@ class NativeRolloutEngine(MeshRanks, base.RolloutEngine):
             if name not in targets:
                 raise KeyError(f"load_shards: {name!r} is not a parameter of the rollout model "
                                f"({type(self.model).__name__})")
-            par.copy_shard_(targets[name], value, name)
+            shard_ops.copy_shard_(targets[name], value, name)
             n += 1
         return n
 
@@ -315,7 +316,6 @@ class NativeRolloutEngine(MeshRanks, base.RolloutEngine):
         ids, pmask = left_pad(prompts, pad_token_id)
         ids, pmask = ids.to(dev), pmask.to(dev)  # [B, P]
         B, P = ids.shape
-        L = P + max_new_tokens
         eos = torch.tensor(sorted({eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or [])),
                            dtype=torch.long, device=dev)  # [n_eos]
         pos = (pmask.cumsum(-1) - 1).clamp_(min=0)  # [B, P]

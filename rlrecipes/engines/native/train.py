@@ -40,6 +40,9 @@ from rlrecipes.engines import base
 from rlrecipes.engines.base import LossFn, SeqBatch
 from rlrecipes.engines.native import CAPABILITIES, SMALL_MODEL_BYTES, small_model
 from rlrecipes.engines.native import parallel as par
+from rlrecipes.engines.native import grads as grad_ops
+from rlrecipes.engines.native import shards as shard_ops
+from rlrecipes.engines.native.state import EngineState
 from rlrecipes.engines.native.batching import MeshRanks, micro_batches, packed_micro_batches, rows_to_samples
 from rlrecipes.engines.native.loader import (HFFolderWriter, ModelSource, build_empty, build_model, materialize,
                                              source_folder)
@@ -67,7 +70,7 @@ def response_len_of(mb: Mapping[str, Any]) -> int:
                    f"got keys {sorted(mb)}")
 
 
-class NativeTrainEngine(MeshRanks, base.TrainEngine):
+class NativeTrainEngine(EngineState, MeshRanks, base.TrainEngine):
     """HF model + DTensor TP + EP (inside TP) + FSDP2 over a (dp, tp) DeviceMesh of the whole world.
 
     Args:
@@ -150,8 +153,8 @@ class NativeTrainEngine(MeshRanks, base.TrainEngine):
         if self._vocab_parallel:
             self._vocab_start = self.mesh.tp_rank * -(-self.dims.vocab_size // self.mesh.tp)
         if self._source_folder is not None:
-            materialize(self.model, self.device, self._source_folder, local_box=par.local_box,
-                        named_tensors=par.named_tensors(self.model), init_missing=self._init_missing)
+            materialize(self.model, self.device, self._source_folder, local_box=shard_ops.local_box,
+                        named_tensors=shard_ops.named_tensors(self.model), init_missing=self._init_missing)
         self.config = self.model.config
         self.optimizer = None
         if self.trainable:
@@ -398,22 +401,10 @@ class NativeTrainEngine(MeshRanks, base.TrainEngine):
         params = self._params()
         losses_t = torch.stack(losses)  # [n]
         bad_here = (~torch.isfinite(losses_t).all()).double()
-        if self._replicated and self.mesh.dp == dist.get_world_size():
-            # pure replicated DP: the "a loss was not finite" flag rides in the gradients' one
-            # all-reduce, and every rank then holds the whole averaged gradient (its norm is local)
-            bad_all = par.allreduce_dp_grads(params, self.mesh, flag=bad_here)
-            both = torch.stack([sum((p.grad.double().pow(2).sum() for p in params),
-                                    torch.zeros((), dtype=torch.float64)), bad_all])
-        else:
-            if self._replicated:
-                par.allreduce_dp_grads(params, self.mesh)
-            if self._tp_partial is None:
-                self._tp_partial = par.tp_partial_params(self.model, self.mesh)
-            par.allreduce_tp_partial_grads(self.model, self.mesh, params=self._tp_partial)
-            # the squared grad norm and "a loss was not finite" summed over the world in one collective
-            both = torch.stack([par.local_grad_sq_sum(params, self.device), bad_here])  # [2] float64
-            if dist.get_world_size() > 1:
-                dist.all_reduce(both)
+        if self._tp_partial is None:
+            self._tp_partial = grad_ops.tp_partial_params(self.model, self.mesh)
+        both = grad_ops.finish_gradients(params, self.mesh, replicated=self._replicated, bad=bad_here,
+                                         device=self.device, tp_partial=self._tp_partial)
         # one host sync for the three numbers the step needs
         bad, norm, mean_loss = torch.stack([both[1].float(), both[0].sqrt().float(), losses_t.mean()]).tolist()
         skipped = bad > 0 or not math.isfinite(norm)
@@ -421,7 +412,7 @@ class NativeTrainEngine(MeshRanks, base.TrainEngine):
             if self.grad_clip and self.grad_clip > 0:
                 coef = self.grad_clip / (norm + 1e-6)
                 if coef < 1.0:
-                    par.scale_grads_(params, coef)
+                    grad_ops.scale_grads_(params, coef)
             self._unpark_optimizer()
             self.optimizer.step()
             self._park_optimizer()
@@ -442,7 +433,7 @@ class NativeTrainEngine(MeshRanks, base.TrainEngine):
         TP shard for column/row/vocab params, full tensor for replicated ones, the EP block for
         experts; the FSDP (DP) dimension all-gathered. Collective: call on every rank.
         """
-        return par.local_shards(self.model)
+        return shard_ops.local_shards(self.model)
 
     def weights_finite(self) -> bool:
         """Local check of this rank's shards (no gather)."""
@@ -450,7 +441,7 @@ class NativeTrainEngine(MeshRanks, base.TrainEngine):
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded tensors on every rank (collective; small models and tests)."""
-        return par.full_state_dict(self.model)
+        return shard_ops.full_state_dict(self.model)
 
     def export_hf(self, folder: str | os.PathLike, *, dtype: torch.dtype | None = None,
                   max_shard_bytes: int = 4 << 30) -> Path:
@@ -461,7 +452,7 @@ class NativeTrainEngine(MeshRanks, base.TrainEngine):
         writer = HFFolderWriter(folder, self.config, dtype=dtype, max_shard_bytes=max_shard_bytes) \
             if dist.get_rank() == 0 else None
         with torch.no_grad():
-            for name, t in par.named_tensors(self.model):
+            for name, t in shard_ops.named_tensors(self.model):
                 full = t.full_tensor() if isinstance(t, DTensor) else t.detach()
                 if writer is not None:
                     writer.add(name, full)
@@ -470,99 +461,6 @@ class NativeTrainEngine(MeshRanks, base.TrainEngine):
             writer.close(tokenizer_from=self._source_folder)
         dist.barrier()
         return Path(folder)
-
-    # ----------------------------------------------------------------------------- checkpoints
-    def state_dict(self) -> dict:
-        """Model (+ optimizer) state for ``torch.distributed.checkpoint`` (DTensor-sharded)."""
-        self._unpark_optimizer()
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
-
-        if self.optimizer is not None:
-            msd, osd = get_state_dict(self.model, self.optimizer)
-            return {"model": msd, "optim": osd, "step": torch.tensor(self.step)}
-        return {"model": get_model_state_dict(self.model), "step": torch.tensor(self.step)}
-
-    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
-
-        if self.optimizer is not None and "optim" in sd:
-            set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
-        else:
-            set_model_state_dict(self.model, sd["model"])
-        self.step = int(sd.get("step", self.step))
-
-    def save(self, path: str | os.PathLike) -> None:
-        """DCP save of model + optimizer into a directory (every rank writes its shards)."""
-        import torch.distributed.checkpoint as dcp
-
-        dcp.save(self.state_dict(), checkpoint_id=str(path))
-
-    def load(self, path: str | os.PathLike) -> None:
-        import torch.distributed.checkpoint as dcp
-
-        if not Path(path).is_dir():
-            raise FileNotFoundError(f"checkpoint directory {str(path)!r} does not exist")
-        sd = self.state_dict()
-        if self.optimizer is not None and not sd["optim"].get("state"):
-            # AdamW state is created lazily; materialise it so DCP has somewhere to load into.
-            self._init_optimizer_state()
-            sd = self.state_dict()
-        dcp.load(sd, checkpoint_id=str(path))
-        self.load_state_dict(sd)
-
-    def _init_optimizer_state(self) -> None:
-        lrs = [g["lr"] for g in self.optimizer.param_groups]
-        for g in self.optimizer.param_groups:
-            g["lr"] = 0.0
-        for p in self._params():
-            p.grad = torch.zeros_like(p)
-        wd = [g["weight_decay"] for g in self.optimizer.param_groups]
-        for g in self.optimizer.param_groups:
-            g["weight_decay"] = 0.0
-        self.optimizer.step()
-        for g, lr, w in zip(self.optimizer.param_groups, lrs, wd):
-            g["lr"], g["weight_decay"] = lr, w
-        self.optimizer.zero_grad(set_to_none=True)
-
-    # ----------------------------------------------------------------------------- memory
-    def offload(self, *, force: bool = False) -> None:
-        """Move params, grads and optimizer state to host memory, freeing device memory.
-
-        Storage level (:class:`rlrecipes.core.swap.SwappedStorages`): every view (FSDP2 shards, DTensor locals,
-        optimizer references) stays valid and ``onload()`` restores it in place. On CPU this is a
-        no-op (host is the device) unless ``force=True`` (tests use it to exercise the path).
-        """
-        if self._offloaded is not None or (not devmod.is_accelerator(self.device.type) and not force):
-            return
-        tensors = []
-        for p in self.model.parameters():
-            tensors += [p.data, p.grad]
-        if self.optimizer is not None:
-            for state in self.optimizer.state.values():
-                tensors += [v for v in state.values() if torch.is_tensor(v)]
-        self._offloaded = SwappedStorages(tensors, self.device)
-
-    def _park_optimizer(self) -> None:
-        """``actor.offload_optimizer``: the Adam state lives in host memory between optimizer steps
-        (storage-level swap, see :class:`SwappedStorages`); device memory holds it only during ``step``."""
-        if not self.offload_optimizer or self._opt_parked is not None or self.optimizer is None:
-            return
-        if not devmod.is_accelerator(self.device.type) and not self._park_on_host_device:
-            return
-        state = [v for st in self.optimizer.state.values() for v in st.values()
-                 if torch.is_tensor(v) and v.device.type == self.device.type and v.dim() > 0]
-        self._opt_parked = SwappedStorages(state, self.device)
-
-    def _unpark_optimizer(self) -> None:
-        if self._opt_parked is not None:
-            self._opt_parked.restore()
-            self._opt_parked = None
-
-    def onload(self) -> None:
-        """Bring back what ``offload()`` moved to host (no-op when nothing is offloaded)."""
-        if self._offloaded is not None:
-            self._offloaded.restore()
-            self._offloaded = None
 
 
 def __getattr__(name: str):

@@ -1,0 +1,117 @@
+"""A native train engine's state outside the step: DCP checkpoints of model + optimizer, and moving
+params, grads and optimizer state to host memory and back (``offload`` / ``onload``, and
+``actor.offload_optimizer``'s parking of the Adam state between steps). A mixin of
+:class:`~rlrecipes.engines.native.train.NativeTrainEngine`: it uses the engine's ``model``,
+``optimizer``, ``step``, ``device`` and ``_params()``."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from rlrecipes import device as devmod
+from rlrecipes.core.swap import SwappedStorages
+
+
+class EngineState:
+    """Checkpoints and host offload of a native train engine (see the module docstring)."""
+
+    _offloaded: SwappedStorages | None = None
+    _opt_parked: SwappedStorages | None = None
+    _park_on_host_device = False  # tests: exercise the parking path where host is the device
+    offload_optimizer = False
+
+    # ----------------------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict:
+        """Model (+ optimizer) state for ``torch.distributed.checkpoint`` (DTensor-sharded)."""
+        self._unpark_optimizer()
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+        if self.optimizer is not None:
+            msd, osd = get_state_dict(self.model, self.optimizer)
+            return {"model": msd, "optim": osd, "step": torch.tensor(self.step)}
+        return {"model": get_model_state_dict(self.model), "step": torch.tensor(self.step)}
+
+    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+        if self.optimizer is not None and "optim" in sd:
+            set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        else:
+            set_model_state_dict(self.model, sd["model"])
+        self.step = int(sd.get("step", self.step))
+
+    def save(self, path: str | os.PathLike) -> None:
+        """DCP save of model + optimizer into a directory (every rank writes its shards)."""
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(self.state_dict(), checkpoint_id=str(path))
+
+    def load(self, path: str | os.PathLike) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        if not Path(path).is_dir():
+            raise FileNotFoundError(f"checkpoint directory {str(path)!r} does not exist")
+        sd = self.state_dict()
+        if self.optimizer is not None and not sd["optim"].get("state"):
+            # AdamW state is created lazily; materialise it so DCP has somewhere to load into.
+            self._init_optimizer_state()
+            sd = self.state_dict()
+        dcp.load(sd, checkpoint_id=str(path))
+        self.load_state_dict(sd)
+
+    def _init_optimizer_state(self) -> None:
+        lrs = [g["lr"] for g in self.optimizer.param_groups]
+        for g in self.optimizer.param_groups:
+            g["lr"] = 0.0
+        for p in self._params():
+            p.grad = torch.zeros_like(p)
+        wd = [g["weight_decay"] for g in self.optimizer.param_groups]
+        for g in self.optimizer.param_groups:
+            g["weight_decay"] = 0.0
+        self.optimizer.step()
+        for g, lr, w in zip(self.optimizer.param_groups, lrs, wd):
+            g["lr"], g["weight_decay"] = lr, w
+        self.optimizer.zero_grad(set_to_none=True)
+
+    # ----------------------------------------------------------------------------- memory
+    def offload(self, *, force: bool = False) -> None:
+        """Move params, grads and optimizer state to host memory, freeing device memory.
+
+        Storage level (:class:`rlrecipes.core.swap.SwappedStorages`): every view (FSDP2 shards, DTensor locals,
+        optimizer references) stays valid and ``onload()`` restores it in place. On CPU this is a
+        no-op (host is the device) unless ``force=True`` (tests use it to exercise the path).
+        """
+        if self._offloaded is not None or (not devmod.is_accelerator(self.device.type) and not force):
+            return
+        tensors = []
+        for p in self.model.parameters():
+            tensors += [p.data, p.grad]
+        if self.optimizer is not None:
+            for state in self.optimizer.state.values():
+                tensors += [v for v in state.values() if torch.is_tensor(v)]
+        self._offloaded = SwappedStorages(tensors, self.device)
+
+    def _park_optimizer(self) -> None:
+        """``actor.offload_optimizer``: the Adam state lives in host memory between optimizer steps
+        (storage-level swap, see :class:`SwappedStorages`); device memory holds it only during ``step``."""
+        if not self.offload_optimizer or self._opt_parked is not None or self.optimizer is None:
+            return
+        if not devmod.is_accelerator(self.device.type) and not self._park_on_host_device:
+            return
+        state = [v for st in self.optimizer.state.values() for v in st.values()
+                 if torch.is_tensor(v) and v.device.type == self.device.type and v.dim() > 0]
+        self._opt_parked = SwappedStorages(state, self.device)
+
+    def _unpark_optimizer(self) -> None:
+        if self._opt_parked is not None:
+            self._opt_parked.restore()
+            self._opt_parked = None
+
+    def onload(self) -> None:
+        """Bring back what ``offload()`` moved to host (no-op when nothing is offloaded)."""
+        if self._offloaded is not None:
+            self._offloaded.restore()
+            self._offloaded = None
