@@ -17,12 +17,12 @@ import torch
 import torch.distributed as dist
 
 from ..algos import overlong_reward_penalty
-from ..core.dock import Batch
 from ..algos.spec import (actor_loss_fn, critic_loss_fn, dynamic_sampling_column, gae_advantages,
                           outcome_advantages)
 from ..engines.base import SamplingParams
 from .batching import broadcast, global_counts, seq_batch, subset, train_rows
 from .context import Context
+from .own_rows import OwnRows
 
 
 def seed_of(*parts: Any) -> int:
@@ -50,11 +50,7 @@ class StepState:
     staleness_max: int = 0
     update: dict = field(default_factory=dict)
     critic: dict = field(default_factory=dict)
-    # Colocated workers keep what they generated: ``fresh`` holds this round's rows (scored by this
-    # worker's reward stage without a dock read), ``scored`` every (rows, scores) it scored, whole
-    # groups, from which the outcome advantage is computed without a dock read either.
-    fresh: Batch | None = None
-    scored: list | None = None
+    own: OwnRows | None = None  # colocated: the rows this worker generated (workflow/own_rows.py)
 
 
 # ------------------------------------------------------------------------------ generation
@@ -63,6 +59,8 @@ def rollout(ctx: Context, st: StepState) -> None:
     colocated step's first round starts the step's dock in the same call)."""
     r, n = ctx.recipe, ctx.recipe.trainer.n_samples_per_prompt
     eng = ctx.rollout
+    if ctx.role == "both" and st.own is None:  # a rollout TP peer's stays empty
+        st.own = OwnRows()
     rows = None
     if ctx.rank == 0:
         first = ctx.role == "both" and st.round == 0
@@ -88,11 +86,8 @@ def rollout(ctx: Context, st: StepState) -> None:
             if out.routed_experts is not None:  # MoE routing replay: the experts every token used
                 cols["routed_experts"] = out.routed_experts
             ctx.dock.put(cols, my_rows)
-            if ctx.role == "both":
-                st.fresh = Batch(my_rows, {c: cols[c] for c in _REWARD_COLS}, {}, None)
-    if ctx.role == "both" and st.fresh is None:  # a rollout TP peer, or no groups for this DP rank
-        st.fresh = Batch([], {"response_ids": [], "prompt_index": torch.zeros(0, dtype=torch.long),
-                              "policy_version": torch.zeros(0, dtype=torch.long)}, {}, None)
+            if st.own is not None:
+                st.own.add(my_rows, cols)
     eng.sleep()
     ctx.timer.add_compute("rollout", time.perf_counter() - t0)
     st.gen_groups += st.target
@@ -108,9 +103,8 @@ def reward(ctx: Context, st: StepState) -> None:
     from ..rewards import format_reward, score_batch
 
     r = ctx.recipe
-    if st.fresh is not None:
-        b, st.fresh = st.fresh, None
-        st.scored = st.scored if st.scored is not None else []
+    if st.own is not None:
+        b = st.own.unscored(_REWARD_COLS)
     else:
         b = ctx.dock.get("reward", _REWARD_COLS, None, dp_rank=ctx.rank, dp_size=ctx.world,
                          timeout=r.trainer.dock_timeout_s)
@@ -138,8 +132,8 @@ def reward(ctx: Context, st: StepState) -> None:
                                                   max_response_len=r.rollout.sampling.max_new_tokens,
                                                   buffer_len=ov.buffer_len, penalty_factor=ov.penalty_factor)
     ctx.dock.put({"scores": scores, "acc": raw}, b.rows)
-    if st.scored is not None:
-        st.scored.append((list(b.rows), scores))
+    if st.own is not None:
+        st.own.add_scores(scores)
     st.reward_sum += float(raw.sum())
     st.reward_n += len(b)
     st.errors += n_err
@@ -181,8 +175,14 @@ def _routed(ctx: Context) -> list[str]:
     return ["routed_experts"] if ctx.recipe.algorithm.routing_replay else []
 
 
-def _forward_stage(ctx: Context, engine, consumer: str, out_col: str, extra: Sequence[str] = ()) -> None:
-    data = train_rows(ctx, engine, consumer, ["prompt_ids", "response_ids", *extra])
+def _forward_stage(ctx: Context, st: StepState, engine, consumer: str, out_col: str,
+                   extra: Sequence[str] = ()) -> None:
+    cols = ["prompt_ids", "response_ids", *extra]
+    if st.own is not None and engine.dp_size == ctx.rollout.dp_size == ctx.world:
+        # one DP rank per worker in both layouts: the rows this worker generated, no dock claim
+        data = st.own.select(cols, _live(ctx, st))
+    else:
+        data = train_rows(ctx, engine, consumer, cols)
     if not data["rows"] and engine.dp_size == 1:
         return
     t0 = time.perf_counter()
@@ -194,15 +194,15 @@ def _forward_stage(ctx: Context, engine, consumer: str, out_col: str, extra: Seq
 
 
 def ref(ctx: Context, st: StepState) -> None:
-    _forward_stage(ctx, ctx.ref, "ref", "ref_log_probs")
+    _forward_stage(ctx, st, ctx.ref, "ref", "ref_log_probs")
 
 
 def old(ctx: Context, st: StepState) -> None:
-    _forward_stage(ctx, ctx.actor, "old", "old_log_probs", _routed(ctx))
+    _forward_stage(ctx, st, ctx.actor, "old", "old_log_probs", _routed(ctx))
 
 
 def values(ctx: Context, st: StepState) -> None:
-    _forward_stage(ctx, ctx.critic, "values", "values")
+    _forward_stage(ctx, st, ctx.critic, "values", "values")
 
 
 # ------------------------------------------------------------------------------ advantages
@@ -210,8 +210,9 @@ def outcome_advantage(ctx: Context, st: StepState) -> None:
     """GRPO / DAPO: group-normalised outcome advantage, one number per sample."""
     r = ctx.recipe
     n = r.trainer.n_samples_per_prompt
-    if st.scored is not None:  # colocated: the whole groups this worker generated and scored
-        rows, scores = _own_scored(st, r.algorithm.dynamic_sampling.enabled)
+    if st.own is not None:  # colocated: the whole groups this worker generated and scored
+        d = st.own.select(["scores"], _live(ctx, st))
+        rows, scores = d["rows"], d["scores"]
     else:
         b = ctx.dock.get("advantage", ["scores"], None, dp_rank=ctx.rank, dp_size=ctx.world,
                          whole_groups=True, timeout=r.trainer.dock_timeout_s)
@@ -222,15 +223,11 @@ def outcome_advantage(ctx: Context, st: StepState) -> None:
     ctx.dock.put({"advantages": adv.contiguous()}, rows)
 
 
-def _own_scored(st: StepState, filtered: bool) -> tuple[list[int], torch.Tensor]:
-    """The rows this worker scored, in group order, less the groups dynamic sampling dropped."""
-    rows = [x for rs, _ in st.scored for x in rs]
-    scores = torch.cat([sc for _, sc in st.scored]) if st.scored else torch.zeros(0)
-    if filtered:
-        live = {x for g in st.kept_rows[:st.target] for x in g}  # groups past the target were trimmed
-        keep = [i for i, x in enumerate(rows) if x in live]
-        rows, scores = [rows[i] for i in keep], scores[torch.tensor(keep, dtype=torch.long)]
-    return rows, scores
+def _live(ctx: Context, st: StepState) -> set[int] | None:
+    """The rows still in the batch when dynamic sampling dropped some (None: all of them)."""
+    if not ctx.recipe.algorithm.dynamic_sampling.enabled:
+        return None
+    return {x for g in st.kept_rows[:st.target] for x in g}  # groups past the target were trimmed
 
 
 def gae(ctx: Context, st: StepState) -> None:

@@ -1,0 +1,62 @@
+"""The rows a colocated worker generated itself this step, kept for the stages that can use them in place.
+
+A worker's rollout rows are whole prompt groups in group order, so reward and outcome advantage
+need nobody else's rows; a forward stage (ref / old / values) whose engine has one DP rank per
+worker, like the rollout's, can run on them too. Those stages then skip the dock claim and the
+wait for every other worker's rollout that comes with it; their outputs still go to the dock (or
+the TensorCache) for the stages that re-balance rows across workers.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ..core.dock import Batch
+
+
+class OwnRows:
+    """Every rollout round's rows of this worker, their columns, and their scores once scored."""
+
+    def __init__(self) -> None:
+        self.rows: list[int] = []
+        self.cols: dict[str, torch.Tensor | list] = {}
+        self._scores: list[torch.Tensor] = []
+        self._scored = 0  # rows[:_scored] have scores
+
+    def add(self, rows: Sequence[int], cols: dict) -> None:
+        self.rows += list(rows)
+        for c, v in cols.items():
+            old = self.cols.get(c)
+            if isinstance(v, torch.Tensor):
+                self.cols[c] = v if old is None else torch.cat([old, v])
+            else:
+                self.cols[c] = (old or []) + list(v)
+
+    def unscored(self, columns: Sequence[str]) -> Batch:
+        """The rows not scored yet (this round's), as a dock batch of ``columns``."""
+        lo, self._scored = self._scored, len(self.rows)
+        return Batch(self.rows[lo:], {c: self.cols.get(c, [])[lo:] for c in columns}, {}, None)
+
+    def add_scores(self, scores: torch.Tensor) -> None:
+        self._scores.append(scores)
+
+    def select(self, columns: Sequence[str], live: set[int] | None = None) -> dict:
+        """``{"rows": [...], column: values}`` (the shape ``train_rows`` returns) of the rows in
+        ``live`` (None: all), in generation order; ``scores`` is a column once every row is scored."""
+        cols = dict(self.cols)
+        if self._scored == len(self.rows):
+            cols["scores"] = torch.cat(self._scores) if self._scores else torch.zeros(0)
+        if not self.rows:  # a rollout TP peer holds none
+            return {"rows": [], **{c: cols.get(c, []) for c in columns}}
+        keep = None if live is None else [i for i, x in enumerate(self.rows) if x in live]
+        out: dict = {"rows": list(self.rows) if keep is None else [self.rows[i] for i in keep]}
+        for c in columns:
+            v = cols[c]
+            if keep is None:
+                out[c] = v
+            elif isinstance(v, torch.Tensor):
+                out[c] = v[torch.tensor(keep, dtype=torch.long)]
+            else:
+                out[c] = [v[i] for i in keep]
+        return out
