@@ -31,9 +31,9 @@ What is timed, per mode (the same things a real step pays):
                store, results gathered (ray.get) and concatenated in the driver, then split again
                for the next stage -- "the driver splits it, pickles it, sends it, gathers it and
                concatenates it". Row ids are made by the driver itself (no allocation call).
-  dock / dock+cache  the driver's ``dock.reset(step)`` (controller and warehouses cleared in
-               parallel: one round trip) and ``dock.add_groups`` (one round trip) are inside the
-               timed step: the workflow pays them every step too (on worker rank 0).
+  dock / dock+cache  the driver's ``dock.reset(step, groups=...)`` (controller and warehouses
+               cleared in parallel and the step's groups allocated: one round trip) is inside the
+               timed step: the workflow pays it every step too (on worker rank 0).
 
     python benchmarks/sample_flow.py                       # W = 2, 4, 8, 16; L = 1024; 64 rows/worker
     python benchmarks/sample_flow.py --workers 8 --seq-len 512 --rows-per-worker 32 --steps 5
@@ -258,8 +258,7 @@ def run_dock(ray, workers, dock, W, R, L, steps, use_cache):
     step_times, skews, moved = [], [], 0
     for step in range(steps + 1):
         t0 = time.time()
-        dock.reset(step)
-        rows = dock.add_groups(W * R // GROUP, GROUP)                        # metadata only
+        rows = dock.reset(step, groups=(W * R // GROUP, GROUP))              # metadata only, one call
         res = ray.get([w.run_step.remote(step, rows[i * R:(i + 1) * R], use_cache)
                        for i, w in enumerate(workers)])
         dt = time.time() - t0
