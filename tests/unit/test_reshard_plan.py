@@ -212,3 +212,22 @@ def test_one_rank_reshard_hands_the_train_shards_over_without_copies(tmp_path):
             list(Resharder(plan).reshard(bad))
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("family,train,rollout,identity", [
+    ("qwen2", Layout(1, dp=4), Layout(1, dp=4), True),            # DP only: each rank already holds it all
+    ("qwen3_moe", Layout(2, dp=2, ep=2), Layout(2, dp=2, ep=2), True),
+    ("qwen2", Layout(1, dp=4), Layout(2, dp=2), False),           # TP up: a rank keeps half of what it holds
+    ("qwen2", Layout(2, dp=2), Layout(1, dp=4), False),           # TP down: a rank receives
+    ("qwen2", Layout(1, pp=2, dp=2), Layout(1, dp=4), False),     # PP: other stages' weights arrive
+    ("qwen3_moe", Layout(2, dp=2, ep=2), Layout(2, dp=2, ep=1), False),
+])
+def test_identity_plan_moves_nothing_and_keeps_the_shard_size(family, train, rollout, identity):
+    dims = SMOKE[family]
+    specs = param_specs(dims, split_layers(dims.num_layers, train.pp) if train.pp > 1 else None)
+    plan = plan_reshard(train, rollout, specs)
+    assert plan.identity is identity
+    if identity:
+        assert all(plan.min_bytes(r) == 0 for r in range(plan.world))
+    assert plan_reshard(train, Layout(rollout.tp, dp=rollout.dp, ep=rollout.ep), specs,
+                        placement="disaggregated").identity is False

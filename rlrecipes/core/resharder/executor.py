@@ -202,7 +202,7 @@ class Resharder(AllgatherStrategies, PipelineStrategies, ExpertStrategies, Cross
 
         ``local_shards`` maps name -> this rank's train-layout shard (parameters of other pipeline
         stages absent). The consumer copies each bucket's tensors into its own weights before asking
-        for the next (both rollout engines do): on a one-rank plan they are the training shards
+        for the next (both rollout engines do): on a one-rank or identity plan they are the training shards
         themselves (views; cast when the dtypes differ), elsewhere fresh buffers. Every rank must
         drain the iterator.
         """
@@ -221,12 +221,13 @@ class Resharder(AllgatherStrategies, PipelineStrategies, ExpertStrategies, Cross
         self._check_inputs(local_shards)
         self.device = self._comm_device(local_shards)
         self.stats = ReshardStats()
-        if self.plan.world == 1:
-            # one rank: each rollout shard is the whole tensor, which is the train shard itself. No
-            # buffer, no collective: the train tensors go out as views (cast when the rollout dtype
+        if self.plan.world == 1 or self.plan.identity:
+            # one rank, or every rank's rollout shard is its train shard (plan.identity): no buffer,
+            # no collective. The train tensors go out as views (cast when the rollout dtype
             # differs), in bucket-sized groups, and the consumer copies them into its own weights
             idx = list(range(len(self.plan.specs)))
             for bucket in self._buckets(idx, lambda i: local_shards[self.plan.specs[i].name].nbytes):
+                self.stats.buckets += 1
                 yield [(self.plan.specs[i].name, self._cast(local_shards[self.plan.specs[i].name], i)) for i in bucket]
             return
         by_method: dict[str, list[int]] = defaultdict(list)

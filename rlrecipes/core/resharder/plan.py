@@ -2,13 +2,14 @@
 for real model sizes."""
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
 from rlrecipes.core.param_spec import ParamSpec
 
-from .layout import Layout, Piece, _interval, _row_numel, _split_len, _validate
+from .layout import Layout, Piece, _interval, _row_numel, _split_len, _validate, local_shape
 
 
 class ReshardPlan:
@@ -83,6 +84,17 @@ class ReshardPlan:
     @property
     def disaggregated(self) -> bool:
         return self.placement == "disaggregated"
+
+    @functools.cached_property
+    def identity(self) -> bool:
+        """Every rank's rollout shard is exactly its train shard (colocated; nothing to receive and
+        the shard sizes agree, e.g. TP1 -> TP1 at any DP): resharding moves no bytes and needs no
+        buffer, so the executor hands the train shards over as they are."""
+        if self.disaggregated:
+            return False
+        if any(self.recv[r] for r in range(self.world)):
+            return False
+        return all(local_shape(s, self.train) == local_shape(s, self.rollout) for s in self.specs)
 
     def rollout_rank(self, rank: int) -> int | None:
         """Rollout-layout rank of global ``rank`` (None: a train-only rank)."""
