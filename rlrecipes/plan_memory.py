@@ -18,7 +18,7 @@ from .models import ModelDims
 from .recipe import Recipe
 
 if TYPE_CHECKING:
-    from .plan import RoleLayout
+    from .plan_checks import RoleLayout
 
 GiB = 1024 ** 3
 DTYPE_BYTES = 2  # weights and activations in bf16 on accelerators
