@@ -13,6 +13,7 @@ from typing import Sequence
 import torch
 
 from ..core.dock import Batch
+from .batching import subset
 
 
 class OwnRows:
@@ -49,14 +50,5 @@ class OwnRows:
             cols["scores"] = torch.cat(self._scores) if self._scores else torch.zeros(0)
         if not self.rows:  # a rollout TP peer holds none
             return {"rows": [], **{c: cols.get(c, []) for c in columns}}
-        keep = None if live is None else [i for i, x in enumerate(self.rows) if x in live]
-        out: dict = {"rows": list(self.rows) if keep is None else [self.rows[i] for i in keep]}
-        for c in columns:
-            v = cols[c]
-            if keep is None:
-                out[c] = v
-            elif isinstance(v, torch.Tensor):
-                out[c] = v[torch.tensor(keep, dtype=torch.long)]
-            else:
-                out[c] = [v[i] for i in keep]
-        return out
+        data = {"rows": list(self.rows), **{c: cols[c] for c in columns}}
+        return data if live is None else subset(data, [i for i, x in enumerate(self.rows) if x in live])

@@ -221,9 +221,9 @@ class Resharder(AllgatherStrategies, PipelineStrategies, ExpertStrategies, Cross
         self._check_inputs(local_shards)
         self.device = self._comm_device(local_shards)
         self.stats = ReshardStats()
-        if self.plan.world == 1 or self.plan.identity:
-            # one rank, or every rank's rollout shard is its train shard (plan.identity): no buffer,
-            # no collective. The train tensors go out as views (cast when the rollout dtype
+        if self.plan.identity:
+            # every rank's rollout shard is its train shard (one rank included): no buffer, no
+            # collective. The train tensors go out as views (cast when the rollout dtype
             # differs), in bucket-sized groups, and the consumer copies them into its own weights
             idx = list(range(len(self.plan.specs)))
             for bucket in self._buckets(idx, lambda i: local_shards[self.plan.specs[i].name].nbytes):

@@ -16,12 +16,9 @@ from rlrecipes.core.swap import SwappedStorages
 
 
 class EngineState:
-    """Checkpoints and host offload of a native train engine (see the module docstring)."""
-
-    _offloaded: SwappedStorages | None = None
-    _opt_parked: SwappedStorages | None = None
-    _park_on_host_device = False  # tests: exercise the parking path where host is the device
-    offload_optimizer = False
+    """Checkpoints and host offload of a native train engine (see the module docstring); the
+    engine's ``__init__`` sets ``_offloaded``, ``_opt_parked``, ``offload_optimizer`` and
+    ``_park_on_host_device``."""
 
     # ----------------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict:
