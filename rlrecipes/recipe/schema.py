@@ -414,6 +414,11 @@ class TrainerConfig(_Strict):
     """Where run folders are created."""
     export_hf: bool = True
     """At the end of the run, write the trained actor as an HF folder (<run>/actor_hf) that transformers loads."""
+    rebalance_tolerance: float = Field(0.1, ge=0)
+    """Colocated runs whose actor has one DP rank per worker, as the rollout does: each worker trains on
+    the rows it generated while the heaviest worker's prompt + response tokens are at most this fraction
+    above the mean; beyond it the update re-balances rows by tokens through the TransferDock (one claim
+    and a TensorCache all-to-all). 0: re-balance unless the loads are already even."""
     dock_timeout_s: float = Field(600.0, gt=0)
     """A stage waiting longer than this on the TransferDock fails with a named error."""
     loggers: list[Literal["jsonl", "tensorboard", "wandb"]] = Field(default_factory=lambda: ["jsonl"])

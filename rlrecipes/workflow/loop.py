@@ -66,6 +66,11 @@ def train_step(ctx: Context, step: int) -> dict:
         gathered[0] = facts
     else:
         dist.all_gather_object(gathered, facts)
+    if ctx.role == "both" and ctx.rank == 0 and step + 1 < ctx.end_step:
+        # every worker has flushed this step's writes (the gather above follows each one's flush):
+        # the next step's reset goes out now and is answered while this one's row is assembled
+        ctx.docks[(step + 1) % len(ctx.docks)].reset_ahead(step + 1, groups=(r.trainer.global_batch,
+                                                                               r.trainer.n_samples_per_prompt))
     if not ctx.leader:
         return {}
     row = metrics_row(ctx, st, gathered, step_s)

@@ -22,8 +22,9 @@ class OwnRows:
     def __init__(self) -> None:
         self.rows: list[int] = []
         self.cols: dict[str, torch.Tensor | list] = {}
-        self._scores: list[torch.Tensor] = []
+        self._scores: dict[str, list[torch.Tensor]] = {}  # "scores", "acc": one tensor per scored round
         self._scored = 0  # rows[:_scored] have scores
+        self._round = 0   # rows[_round:_scored]: the round scored last
 
     def add(self, rows: Sequence[int], cols: dict) -> None:
         self.rows += list(rows)
@@ -36,18 +37,28 @@ class OwnRows:
 
     def unscored(self, columns: Sequence[str]) -> Batch:
         """The rows not scored yet (this round's), as a dock batch of ``columns``."""
-        lo, self._scored = self._scored, len(self.rows)
+        lo = self._round = self._scored
+        self._scored = len(self.rows)
         return Batch(self.rows[lo:], {c: self.cols.get(c, [])[lo:] for c in columns}, {}, None)
 
-    def add_scores(self, scores: torch.Tensor) -> None:
-        self._scores.append(scores)
+    def add_scores(self, scores: torch.Tensor, **more: torch.Tensor) -> None:
+        """The scores of the rows :meth:`unscored` handed out last, and other per-row columns of the
+        reward (``acc``: the raw reward)."""
+        for c, v in {"scores": scores, **more}.items():
+            self._scores.setdefault(c, []).append(v)
+
+    def last_scored(self, column: str) -> tuple[list[int], torch.Tensor]:
+        """The rows of the round scored last and their ``column`` (``scores`` or ``acc``)."""
+        vals = self._scores.get(column, [])
+        return self.rows[self._round:self._scored], vals[-1] if vals and self._scored > self._round else torch.zeros(0)
 
     def select(self, columns: Sequence[str], live: set[int] | None = None) -> dict:
         """``{"rows": [...], column: values}`` (the shape ``train_rows`` returns) of the rows in
         ``live`` (None: all), in generation order; ``scores`` is a column once every row is scored."""
         cols = dict(self.cols)
         if self._scored == len(self.rows):
-            cols["scores"] = torch.cat(self._scores) if self._scores else torch.zeros(0)
+            cols["scores"] = torch.cat(self._scores["scores"]) if self._scores else torch.zeros(0)
+            cols.update({c: torch.cat(v) for c, v in self._scores.items() if c != "scores"})
         if not self.rows:  # a rollout TP peer holds none
             return {"rows": [], **{c: cols.get(c, []) for c in columns}}
         data = {"rows": list(self.rows), **{c: cols[c] for c in columns}}

@@ -20,7 +20,8 @@ from ..algos import overlong_reward_penalty
 from ..algos.spec import (actor_loss_fn, critic_loss_fn, dynamic_sampling_column, gae_advantages,
                           outcome_advantages)
 from ..engines.base import SamplingParams
-from .batching import broadcast, global_counts, seq_batch, subset, train_rows
+from ..engines.base import SeqBatch
+from .batching import all_gather, broadcast, global_counts, local_counts, seq_batch, subset, train_rows
 from .context import Context
 from .own_rows import OwnRows
 
@@ -133,7 +134,7 @@ def reward(ctx: Context, st: StepState) -> None:
                                                   buffer_len=ov.buffer_len, penalty_factor=ov.penalty_factor)
     ctx.dock.put({"scores": scores, "acc": raw}, b.rows)
     if st.own is not None:
-        st.own.add_scores(scores)
+        st.own.add_scores(scores, acc=raw)
     st.reward_sum += float(raw.sum())
     st.reward_n += len(b)
     st.errors += n_err
@@ -141,26 +142,25 @@ def reward(ctx: Context, st: StepState) -> None:
 
 
 def dynamic_sampling(ctx: Context, st: StepState) -> None:
-    """DAPO: rank 0 drops groups whose metric is constant; more rounds until the batch is full."""
-    from ..algos import dynamic_sampling_filter
-
+    """DAPO: groups whose metric is constant are dropped; more rounds until the batch is full."""
     r = ctx.recipe
     ds = r.algorithm.dynamic_sampling
+    col, n = dynamic_sampling_column(r.algorithm), r.trainer.n_samples_per_prompt
     decision = None
-    if ctx.rank == 0:
-        col = dynamic_sampling_column(r.algorithm)
+    if st.own is not None:  # colocated: every worker's own scores by one small all-gather; each rank
+        # reaches the same verdict. Writes are committed first: rank 0 drops rows other workers wrote
+        ctx.dock.flush()
+        mine = st.own.last_scored(col)
+        every = [mine] if ctx.world == 1 else [None] * ctx.world
+        if ctx.world > 1:
+            dist.all_gather_object(every, (mine[0], mine[1].tolist()))
+        pairs = sorted((x, float(v)) for rs, vs in every for x, v in zip(rs, vs))  # row order, as the dock's
+        rows, metric = [x for x, _ in pairs], torch.tensor([v for _, v in pairs])
+        decision = _filter_groups(ctx, st, rows, metric, n)
+    elif ctx.rank == 0:
         b = ctx.dock.get("dynamic_sampling", [col], None, whole_groups=True, timeout=r.trainer.dock_timeout_s)
-        rows = list(b.rows)
-        n = r.trainer.n_samples_per_prompt
-        groups = [rows[i:i + n] for i in range(0, len(rows), n)]
-        res = dynamic_sampling_filter(b[col].float(), torch.arange(len(rows)) // n)
-        kept_g = set(int(g) for g in res.kept_group_ids)
-        drop = [x for g, rs in enumerate(groups) if g not in kept_g for x in rs]
-        if drop:
-            ctx.dock.drop_rows(drop)
-        decision = {"kept_rows": st.kept_rows + [rs for g, rs in enumerate(groups) if g in kept_g],
-                    "kept": len(kept_g), "dropped": len(groups) - len(kept_g)}
-    d = broadcast(decision)
+        decision = _filter_groups(ctx, st, list(b.rows), b[col].float(), n)
+    d = decision if st.own is not None else broadcast(decision)
     st.kept_rows, st.ds_kept, st.ds_dropped = d["kept_rows"], st.ds_kept + d["kept"], st.ds_dropped + d["dropped"]
     st.more = len(st.kept_rows) < st.target and st.round < ds.max_gen_batches
     if not st.more:
@@ -170,6 +170,21 @@ def dynamic_sampling(ctx: Context, st: StepState) -> None:
 
 
 # ------------------------------------------------------------------------------ forward passes
+def _filter_groups(ctx: Context, st: StepState, rows: list[int], metric: torch.Tensor, n: int) -> dict:
+    """The groups of ``rows`` (consecutive runs of ``n``) whose metric varies are kept; rank 0 drops the
+    others from the dock (later claims must not see them)."""
+    from ..algos import dynamic_sampling_filter
+
+    groups = [rows[i:i + n] for i in range(0, len(rows), n)]
+    res = dynamic_sampling_filter(metric.float(), torch.arange(len(rows)) // n)
+    kept_g = set(int(g) for g in res.kept_group_ids)
+    drop = [x for g, rs in enumerate(groups) if g not in kept_g for x in rs]
+    if drop and ctx.rank == 0:
+        ctx.dock.drop_rows(drop)
+    return {"kept_rows": st.kept_rows + [rs for g, rs in enumerate(groups) if g in kept_g],
+            "kept": len(kept_g), "dropped": len(groups) - len(kept_g)}
+
+
 def _routed(ctx: Context) -> list[str]:
     """The routing-replay column the actor's forwards read (when ``algorithm.routing_replay``)."""
     return ["routed_experts"] if ctx.recipe.algorithm.routing_replay else []
@@ -178,8 +193,7 @@ def _routed(ctx: Context) -> list[str]:
 def _forward_stage(ctx: Context, st: StepState, engine, consumer: str, out_col: str,
                    extra: Sequence[str] = ()) -> None:
     cols = ["prompt_ids", "response_ids", *extra]
-    if st.own is not None and engine.dp_size == ctx.rollout.dp_size == ctx.world:
-        # one DP rank per worker in both layouts: the rows this worker generated, no dock claim
+    if _on_own_rows(ctx, st, engine):  # the rows this worker generated, no dock claim
         data = st.own.select(cols, _live(ctx, st))
     else:
         data = train_rows(ctx, engine, consumer, cols)
@@ -191,6 +205,12 @@ def _forward_stage(ctx: Context, st: StepState, engine, consumer: str, out_col: 
     if engine.is_data_leader and data["rows"]:
         ctx.cache.put(out_col, data["rows"], out)
         ctx.dock.mark_cached([out_col], data["rows"], ctx.rank)
+
+
+def _on_own_rows(ctx: Context, st: StepState, engine) -> bool:
+    """Colocated, and ``engine`` has one DP rank per worker as the rollout does: DP rank = the worker,
+    so the rows this worker generated are a share the engine can run on in place."""
+    return st.own is not None and engine.dp_size == ctx.rollout.dp_size == ctx.world
 
 
 def ref(ctx: Context, st: StepState) -> None:
@@ -220,7 +240,9 @@ def outcome_advantage(ctx: Context, st: StepState) -> None:
     if not rows:
         return
     adv = outcome_advantages(r.algorithm, scores.float(), torch.arange(len(rows)) // n)  # [rows]
-    ctx.dock.put({"advantages": adv.contiguous()}, rows)
+    ctx.dock.put({"advantages": adv.contiguous()}, rows)  # for an update that re-balances rows
+    if st.own is not None:
+        ctx.cache.put("advantages", rows, adv)  # for one that trains on its own rows
 
 
 def _live(ctx: Context, st: StepState) -> set[int] | None:
@@ -250,24 +272,15 @@ def gae(ctx: Context, st: StepState) -> None:
 def update(ctx: Context, st: StepState) -> None:
     """Actor: LR warm-up, then one optimizer step per mini-batch, ppo_epochs passes over the batch."""
     r, alg, actor = ctx.recipe, ctx.recipe.algorithm, ctx.actor
-    cached = (["ref_log_probs"] if ctx.use_ref else []) + ([] if ctx.skip_old else ["old_log_probs"])
-    data = train_rows(ctx, actor, "update", ["prompt_ids", "response_ids", "advantages", "rollout_log_probs",
-                                             *_routed(ctx)], cached)
     kl_coef = getattr(ctx.kl_ctl, "value", alg.kl_coef)
     if r.trainer.warmup_steps:
         actor.set_lr(r.trainer.lr * min(1.0, (ctx.step + 1) / r.trainer.warmup_steps))
-    n_local = len(data["rows"])
-    chunks = [list(range(n_local))[m::ctx.n_mini] for m in range(ctx.n_mini)]
+    batches, counts = _update_batches(ctx, st)
     t0 = time.perf_counter()
     out: dict = {}
-    totals = [0.0, 0.0, 0.0]
     mismatch: dict[str, list[float]] = {}  # rollout-vs-train sums/maxes over the mini-batches of epoch 0
     for epoch in range(alg.ppo_epochs):
-        for idx in chunks:
-            batch = seq_batch(subset(data, idx), per_token=cached + ["rollout_log_probs"])
-            g_tokens, g_seqs, g_prompt = global_counts(actor, batch)
-            if epoch == 0:
-                totals = [totals[0] + g_tokens, totals[1] + g_seqs, totals[2] + g_prompt]
+        for batch, (g_tokens, g_seqs, _) in zip(batches, counts):
             if not g_seqs:
                 continue
             agg = dict(global_tokens=g_tokens, global_seqs=g_seqs, norm_len=r.rollout.sampling.max_new_tokens,
@@ -279,29 +292,72 @@ def update(ctx: Context, st: StepState) -> None:
                     mismatch.setdefault(k, []).append(out.pop(k))
             out = {k: v for k, v in out.items() if not k.startswith("rollout/")}
     ctx.timer.add_compute("update", time.perf_counter() - t0)
+    totals = [sum(c[i] for c in counts) for i in range(3)]
     st.update = _update_metrics(ctx, out, totals, mismatch)
 
 
+def _update_batches(ctx: Context, st: StepState) -> tuple[list[SeqBatch], list[tuple[float, float, float]]]:
+    """This DP rank's mini-batches, and each one's global (response tokens, samples, prompt tokens).
+
+    When every worker's actor DP rank ran on the rows it generated (ref / old on its own rows, its
+    own outcome advantages), the worker trains on those rows as they lie -- no dock claim, no
+    TensorCache all-to-all -- as long as that keeps the DP ranks' loads (prompt + response tokens)
+    within ``trainer.rebalance_tolerance`` of their mean. One all-gather of the loads and the
+    mini-batch counts decides, identically on every rank. Otherwise (or when the rows are not this
+    worker's to begin with) the dock re-balances the rows by tokens in one claim and the cached
+    columns follow by one all-to-all.
+    """
+    r, actor = ctx.recipe, ctx.actor
+    cached = (["ref_log_probs"] if ctx.use_ref else []) + ([] if ctx.skip_old else ["old_log_probs"])
+    columns = ["prompt_ids", "response_ids", "advantages", "rollout_log_probs", *_routed(ctx)]
+    per_token = cached + ["rollout_log_probs"]
+
+    def mini_batches(data: dict) -> list[SeqBatch]:
+        n = len(data["rows"])
+        return [seq_batch(subset(data, list(range(n))[m::ctx.n_mini]), per_token=per_token)
+                for m in range(ctx.n_mini)]
+
+    own = (_on_own_rows(ctx, st, actor) and (not ctx.use_ref or _on_own_rows(ctx, st, ctx.ref))
+           and r.algorithm.adv_estimator != "gae")  # the same on every rank: the config decides
+    if own:
+        data = st.own.select([c for c in columns if c != "advantages"], _live(ctx, st))
+        for c in ["advantages", *cached]:
+            data[c] = ctx.cache.get(c, data["rows"])
+        batches = mini_batches(data)
+        counts = local_counts(actor, batches)
+        mine = torch.cat([counts.sum(0)[[0, 2]].sum().reshape(1), counts.reshape(-1)])  # [load, counts]
+        every = all_gather(mine)
+        loads = torch.stack([e[0] for e in every])
+        if float(loads.max()) <= (1 + r.trainer.rebalance_tolerance) * float(loads.mean()):
+            total = torch.stack([e[1:] for e in every]).sum(0).reshape(-1, 3)
+            return batches, [tuple(map(float, c)) for c in total.tolist()]
+    batches = mini_batches(train_rows(ctx, actor, "update", columns, cached))
+    return batches, global_counts(actor, batches)
+
+
 _MISMATCH = ["rollout/logprob_diff_sum", "rollout/tokens_sum", "rollout/is_weight_sum", "rollout/is_capped_sum"]
-_CLOSURE = ["actor/kl", "actor/pg_loss"]
+# per-rank sums of per-micro-batch terms, summed over the ranks; the losses carry the DP-size factor
+# that offsets the gradient averaging over DP (algos/losses.py), the closure's kl does not
+_CLOSURE = {"actor/loss": True, "actor/kl": False, "actor/pg_loss": True}
 
 
 def _update_metrics(ctx: Context, out: dict, totals: list[float], parts: dict[str, list[float]]) -> dict:
-    """The update's row entries, reduced over DP ranks (data leaders only) in one SUM and one MAX
-    all-reduce: the closure's kl / pg_loss (per-rank means of per-micro-batch contributions, so
-    summed), ``rollout/logprob_diff_mean`` / ``_max`` (|pi_train - pi_rollout| over response tokens)
-    and the importance-weight statistics over the mini-batches of epoch 0."""
+    """The update's row entries, reduced over DP ranks (data leaders only) from one all-gather: the
+    loss and the closure's kl / pg_loss (per-rank means of per-micro-batch contributions, so summed),
+    ``rollout/logprob_diff_mean`` / ``_max`` (|pi_train - pi_rollout| over response tokens) and the
+    importance-weight statistics over the mini-batches of epoch 0."""
     lead = ctx.actor.is_data_leader
     n_micro = out.pop("actor/micro_batches", 1) if out else 1
-    sums = torch.tensor([sum(parts.get(k, [0.0])) if lead else 0.0 for k in _MISMATCH]
-                        + [out.get(k, 0.0) * n_micro if lead else 0.0 for k in _CLOSURE], dtype=torch.float64)
-    mx = torch.tensor([max(parts.get("rollout/logprob_diff_max", [0.0]))], dtype=torch.float64)
-    dist.all_reduce(sums)
-    dist.all_reduce(mx, op=dist.ReduceOp.MAX)
-    diff, tokens, wsum, capped, *closure = sums.tolist()
+    mine = torch.tensor([sum(parts.get(k, [0.0])) if lead else 0.0 for k in _MISMATCH]
+                        + [out.get(k, 0.0) * n_micro if lead else 0.0 for k in _CLOSURE]
+                        + [max(parts.get("rollout/logprob_diff_max", [0.0]))], dtype=torch.float64)
+    every = torch.stack(all_gather(mine))  # one collective for the sums and the max
+    diff, tokens, wsum, capped, *closure = every[:, :-1].sum(0).tolist()
+    mx = float(every[:, -1].max())
     if not out:
         return {"actor/skipped_step": 1.0, "tokens": 0}
-    out.update({k: v for k, v in zip(_CLOSURE, closure) if k in out})
+    dp = max(ctx.actor.dp_size, 1)
+    out.update({k: v / dp if scaled else v for (k, scaled), v in zip(_CLOSURE.items(), closure) if k in out})
     g_tokens, g_seqs, g_prompt_tokens = totals
     out.update({"tokens": g_tokens + g_prompt_tokens, "response_tokens": g_tokens, "samples": g_seqs})
     if tokens:
@@ -317,7 +373,7 @@ def critic_update(ctx: Context, st: StepState) -> None:
     r, critic = ctx.recipe, ctx.critic
     data = train_rows(ctx, critic, "critic_update", ["prompt_ids", "response_ids", "returns"], ["values"])
     batch = seq_batch(data, per_token=["values", "returns"])
-    g_tokens, g_seqs, _ = global_counts(critic, batch)
+    [(g_tokens, g_seqs, _)] = global_counts(critic, [batch])
     if not g_seqs:
         return
     agg = dict(global_tokens=g_tokens, global_seqs=g_seqs, norm_len=r.rollout.sampling.max_new_tokens,

@@ -139,6 +139,13 @@ def test_a_get_is_one_round_trip_and_a_put_none(dock):
     # a reader that claims right after an unsettled put still sees the rows (claims wait for commits)
     dock.put({"s": torch.ones(4)}, rows)
     assert dock.get("d", ["s"], None, timeout=5)["s"].tolist() == [1.0] * 4
+    # a reset sent ahead is answered while the caller works; the matching reset only collects it
+    dock.flush()
+    dock.reset_ahead(2, groups=(1, 2))
+    n = dock.round_trips
+    assert dock.reset(2, groups=(1, 2)) == [0, 1] and dock.round_trips == n + 1 and dock.stats()["step"] == 2
+    dock.reset_ahead(3, groups=(1, 2))
+    assert dock.reset(4, groups=(2, 2)) == [0, 1, 2, 3] and dock.stats()["step"] == 4  # not the one sent
 
 
 def _shared_mapping_of(ptr: int) -> str | None:

@@ -42,3 +42,18 @@ def test_disaggregated_k1_trains_one_version_behind(tmp_path):
         assert r["rollout/is_weight_mean"] > 0 and 0 <= r["rollout/is_capped_frac"] <= 1
         # one optimizer step per batch: the proximal policy is the pre-update actor, so no old pass
         assert "timing_s/old" not in r
+
+
+def test_update_on_own_rows_trains_what_the_rebalanced_update_trains(tmp_path):
+    """Colocated pure DP at W=2: each worker trains on the rows it generated while the loads are within
+    ``trainer.rebalance_tolerance`` (no dock claim in the update); with tolerance 0 the update re-balances
+    through the dock. One mini-batch normalised by the global token count: the same step either way."""
+    own, rebal = tmp_path / "own", tmp_path / "rebal"
+    common = ["--steps", "1", "-d", "2", *BASE]
+    cli("run", "qwen25_7b", "--out", str(own), *common, "trainer.rebalance_tolerance=100")
+    cli("run", "qwen25_7b", "--out", str(rebal), *common, "trainer.rebalance_tolerance=0")
+    [a], [b] = metrics(own), metrics(rebal)
+    assert a["dock_s/update"] == 0.0 and b["dock_s/update"] > 0.0   # only the re-balancing update claims
+    assert a["reward/mean"] == b["reward/mean"] and a["perf/tokens"] == b["perf/tokens"]
+    for k in ["actor/loss", "actor/pg_loss", "actor/kl", "actor/grad_norm"]:  # all reduced over the ranks
+        assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-7), k

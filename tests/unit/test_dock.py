@@ -303,3 +303,15 @@ def test_reset_with_groups_starts_the_step_and_allocates_in_one_call(dock):
     assert st["step"] == 3 and st["rows"] == 4 and st["warehouses"][0]["bytes"] == 0
     assert dock.add_groups(1, 2) == [4, 5]                 # later rounds continue after them
     assert dock.reset(4) is None and dock.stats()["rows"] == 0
+
+
+def test_reset_ahead_is_taken_by_the_matching_reset_only(dock):
+    rows = dock.add_groups(1, 2)
+    dock.put({"a": torch.ones(2)}, rows)
+    dock.reset_ahead(5, groups=(1, 2))                     # in process: the reset happens now
+    assert dock.stats()["step"] == 5 and dock.stats()["warehouses"][0]["bytes"] == 0
+    assert dock.reset(5, groups=(1, 2)) == [0, 1]          # its answer; no second reset
+    assert dock.add_groups(1, 2) == [2, 3]
+    dock.reset_ahead(6, groups=(1, 2))
+    assert dock.reset(7, groups=(2, 2)) == [0, 1, 2, 3]    # another step: a fresh reset, not the one sent
+    assert dock.stats()["step"] == 7

@@ -84,12 +84,35 @@ class DockClient(abc.ABC):
         """Wait until this client's writes and cache marks are committed (a backend may send them
         without waiting); raises the first failed one."""
 
-    @abc.abstractmethod
+    _ahead: tuple | None = None  # (step, groups, the started reset's handle) from reset_ahead
+
     def reset(self, step: int, groups: tuple[int, int] | None = None) -> list[int] | None:
         """Start step ``step`` with no rows. ``groups=(n_groups, group_size)`` also allocates the
         step's first groups in the same call (one round trip, not two) and returns their rows, as
-        :meth:`add_groups` would."""
-        ...
+        :meth:`add_groups` would. After ``reset_ahead(step, groups)`` it takes that call's answer."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            done = self._finish_reset(ahead[2])
+            if ahead[:2] == (step, groups):
+                return done
+        return self._finish_reset(self._start_reset(step, groups))
+
+    def reset_ahead(self, step: int, groups: tuple[int, int] | None = None) -> None:
+        """Send ``reset(step, groups)`` now and take its answer at that call, so a coming step's first
+        dock call does not wait for it. Only once nobody reads or writes the current step's rows any
+        more: the workflow sends it after a colocated step's last collective, when every worker has
+        flushed its writes. An in-process backend resets at once."""
+        if self._ahead is not None:
+            self._finish_reset(self._ahead[2])
+        self._ahead = (step, groups, self._start_reset(step, groups))
+
+    @abc.abstractmethod
+    def _start_reset(self, step: int, groups: tuple[int, int] | None) -> Any:
+        """Begin the reset; returns what :meth:`_finish_reset` needs (an answer, or its handle)."""
+
+    @abc.abstractmethod
+    def _finish_reset(self, started: Any) -> list[int] | None:
+        """Wait for a started reset; the rows of its groups (None without groups)."""
 
     @abc.abstractmethod
     def add_groups(self, n_groups: int, group_size: int) -> list[int]:

@@ -21,10 +21,13 @@ class LocalDock(DockClient):
         raise TypeError("a local TransferDock lives in one process and cannot be pickled; "
                         "share it between threads, or use TransferDock.ray(...) across processes")
 
-    def reset(self, step: int, groups: tuple[int, int] | None = None) -> list[int] | None:
+    def _start_reset(self, step, groups):
         self._wh.clear(step)
         res = self._wh.control("reset", step, groups)
         return res[1] if res is not None else None
+
+    def _finish_reset(self, started):
+        return started
 
     def add_groups(self, n_groups: int, group_size: int) -> list[int]:
         return self._wh.control("add_groups", n_groups, group_size)[1]

@@ -39,6 +39,7 @@ class RayDock(DockClient):
         self._wh_of: dict[int, int] = {}
         self._pending: list[tuple] = []     # unsettled writes: (kind, ref, payload)
         self._home: int | None = None       # this process's node's warehouse (resolved lazily)
+        self._ahead = None                  # a reset sent ahead (reset_ahead): a copy has none
         self.round_trips = 0
         self.wait_s = 0.0
 
@@ -84,11 +85,14 @@ class RayDock(DockClient):
         import ray
         return ray
 
-    def reset(self, step: int, groups: tuple[int, int] | None = None) -> list[int] | None:
+    def _start_reset(self, step, groups):
         self.flush()
         wh = self._local_warehouse() if groups is not None and self._placement == "writer_node" else None
         # Warehouses and controller in parallel: one round trip of latency, the groups included.
-        *_, res = self._wait([w.clear.remote(step) for w in self._warehouses] + [self._ctl("reset", step, groups, wh)])
+        return [w.clear.remote(step) for w in self._warehouses] + [self._ctl("reset", step, groups, wh)]
+
+    def _finish_reset(self, started):
+        *_, res = self._wait(started)
         self._wh_of = {}
         if res is None:
             return None

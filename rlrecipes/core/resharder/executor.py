@@ -133,7 +133,8 @@ class Resharder(AllgatherStrategies, PipelineStrategies, ExpertStrategies, Cross
                 err = err or f"rank {me}: local shard of {s.name} missing (train {plan.train.describe()})"
             elif tuple(t.shape) != want:
                 err = err or f"rank {me}: {s.name} local shard has shape {list(t.shape)}, expected {list(want)}"
-        if plan.world == 1:  # nobody to agree with
+        if plan.world == 1 or plan.identity:  # nobody to agree with: no data crosses ranks, so a
+            # rank's bad shards fail that rank alone (no collective follows for the others to hang in)
             if err:
                 raise ReshardError(err)
             return
