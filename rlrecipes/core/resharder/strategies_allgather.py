@@ -58,6 +58,48 @@ class AllgatherStrategies:
             self.stats.collectives += 1
         return buf
 
+    def _gather_bucket(self, bucket: list[int], local: Mapping[str, torch.Tensor]) -> tuple[dict[int, torch.Tensor], int]:
+        """The ``[k, *chunk]`` buffers of a bucket's parameters (one pipeline stage) with one all-gather
+        per group kind (TP, EP) rather than one per parameter: every rank packs its shards into its
+        own row of one ``[k, bytes]`` buffer, the all-gather fills the other rows, and each
+        parameter's buffer is a view of its columns. Returns the buffers and the bytes allocated."""
+        dist = _dist()
+        plan, me, t = self.plan, self.rank, self.plan.train
+        out: dict[int, torch.Tensor] = {}
+        by_kind: dict[str, list[int]] = {}
+        for i in bucket:
+            s = plan.specs[i]
+            if t.chunks(s) == 1:
+                out[i] = local[s.name].unsqueeze(0)  # replicated: [1, *shape], no copy
+            else:
+                by_kind.setdefault("ep" if s.kind == "expert" else "tp", []).append(i)
+        held = 0
+        for kind in ("tp", "ep"):  # the same order on every rank
+            ids = by_kind.get(kind)
+            if not ids:
+                continue
+            pg, ranks = self._pg[kind][me]
+            k = len(ranks)
+            nbytes = [math.prod(local_shape(plan.specs[i], t)) * self._esize(i) for i in ids]
+            offs = [0]
+            for nb in nbytes:  # 16-byte aligned columns: each views as its dtype in place
+                offs.append(offs[-1] + -(-nb // 16) * 16)
+            buf = torch.empty((k, offs[-1]), dtype=torch.uint8, device=self.device)
+            held += _nbytes(buf)
+            self.stats.alloc(_nbytes(buf))
+            row = buf[t.chunk_index(plan.specs[ids[0]], me)]
+            for i, o, nb in zip(ids, offs, nbytes):
+                name = plan.specs[i].name
+                _pack(row[o:o + nb], local[name].to(self._dtype_of(name)))
+            dist.all_gather(list(buf.unbind(0)), row, group=pg)
+            self.stats.collectives += 1
+            self.stats.sent_bytes += (k - 1) * sum(nbytes)
+            self.stats.recv_bytes += (k - 1) * sum(nbytes)
+            for i, o, nb in zip(ids, offs, nbytes):
+                s = plan.specs[i]
+                out[i] = buf[:, o:o + nb].view(self._dtype_of(s.name)).view(k, *local_shape(s, t))
+        return out, held
+
     def _roll_nbytes(self, i: int, rank: int) -> int:
         s = self.plan.specs[i]
         a, b = _interval(s, self.plan.rollout, rank)
@@ -106,14 +148,27 @@ class AllgatherStrategies:
     # ---- allgather_swap ---------------------------------------------------------------------
     def _run_allgather_swap(self, idx, local):
         # A bucket's budget counts the gather buffer of each parameter *and* the rollout slice it
-        # leaves behind until the bucket is consumed, so the peak (one bucket of slices plus one
-        # gather buffer) stays within bucket_mb.
+        # leaves behind until the bucket is consumed, so the peak (a bucket's gather buffers and
+        # slices) stays within bucket_mb.
         def cost(i: int) -> int:
             s = self.plan.specs[i]
             return (s.numel + math.prod(local_shape(s, self.plan.rollout))) * self._esize(i)
 
         for bucket in self._buckets(idx, cost):
             out = []
+            if self.plan.train.pp == 1:  # one collective per group kind and bucket
+                bufs, held = self._gather_bucket(bucket, local)
+                for i in bucket:
+                    t = self._extract(i, bufs[i], self.rank)
+                    self.stats.alloc(_nbytes(t))
+                    out.append((self.plan.specs[i].name, t))
+                del bufs
+                self.stats.free(held)
+                self.stats.buckets += 1
+                yield out
+                self.stats.free(sum(_nbytes(t) for _, t in out))
+                del out
+                continue
             for i in bucket:
                 buf = self._gather(i, local, pp_bcast=True)
                 t = self._extract(i, buf, self.rank)
