@@ -52,6 +52,32 @@ def share_rows(engine: TrainEngine, data: dict, device: torch.device) -> dict:
     return data if lead else _unflatten(layout, buf.cpu())
 
 
+def gather_in_model_parallel_group(engine: TrainEngine, data: dict, device: torch.device) -> dict:
+    """Every model-parallel peer's rows (``{"rows": [...], column: ...}``, the same columns on each),
+    merged on each of them in row order -- the share a dock claim would hand their DP rank when each
+    peer holds rows it generated itself. The layouts by one small object all-gather, the values as
+    one byte buffer per peer by one tensor all-gather."""
+    group, _ = engine.model_parallel_group()
+    if group is None:
+        return data
+    layout, parts = _flatten(data)
+    layouts: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(layouts, layout, group=group)
+    sizes = [sum(nb for *_, nb in lay) for lay in layouts]
+    comm = torch.device("cpu") if dist.get_backend(group) == "gloo" else device
+    mine = torch.zeros(max(sizes), dtype=torch.uint8)
+    if parts:
+        mine[:sizes[dist.get_rank(group)]] = torch.cat(parts)
+    bufs = [torch.empty(max(sizes), dtype=torch.uint8, device=comm) for _ in layouts]
+    if max(sizes):
+        dist.all_gather(bufs, mine.to(comm), group=group)
+    each = [_unflatten(lay, b.cpu()) for lay, b in zip(layouts, bufs)]
+    merged = {k: torch.cat([d[k] for d in each]) if all(isinstance(d[k], torch.Tensor) for d in each) else
+              [x for d in each for x in d[k]] for k in data}  # a peer without rows may hold [] for a tensor
+    order = sorted(range(len(merged["rows"])), key=merged["rows"].__getitem__)
+    return subset(merged, order)
+
+
 def _flatten(data: dict) -> tuple[list, list[torch.Tensor]]:
     """``[(key, kind, dtype, shapes, nbytes)]`` and the bytes of every value, in that order."""
     layout, parts = [], []

@@ -21,7 +21,8 @@ from ..algos.spec import (actor_loss_fn, critic_loss_fn, dynamic_sampling_column
                           outcome_advantages)
 from ..engines.base import SamplingParams
 from ..engines.base import SeqBatch
-from .batching import all_gather, broadcast, global_counts, local_counts, seq_batch, subset, train_rows
+from .batching import (all_gather, broadcast, gather_in_model_parallel_group, global_counts, local_counts,
+                       seq_batch, subset, train_rows)
 from .context import Context
 from .own_rows import OwnRows
 
@@ -299,12 +300,13 @@ def update(ctx: Context, st: StepState) -> None:
 def _update_batches(ctx: Context, st: StepState) -> tuple[list[SeqBatch], list[tuple[float, float, float]]]:
     """This DP rank's mini-batches, and each one's global (response tokens, samples, prompt tokens).
 
-    When every worker's actor DP rank ran on the rows it generated (ref / old on its own rows, its
-    own outcome advantages), the worker trains on those rows as they lie -- no dock claim, no
-    TensorCache all-to-all -- as long as that keeps the DP ranks' loads (prompt + response tokens)
-    within ``trainer.rebalance_tolerance`` of their mean. One all-gather of the loads and the
-    mini-batch counts decides, identically on every rank. Otherwise (or when the rows are not this
-    worker's to begin with) the dock re-balances the rows by tokens in one claim and the cached
+    When every worker generated its own rows (the rollout has one DP rank per worker) and computed
+    their advantages (and ref / old log-probs, if any) itself, each actor DP rank trains on the rows
+    its workers generated -- the worker's own at TP = PP = 1, its model-parallel peers' merged by one
+    all-gather in that group otherwise -- with no dock claim and no TensorCache all-to-all, as long as
+    that keeps the DP ranks' loads (prompt + response tokens) within ``trainer.rebalance_tolerance``
+    of their mean. One all-gather of the loads and the mini-batch counts decides, identically on
+    every rank. Otherwise the dock re-balances the rows by tokens in one claim and the cached
     columns follow by one all-to-all.
     """
     r, actor = ctx.recipe, ctx.actor
@@ -317,19 +319,25 @@ def _update_batches(ctx: Context, st: StepState) -> tuple[list[SeqBatch], list[t
         return [seq_batch(subset(data, list(range(n))[m::ctx.n_mini]), per_token=per_token)
                 for m in range(ctx.n_mini)]
 
-    own = (_on_own_rows(ctx, st, actor) and (not ctx.use_ref or _on_own_rows(ctx, st, ctx.ref))
-           and r.algorithm.adv_estimator != "gae")  # the same on every rank: the config decides
+    # the same on every rank (the config decides): each worker generated its own rows (rollout DP =
+    # worker), their advantages are its own, and so are the cached columns (ref / old on own rows)
+    own = (st.own is not None and ctx.rollout.dp_size == ctx.world and r.algorithm.adv_estimator != "gae"
+           and (not ctx.use_ref or _on_own_rows(ctx, st, ctx.ref))
+           and (ctx.skip_old or _on_own_rows(ctx, st, actor)))
     if own:
         data = st.own.select([c for c in columns if c != "advantages"], _live(ctx, st))
         for c in ["advantages", *cached]:
             data[c] = ctx.cache.get(c, data["rows"])
-        batches = mini_batches(data)
-        counts = local_counts(actor, batches)
-        mine = torch.cat([counts.sum(0)[[0, 2]].sum().reshape(1), counts.reshape(-1)])  # [load, counts]
-        every = all_gather(mine)
-        loads = torch.stack([e[0] for e in every])
+        # a DP rank's rows: its model-parallel peers' own rows (just this worker's at TP = PP = 1)
+        batches = mini_batches(gather_in_model_parallel_group(actor, data, ctx.device))
+        counts = local_counts(actor, batches)  # zeros on a peer that is not its DP rank's leader
+        lead = float(actor.is_data_leader)
+        mine = torch.cat([torch.tensor([lead, float(counts[:, [0, 2]].sum())], dtype=torch.float64),
+                          counts.reshape(-1)])  # [leader, load, counts]
+        every = torch.stack(all_gather(mine))
+        loads = every[every[:, 0] > 0, 1]  # one per DP rank
         if float(loads.max()) <= (1 + r.trainer.rebalance_tolerance) * float(loads.mean()):
-            total = torch.stack([e[1:] for e in every]).sum(0).reshape(-1, 3)
+            total = every[:, 2:].sum(0).reshape(-1, 3)
             return batches, [tuple(map(float, c)) for c in total.tolist()]
     batches = mini_batches(train_rows(ctx, actor, "update", columns, cached))
     return batches, global_counts(actor, batches)
