@@ -2,9 +2,13 @@
 
 A worker's rollout rows are whole prompt groups in group order, so reward and outcome advantage
 need nobody else's rows; a forward stage (ref / old / values) whose engine has one DP rank per
-worker, like the rollout's, can run on them too. Those stages then skip the dock claim and the
-wait for every other worker's rollout that comes with it; their outputs still go to the dock (or
-the TensorCache) for the stages that re-balance rows across workers.
+worker, like the rollout's, can run on them too, and so can an update that needs no re-balance.
+Those stages skip the dock claim and the wait for every other worker's rollout that comes with it.
+
+Nothing goes to the dock while the step stays local: the rows' columns stay here, their stage
+outputs in the TensorCache. Only when a stage is about to claim re-balanced rows (a forward stage
+with another DP layout, GAE, an update whose loads are out of balance) does every worker
+:meth:`~OwnRows.publish` them, in one put and one "held on rank r" mark.
 """
 from __future__ import annotations
 
@@ -14,6 +18,8 @@ import torch
 
 from ..core.dock import Batch
 from .batching import subset
+
+_HELD = ("ref_log_probs", "old_log_probs", "values")  # forward-stage outputs the TensorCache holds
 
 
 class OwnRows:
@@ -25,6 +31,7 @@ class OwnRows:
         self._scores: dict[str, list[torch.Tensor]] = {}  # "scores", "acc": one tensor per scored round
         self._scored = 0  # rows[:_scored] have scores
         self._round = 0   # rows[_round:_scored]: the round scored last
+        self.published = False  # in the dock since publish(); later outputs are written as they come
 
     def add(self, rows: Sequence[int], cols: dict) -> None:
         self.rows += list(rows)
@@ -51,6 +58,24 @@ class OwnRows:
         """The rows of the round scored last and their ``column`` (``scores`` or ``acc``)."""
         vals = self._scores.get(column, [])
         return self.rows[self._round:self._scored], vals[-1] if vals and self._scored > self._round else torch.zeros(0)
+
+    def publish(self, dock, cache, rank: int, live: set[int] | None) -> None:
+        """Put the live rows' columns, scores and advantages into the dock in one write, and mark the
+        cached columns that hold them as held on ``rank``: what a claim of re-balanced rows reads."""
+        if self.published:
+            return
+        self.published = True
+        scored = self._scored == len(self.rows)
+        data = self.select(list(self.cols) + (list(self._scores) if scored and self._scores else []), live)
+        rows = data.pop("rows")
+        if not rows:
+            return
+        if cache.has("advantages", rows):
+            data["advantages"] = torch.stack(cache.get("advantages", rows))
+        dock.put(data, rows)
+        held = [c for c in _HELD if cache.has(c, rows)]
+        if held:
+            dock.mark_cached(held, rows, rank)
 
     def select(self, columns: Sequence[str], live: set[int] | None = None) -> dict:
         """``{"rows": [...], column: values}`` (the shape ``train_rows`` returns) of the rows in

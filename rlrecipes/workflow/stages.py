@@ -87,9 +87,10 @@ def rollout(ctx: Context, st: StepState) -> None:
                     "policy_version": torch.full((len(prompts),), ctx.version, dtype=torch.long)}
             if out.routed_experts is not None:  # MoE routing replay: the experts every token used
                 cols["routed_experts"] = out.routed_experts
-            ctx.dock.put(cols, my_rows)
             if st.own is not None:
-                st.own.add(my_rows, cols)
+                st.own.add(my_rows, cols)  # the dock gets them if a stage claims them (OwnRows.publish)
+            else:
+                ctx.dock.put(cols, my_rows)
     eng.sleep()
     ctx.timer.add_compute("rollout", time.perf_counter() - t0)
     st.gen_groups += st.target
@@ -133,9 +134,10 @@ def reward(ctx: Context, st: StepState) -> None:
         scores = scores + overlong_reward_penalty(b.lengths("response_ids"),
                                                   max_response_len=r.rollout.sampling.max_new_tokens,
                                                   buffer_len=ov.buffer_len, penalty_factor=ov.penalty_factor)
-    ctx.dock.put({"scores": scores, "acc": raw}, b.rows)
     if st.own is not None:
         st.own.add_scores(scores, acc=raw)
+    else:
+        ctx.dock.put({"scores": scores, "acc": raw}, b.rows)
     st.reward_sum += float(raw.sum())
     st.reward_n += len(b)
     st.errors += n_err
@@ -197,6 +199,7 @@ def _forward_stage(ctx: Context, st: StepState, engine, consumer: str, out_col: 
     if _on_own_rows(ctx, st, engine):  # the rows this worker generated, no dock claim
         data = st.own.select(cols, _live(ctx, st))
     else:
+        _publish(ctx, st)
         data = train_rows(ctx, engine, consumer, cols)
     if not data["rows"] and engine.dp_size == 1:
         return
@@ -205,7 +208,15 @@ def _forward_stage(ctx: Context, st: StepState, engine, consumer: str, out_col: 
     ctx.timer.add_compute(consumer, time.perf_counter() - t0)
     if engine.is_data_leader and data["rows"]:
         ctx.cache.put(out_col, data["rows"], out)
-        ctx.dock.mark_cached([out_col], data["rows"], ctx.rank)
+        if st.own is None or st.own.published:
+            ctx.dock.mark_cached([out_col], data["rows"], ctx.rank)
+
+
+def _publish(ctx: Context, st: StepState) -> None:
+    """Before a claim of re-balanced rows (every worker reaches it: the config or a collective
+    decision leads there), what a colocated step kept local goes to the dock."""
+    if st.own is not None:
+        st.own.publish(ctx.dock, ctx.cache, ctx.rank, _live(ctx, st))
 
 
 def _on_own_rows(ctx: Context, st: StepState, engine) -> bool:
@@ -241,9 +252,10 @@ def outcome_advantage(ctx: Context, st: StepState) -> None:
     if not rows:
         return
     adv = outcome_advantages(r.algorithm, scores.float(), torch.arange(len(rows)) // n)  # [rows]
-    ctx.dock.put({"advantages": adv.contiguous()}, rows)  # for an update that re-balances rows
     if st.own is not None:
-        ctx.cache.put("advantages", rows, adv)  # for one that trains on its own rows
+        ctx.cache.put("advantages", rows, adv)  # the update reads them here, or publish() sends them
+    if st.own is None or st.own.published:
+        ctx.dock.put({"advantages": adv.contiguous()}, rows)
 
 
 def _live(ctx: Context, st: StepState) -> set[int] | None:
@@ -257,6 +269,7 @@ def gae(ctx: Context, st: StepState) -> None:
     """PPO: token rewards (score on the last token, optional KL-in-reward), critic values, GAE."""
     r = ctx.recipe
     cached = ["values"] + (["ref_log_probs"] if ctx.use_ref else [])
+    _publish(ctx, st)
     b = ctx.dock.get("advantage", ["scores", "response_ids", "rollout_log_probs"] + cached, None,
                      dp_rank=ctx.rank, dp_size=ctx.world, timeout=r.trainer.dock_timeout_s)
     got = ctx.cache.exchange_mine(cached, list(b.rows))
@@ -339,6 +352,7 @@ def _update_batches(ctx: Context, st: StepState) -> tuple[list[SeqBatch], list[t
         if float(loads.max()) <= (1 + r.trainer.rebalance_tolerance) * float(loads.mean()):
             total = every[:, 2:].sum(0).reshape(-1, 3)
             return batches, [tuple(map(float, c)) for c in total.tolist()]
+    _publish(ctx, st)
     batches = mini_batches(train_rows(ctx, actor, "update", columns, cached))
     return batches, global_counts(actor, batches)
 
@@ -379,6 +393,7 @@ def _update_metrics(ctx: Context, out: dict, totals: list[float], parts: dict[st
 
 def critic_update(ctx: Context, st: StepState) -> None:
     r, critic = ctx.recipe, ctx.critic
+    _publish(ctx, st)
     data = train_rows(ctx, critic, "critic_update", ["prompt_ids", "response_ids", "returns"], ["values"])
     batch = seq_batch(data, per_token=["values", "returns"])
     [(g_tokens, g_seqs, _)] = global_counts(critic, [batch])

@@ -65,3 +65,26 @@ def test_the_last_scored_round_and_the_raw_reward_for_dynamic_sampling():
     d = own.select(["scores", "acc"])
     assert d["acc"].tolist() == [1.0, 1.0, 0.0, 1.0] and d["scores"].tolist() == [1.0, 0.5, 0.0, 0.25]
 
+
+
+def test_publish_puts_the_live_rows_in_one_write_for_a_claim_of_rebalanced_rows():
+    from rlrecipes.core.dock import TransferDock
+    from rlrecipes.core.tensor_cache import TensorCache
+
+    dock, cache = TransferDock.local(), TensorCache("cpu", rank=1)
+    rows = dock.reset(0, groups=(2, 2))
+    own = OwnRows()
+    own.add(rows, {**_round(rows, 0), "prompt_ids": [torch.arange(2)] * 4})
+    own.unscored(["response_ids"])
+    own.add_scores(torch.tensor([1.0, 0.0, 0.5, 0.5]), acc=torch.tensor([1.0, 0.0, 1.0, 1.0]))
+    cache.put("advantages", [0, 1], torch.tensor([0.7, -0.7]))
+    cache.put("ref_log_probs", [0, 1], [torch.zeros(1), torch.zeros(2)])
+    dock.drop_rows([2, 3])                                        # dynamic sampling dropped group 1
+    assert dock.stats()["warehouses"][0]["bytes"] == 0            # nothing written while the step is local
+    own.publish(dock, cache, rank=1, live={0, 1})
+    assert own.published
+    b = dock.get("update", ["prompt_ids", "response_ids", "advantages", "scores", "ref_log_probs"], None, timeout=1)
+    assert b.rows == [0, 1] and b["advantages"].tolist() == pytest.approx([0.7, -0.7])
+    assert b["scores"].tolist() == [1.0, 0.0] and b.holders["ref_log_probs"] == [1, 1]
+    assert [t.tolist() for t in b["response_ids"]] == [[0], [0, 1]]
+    own.publish(dock, cache, rank=1, live={0, 1})                 # once per step
