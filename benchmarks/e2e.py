@@ -5,8 +5,8 @@ same-architecture model, 2 CPU workers) and reports, from the run's metrics.json
 
 - ``wall_s``: wall time of the whole command (Ray start, model build, every step);
 - ``tps_per_card``: median ``perf/tps_per_card`` from step 1 on (step 0 includes warm-up);
-- ``stage_s``: mean seconds per stage; ``overhead_share``: mean share of the step outside model
-  compute (dispatch, dock, reward, reshard);
+- ``stage_s``: mean seconds per stage; ``overhead_share`` / ``overhead_share_median``: mean and
+  median share of the step outside model compute (dispatch, dock, reward, reshard);
 - ``reward_first5`` / ``reward_last5``: mean reward of the first and last 5 steps;
 - ``rollout_tokens_per_s`` vs ``generate_tokens_per_s``: the native rollout engine against
   ``transformers`` ``model.generate`` on the same smoke model and batch (single process).
@@ -44,6 +44,7 @@ def run_one(recipe: str, steps: int, out: Path) -> dict:
         "step_s": round(statistics.fmean(r["timing_s/step"] for r in body), 3),
         "stage_s": {s.split("/", 1)[1]: round(statistics.fmean(r.get(s, 0.0) for r in body), 4) for s in stages},
         "overhead_share": round(statistics.fmean(r.get("perf/overhead_share", 0.0) for r in body), 3),
+        "overhead_share_median": round(statistics.median(r.get("perf/overhead_share", 0.0) for r in body), 3),
         "dispatch_skew_s": round(statistics.fmean(r.get("perf/dispatch_skew_s", 0.0) for r in body), 4),
         "reward_first5": round(statistics.fmean(r["reward/mean"] for r in rows[:5]), 4),
         "reward_last5": round(statistics.fmean(r["reward/mean"] for r in rows[-5:]), 4),
