@@ -1,10 +1,11 @@
 """The stage implementations one worker runs, looked up by a stage's ``runner`` name.
 
 Which stages run, in which order, is declared by the algorithm (``algos/spec.py``); the worker's
-controller loop (``workflow/loop.py``) calls ``RUNNERS[stage.runner](ctx, state)``. Every stage
-pulls its inputs from the TransferDock (sample data goes worker -> warehouse -> worker, never
-through the driver) or from the TensorCache, and pushes its outputs back. Engines are used only
-through ``engines/base.py``.
+controller loop (``workflow/loop.py``) calls ``RUNNERS[stage.runner](ctx, state)``. A stage pulls
+its inputs from the TransferDock (sample data goes worker -> warehouse -> worker, never through the
+driver) or from the TensorCache, and pushes its outputs back -- except on a colocated worker, whose
+stages work on the rows it generated (``own_rows.py``) and write to the dock only once a stage must
+claim re-balanced rows. Engines are used only through ``engines/base.py``.
 """
 from __future__ import annotations
 
@@ -19,8 +20,7 @@ import torch.distributed as dist
 from ..algos import overlong_reward_penalty
 from ..algos.spec import (actor_loss_fn, critic_loss_fn, dynamic_sampling_column, gae_advantages,
                           outcome_advantages)
-from ..engines.base import SamplingParams
-from ..engines.base import SeqBatch
+from ..engines.base import SamplingParams, SeqBatch
 from .batching import (all_gather, broadcast, gather_in_model_parallel_group, global_counts, local_counts,
                        seq_batch, subset, train_rows)
 from .context import Context
@@ -150,9 +150,8 @@ def dynamic_sampling(ctx: Context, st: StepState) -> None:
     ds = r.algorithm.dynamic_sampling
     col, n = dynamic_sampling_column(r.algorithm), r.trainer.n_samples_per_prompt
     decision = None
-    if st.own is not None:  # colocated: every worker's own scores by one small all-gather; each rank
-        # reaches the same verdict. Writes are committed first: rank 0 drops rows other workers wrote
-        ctx.dock.flush()
+    if st.own is not None:  # colocated: every worker's own scores by one small all-gather, and each
+        # rank reaches the same verdict (nothing of these rows is in the dock yet: OwnRows.publish)
         mine = st.own.last_scored(col)
         every = [mine] if ctx.world == 1 else [None] * ctx.world
         if ctx.world > 1:
