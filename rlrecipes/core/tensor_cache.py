@@ -33,6 +33,11 @@ _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.in
 _CODE = {d: i for i, d in enumerate(_DTYPES)}
 
 
+def comm_device(group, device: torch.device) -> torch.device:
+    """Where a collective's buffers live on ``group``: host memory on gloo, ``device`` otherwise."""
+    return torch.device("cpu") if dist.get_backend(group) == "gloo" else device
+
+
 class CacheMiss(KeyError):
     """A requested (column, row) is in no rank's cache."""
 
@@ -170,8 +175,7 @@ class TensorCache:
 
     # -- wire format ------------------------------------------------------------------------------
     def _comm_device(self, group) -> torch.device:
-        backend = dist.get_backend(group)
-        return torch.device("cpu") if backend == "gloo" else self.device
+        return comm_device(group, self.device)
 
     def _encode(self, columns: list[str], rows: list[int]) -> torch.Tensor:
         if not rows:

@@ -13,6 +13,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+from ..core.tensor_cache import comm_device
 from ..engines.base import SeqBatch, TrainEngine
 from .context import Context
 
@@ -43,7 +44,7 @@ def share_rows(engine: TrainEngine, data: dict, device: torch.device) -> dict:
     lead = dist.get_rank() == src
     layout, parts = _flatten(data) if lead else (None, [])
     layout = broadcast(layout, src=src, group=group)
-    comm = torch.device("cpu") if dist.get_backend(group) == "gloo" else device
+    comm = comm_device(group, device)
     n = sum(nb for *_, nb in layout)
     buf = (torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8)).to(comm) if lead else \
         torch.empty(n, dtype=torch.uint8, device=comm)
@@ -64,7 +65,7 @@ def gather_in_model_parallel_group(engine: TrainEngine, data: dict, device: torc
     layouts: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(layouts, layout, group=group)
     sizes = [sum(nb for *_, nb in lay) for lay in layouts]
-    comm = torch.device("cpu") if dist.get_backend(group) == "gloo" else device
+    comm = comm_device(group, device)
     mine = torch.zeros(max(sizes), dtype=torch.uint8)
     if parts:
         mine[:sizes[dist.get_rank(group)]] = torch.cat(parts)

@@ -82,8 +82,8 @@ class OwnRows:
         ``live`` (None: all), in generation order; ``scores`` is a column once every row is scored."""
         cols = dict(self.cols)
         if self._scored == len(self.rows):
-            cols["scores"] = torch.cat(self._scores["scores"]) if self._scores else torch.zeros(0)
-            cols.update({c: torch.cat(v) for c, v in self._scores.items() if c != "scores"})
+            cols.update({c: torch.cat(v) for c, v in self._scores.items()})
+            cols.setdefault("scores", torch.zeros(0))  # nothing was scored: no rows
         if not self.rows:  # a rollout TP peer holds none
             return {"rows": [], **{c: cols.get(c, []) for c in columns}}
         data = {"rows": list(self.rows), **{c: cols[c] for c in columns}}

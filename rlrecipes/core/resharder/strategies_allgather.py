@@ -154,28 +154,19 @@ class AllgatherStrategies:
             s = self.plan.specs[i]
             return (s.numel + math.prod(local_shape(s, self.plan.rollout))) * self._esize(i)
 
+        fused = self.plan.train.pp == 1  # one collective per group kind and bucket, not per parameter
         for bucket in self._buckets(idx, cost):
             out = []
-            if self.plan.train.pp == 1:  # one collective per group kind and bucket
-                bufs, held = self._gather_bucket(bucket, local)
-                for i in bucket:
-                    t = self._extract(i, bufs[i], self.rank)
-                    self.stats.alloc(_nbytes(t))
-                    out.append((self.plan.specs[i].name, t))
-                del bufs
-                self.stats.free(held)
-                self.stats.buckets += 1
-                yield out
-                self.stats.free(sum(_nbytes(t) for _, t in out))
-                del out
-                continue
+            bufs, held = self._gather_bucket(bucket, local) if fused else ({}, 0)
             for i in bucket:
-                buf = self._gather(i, local, pp_bcast=True)
+                buf = bufs.pop(i) if fused else self._gather(i, local, pp_bcast=True)
                 t = self._extract(i, buf, self.rank)
                 self.stats.alloc(_nbytes(t))
                 out.append((self.plan.specs[i].name, t))
-                self._free_buf(i, buf, local)
+                if not fused:  # a fused bucket's buffer is one allocation, freed below
+                    self._free_buf(i, buf, local)
                 del buf
+            self.stats.free(held)
             self.stats.buckets += 1
             yield out
             self.stats.free(sum(_nbytes(t) for _, t in out))
