@@ -147,7 +147,7 @@ def make_worker_class(ray):
                 # rows (update); the worker's own stages read its cache directly
                 pending = {"input_ids": [self.L] * len(rows), "log_probs": [self.L] * len(rows)}
             else:
-                d.put({"input_ids": torch.from_numpy(ids), "log_probs": torch.from_numpy(logp)}, rows)
+                d.put({"input_ids": torch.from_numpy(ids), "log_probs": torch.from_numpy(logp)}, rows, defer=True)
 
             starts["reward"] = time.time()
             if use_cache:  # same worker, same rows: straight from the cache
@@ -161,7 +161,7 @@ def make_worker_class(ray):
                 self.cache.put("scores", rows, torch.from_numpy(sc))
                 pending["scores"] = None
             else:
-                d.put({"scores": torch.from_numpy(sc)}, r_rows)
+                d.put({"scores": torch.from_numpy(sc)}, r_rows, defer=True)
 
             starts["ref"] = time.time()
             if use_cache:
@@ -170,7 +170,7 @@ def make_worker_class(ray):
                 pending["ref_log_probs"] = [self.L] * len(rows)
             else:
                 b = d.get("ref", ["input_ids"], None, dp_rank=me, dp_size=W)
-                d.put({"ref_log_probs": torch.from_numpy(ref(b["input_ids"].numpy()))}, b.rows)
+                d.put({"ref_log_probs": torch.from_numpy(ref(b["input_ids"].numpy()))}, b.rows, defer=True)
 
             starts["advantage"] = time.time()
             if use_cache:  # this worker generated whole groups: its own scores are all it needs
@@ -179,12 +179,12 @@ def make_worker_class(ray):
                 pending["advantages"] = None
             else:
                 b = d.get("advantage", ["scores"], None, dp_rank=me, dp_size=W, whole_groups=True)
-                d.put({"advantages": torch.from_numpy(advantage(b["scores"].numpy()))}, b.rows)
+                d.put({"advantages": torch.from_numpy(advantage(b["scores"].numpy()))}, b.rows, defer=True)
 
             starts["update"] = time.time()
             cols = ["input_ids", "log_probs", "ref_log_probs", "advantages"]
             if use_cache:
-                d.mark_cached(pending, rows, me)
+                d.mark_cached(pending, rows, me, defer=True)
             b = d.get("update", cols, None, dp_rank=me, dp_size=W)
             if use_cache:  # another DP layout: one all-to-all between the workers
                 got = self.cache.exchange(cols, b.partition)    # every rank's rows, from the dock
@@ -200,6 +200,36 @@ def make_worker_class(ray):
             d.put({"loss": torch.from_numpy(loss)}, b.rows)
             d.flush()  # the step ends when its last write is committed (puts are sent without waiting)
             return {"starts": starts, "a2a_bytes": moved}
+
+        def run_steps(self, steps: int, use_cache: bool):
+            """This worker's own loop over ``steps + 1`` steps (step 0 warms up), as the workflow's
+            workers run theirs: rank 0 starts each step's dock (the reset it sent ahead at the end of
+            the previous one) and broadcasts the rows; the step ends in one all-gather of the
+            workers' stage starts (the workflow's per-step facts), after which rank 0 sends the next
+            reset ahead. Rank 0's clock after that all-gather closes each step."""
+            import torch
+            import torch.distributed as dist
+            d, me, W, R = self.dock, self.rank, self.world, self.R
+            groups = (W * R // GROUP, GROUP)
+            ends, all_starts, moved = [], [], 0
+            for step in range(steps + 1):
+                rows = torch.empty(W * R, dtype=torch.int64)
+                if me == 0:
+                    rows = torch.tensor(d.reset(step, groups=groups), dtype=torch.int64)
+                dist.broadcast(rows, 0)
+                out = self.run_step(step, rows[me * R:(me + 1) * R].tolist(), use_cache)
+                mine = torch.tensor([out["starts"][s] for s in STAGES], dtype=torch.float64)
+                got = [torch.empty_like(mine) for _ in range(W)]
+                dist.all_gather(got, mine)
+                if me == 0:
+                    if step < steps:
+                        d.reset_ahead(step + 1, groups=groups)
+                    ends.append(time.time())
+                    if step > 0:
+                        all_starts.append(torch.stack(got).tolist())     # [W, stages]
+                if step > 0:
+                    moved += out["a2a_bytes"]
+            return {"ends": ends, "starts": all_starts, "a2a_bytes": moved}
 
     return Worker
 
@@ -255,17 +285,13 @@ def run_centralised(ray, workers, W, R, L, steps):
 
 
 def run_dock(ray, workers, dock, W, R, L, steps, use_cache):
-    step_times, skews, moved = [], [], 0
-    for step in range(steps + 1):
-        t0 = time.time()
-        rows = dock.reset(step, groups=(W * R // GROUP, GROUP))              # metadata only, one call
-        res = ray.get([w.run_step.remote(step, rows[i * R:(i + 1) * R], use_cache)
-                       for i, w in enumerate(workers)])
-        dt = time.time() - t0
-        if step > 0:
-            step_times.append(dt)
-            skews += [max(r["starts"][s] for r in res) - min(r["starts"][s] for r in res) for s in STAGES]
-            moved += sum(r["a2a_bytes"] for r in res)
+    """Every worker runs its own loop over the steps (one call each, as the workflow's workers do);
+    the driver starts them and reads the timings."""
+    res = ray.get([w.run_steps.remote(steps, use_cache) for w in workers])
+    ends = res[0]["ends"]
+    step_times = [b - a for a, b in zip(ends, ends[1:])]
+    skews = [max(col) - min(col) for per_step in res[0]["starts"] for col in zip(*per_step)]
+    moved = sum(r["a2a_bytes"] for r in res)
     return step_times, skews, 0, moved // steps
 
 
@@ -296,7 +322,7 @@ def main(argv=None):
             ray.get([w.ready.remote() for w in workers])
             port = _free_port()
             ray.get([w.init_group.remote(port) for w in workers])
-            dock = TransferDock.ray()
+            dock = TransferDock.ray(concurrency=int(os.environ.get("SF_CONC", "256")))
             ray.get([w.set_dock.remote(dock) for w in workers])
             try:
                 for mode in args.modes:

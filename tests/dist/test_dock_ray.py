@@ -148,6 +148,34 @@ def test_a_get_is_one_round_trip_and_a_put_none(dock):
     assert dock.reset(4, groups=(2, 2)) == [0, 1, 2, 3] and dock.stats()["step"] == 4  # not the one sent
 
 
+def test_deferred_writes_and_marks_ride_on_the_next_call(dock):
+    # on the caller's node: "write my outputs, hand me my next inputs" is one round trip
+    home = dock.with_placement("writer_node")
+    rows = home.add_groups(2, 2)
+    n = home.round_trips
+    home.put({"a": torch.arange(4.)}, rows, defer=True)
+    home.mark_cached({"logp": [2, 2, 2, 2]}, rows, rank=1, defer=True)
+    other = pickle.loads(pickle.dumps(dock))                       # another client: its stats
+    assert home.round_trips == n and other.stats()["ready"] == {}  # do not flush home's writes
+    b = home.get("c", ["a", "logp"], None, timeout=5)
+    assert home.round_trips == n + 1
+    assert b["a"].tolist() == [0.0, 1.0, 2.0, 3.0] and b.holders["logp"] == [1] * 4
+    # rows on every node: the other warehouses' writes go out as one call each, before the claim
+    rows = dock.reset(next(_steps), groups=(3, 2))
+    dock.put({"b": torch.arange(4.)}, rows[:4], defer=True)
+    dock.put({"b": torch.arange(4., 6.)}, rows[4:], defer=True)
+    assert dock.get("c", ["b"], None, timeout=5)["b"].tolist() == list(range(6))
+    # a refused deferred write raises at the call that carried it, and nothing is claimed
+    dock.put({"b": [torch.ones(1)] * 6}, rows, defer=True)      # a list column: "b" is stacked
+    with pytest.raises(DockError, match="already has it"):
+        dock.get("d", ["b"], None, timeout=5)
+    assert dock.get("d", ["b"], None, timeout=5)["b"].tolist() == list(range(6))
+    # flush sends what was held
+    dock.put({"e": torch.ones(6)}, rows, defer=True)
+    dock.flush()
+    assert dock.stats()["ready"]["e"] == 6
+
+
 def _shared_mapping_of(ptr: int) -> str | None:
     with open("/proc/self/maps") as f:
         for line in f:

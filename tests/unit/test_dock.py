@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from rlrecipes.core.dock import (Batch, DockError, DockTimeout, TransferDock, partition_kk,
-                                 partition_lpt)
+                                 partition_lpt, partition_sticky)
+from rlrecipes.core.dock.balance import max_load
 
 
 def ids(row: int, n: int) -> torch.Tensor:
@@ -228,6 +229,39 @@ def test_partitioners_balance():
     w5 = [8, 7, 6, 5, 4]
     assert sorted(sum(w5[i] for i in b) for b in partition_kk(w5, 2)) == [14, 16]
     assert sorted(sum(w5[i] for i in b) for b in partition_lpt(w5, 2, False)) == [13, 17]
+
+
+def test_sticky_partition_keeps_balanced_homes_and_moves_only_the_excess():
+    w = [10.0] * 12
+    home = [i // 4 for i in range(12)]                               # 3 ranks, 4 rows each
+    assert partition_sticky(w, 3, home) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    # rank 0 holds 6 rows, rank 2 only 2: two rows move to rank 2, the rest stay
+    home = [0] * 6 + [1] * 4 + [2] * 2
+    bins = partition_sticky(w, 3, home)
+    assert [len(b) for b in bins] == [4, 4, 4] and bins[1] == [6, 7, 8, 9]
+    assert sum(home[i] != r for r, b in enumerate(bins) for i in b) == 2
+    assert max_load(w, bins) == max_load(w, partition_lpt(w, 3)) == 40.0
+
+
+def test_a_claim_of_cached_columns_keeps_rows_with_their_holder(dock):
+    rows = dock.add_groups(4, 2)                                     # 8 rows
+    for rank in range(2):                                            # rank r holds rows 4r..4r+3
+        dock.mark_cached({"logp": [6] * 4}, rows[4 * rank:4 * rank + 4], rank)
+    got = [dock.get("upd", ["logp"], None, dp_rank=r, dp_size=2, timeout=1) for r in range(2)]
+    assert [b.rows for b in got] == [[0, 1, 2, 3], [4, 5, 6, 7]]    # nothing to exchange
+    assert got[0].holders == {"logp": [0] * 4}
+    # uneven holders: the partition is as balanced as the plain one, and moves the fewest rows
+    dock.reset(1)
+    rows = dock.add_groups(4, 2)
+    dock.mark_cached({"logp": [6] * 6}, rows[:6], 0)
+    dock.mark_cached({"logp": [6] * 2}, rows[6:], 1)
+    got = [dock.get("upd", ["logp"], None, dp_rank=r, dp_size=2, timeout=1) for r in range(2)]
+    assert [len(b) for b in got] == [4, 4] and got[1].holders["logp"].count(0) == 2
+    # a stored column: the plain partition (no holder to keep rows with)
+    dock.reset(2)
+    rows = dock.add_groups(4, 2)
+    dock.put({"s": torch.ones(8)}, rows)
+    assert dock.get("x", ["s"], None, dp_rank=0, dp_size=2, timeout=1).rows == [0, 2, 4, 6]
 
 
 def test_concurrent_thread_writers_and_readers():

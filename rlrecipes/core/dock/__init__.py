@@ -39,13 +39,17 @@ the consumer has not taken yet has ``cols`` ready, then partitions those rows (o
 into ``k`` bins by token count -- greedy LPT with equal row counts per bin (``equal_count=True``,
 default; what micro-batched training wants) or Karmarkar-Karp differencing (``equal_count=False``)
 -- and every rank receives its own bin. The partition is deterministic (ties broken by row id).
+When the claimed columns are cached on ranks (``mark_cached``), the rows stay with their holder
+(its rank taken as the DP rank) wherever that costs no balance (``partition_sticky``: the heaviest
+bin is no heavier than the plain partition's), so a balanced step's ``TensorCache.exchange`` moves
+nothing and an unbalanced one moves only the excess.
 ``count=N`` streams: the rank takes the first ``N`` ready rows nobody of that consumer took yet.
 """
 from __future__ import annotations
 
 from typing import Sequence
 
-from .balance import partition_kk, partition_lpt
+from .balance import partition_kk, partition_lpt, partition_sticky
 from .client import Batch, DockClient
 from .errors import DEFAULT_TIMEOUT_S, DockError, DockTimeout
 from .local import LocalDock
@@ -54,7 +58,7 @@ from .warehouse import _Warehouse
 
 __all__ = [
     "Batch", "DEFAULT_TIMEOUT_S", "DockClient", "DockError", "DockTimeout", "InWorker", "LocalDock", "RayDock",
-    "TransferDock", "partition_kk", "partition_lpt",
+    "TransferDock", "partition_kk", "partition_lpt", "partition_sticky",
 ]
 
 

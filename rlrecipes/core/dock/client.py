@@ -119,9 +119,16 @@ class DockClient(abc.ABC):
         ...
 
     @abc.abstractmethod
-    def put(self, columns: dict[str, torch.Tensor | list[torch.Tensor]], rows: Sequence[int]) -> None:
+    def put(self, columns: dict[str, torch.Tensor | list[torch.Tensor]], rows: Sequence[int], *,
+            defer: bool = False) -> None:
         """Store ``columns`` for ``rows`` and mark them ready; the data goes to each row's warehouse
-        whoever writes it."""
+        whoever writes it.
+
+        ``defer=True``: hold the write until this client's next :meth:`get` (or :meth:`flush`,
+        :meth:`reset`), which carries it in the same call -- "write my outputs, hand me my next
+        inputs" in one round trip. For a put followed directly by a get: nobody else sees the rows
+        before that call, and the tensors must not be changed in place until then. An in-process
+        backend writes at once either way."""
         ...
 
     @abc.abstractmethod
@@ -132,7 +139,9 @@ class DockClient(abc.ABC):
 
     @abc.abstractmethod
     def mark_cached(self, columns: dict[str, Sequence[int] | None] | Sequence[str], rows: Sequence[int],
-                    rank: int) -> None:
+                    rank: int, *, defer: bool = False) -> None:
+        """Record that ``rank``'s TensorCache holds ``columns`` of ``rows`` (a dict gives each
+        column's per-row token counts, for balancing). ``defer`` as in :meth:`put`."""
         ...
 
     @abc.abstractmethod

@@ -32,7 +32,7 @@ class LocalDock(DockClient):
     def add_groups(self, n_groups: int, group_size: int) -> list[int]:
         return self._wh.control("add_groups", n_groups, group_size)[1]
 
-    def put(self, columns, rows) -> None:
+    def put(self, columns, rows, *, defer=False) -> None:  # in process: always written at once
         rows = [int(r) for r in rows]
         meta, packed = _put_meta(columns, rows, own=True)  # the store keeps the arrays: copy them
         res = self._wh.write(rows, packed, meta)
@@ -45,7 +45,7 @@ class LocalDock(DockClient):
         res = self._wh.claim_read(consumer, columns, count, dp_rank, dp_size, whole_groups, float(timeout))
         if res[0] == "timeout":
             raise DockTimeout(consumer, columns, timeout, res[1])
-        _, rows, cached, stored, _, data = res
+        _, rows, cached, stored, _, data, _ = res
         if not rows:
             return _empty_batch(stored, cached)
         if stored["columns"] and data is None:
@@ -54,7 +54,7 @@ class LocalDock(DockClient):
         return Batch(list(rows), {c: unpack(p, copy) for c, p in (data or {}).items()}, cached,
                      stored["partition"])
 
-    def mark_cached(self, columns, rows, rank) -> None:
+    def mark_cached(self, columns, rows, rank, *, defer=False) -> None:
         self._wh.control("mark_ready", _cached_meta(columns, rows), [int(r) for r in rows], int(rank))
 
     def cached_on(self, column, rows):

@@ -8,7 +8,7 @@ from typing import Sequence
 import numpy as np
 
 from .errors import DockError
-from .balance import partition_lpt, partition_kk
+from .balance import max_load, partition_kk, partition_lpt, partition_sticky
 
 
 # ----------------------------------------------------------------------------------------------
@@ -198,6 +198,11 @@ class _Meta:
                        if units else [])  # one pass over the rows, not a numpy call per unit
             bins = (partition_lpt(weights, dp_size, True) if self.equal_count
                     else partition_kk(weights, dp_size))
+            home = self._home_bins(columns, units, dp_size)
+            if home is not None:  # rows cached on ranks: keep them there when that costs no balance
+                stay = partition_sticky(weights, dp_size, home, self.equal_count)
+                if max_load(weights, stay) <= max_load(weights, bins):
+                    bins = stay
             part = [sorted(x for i in b for x in units[i]) for b in bins]
             cs.taken[rows] = True
             cs.partitions.append(part)
@@ -225,6 +230,21 @@ class _Meta:
         cs.taken[chosen] = True
         self.version += 1
         return chosen
+
+    def _home_bins(self, columns: Sequence[str], units: list[list[int]], dp_size: int) -> list[int] | None:
+        """Per unit, the rank whose TensorCache holds it (the holder rank counts as the DP rank, as in
+        a pure-DP layout; -1 when its rows are held apart or on a rank outside ``0..dp_size-1``),
+        for the largest cached column claimed; None when nothing claimed is cached."""
+        cached = [c for c in columns if c in self.holder and (self.holder[c] >= 0).any()]
+        if not cached or not units:
+            return None
+        col = max(cached, key=lambda c: int(self.lengths[c].sum()))
+        held = self.holder[col]
+        home = []
+        for u in units:
+            h = held[u]
+            home.append(int(h[0]) if (h == h[0]).all() and 0 <= h[0] < dp_size else -1)
+        return home
 
     def _groups_of(self, rows: np.ndarray) -> list[list[int]]:
         """Rows grouped by prompt group; only groups whose every live row is in ``rows``."""

@@ -38,6 +38,8 @@ class RayDock(DockClient):
         # write is taken back and redone at the right warehouse). One warehouse: nothing to learn.
         self._wh_of: dict[int, int] = {}
         self._pending: list[tuple] = []     # unsettled writes: (kind, ref, payload)
+        self._deferred: dict[int, list] = {}  # warehouse -> writes held for the next call (put(defer=True))
+        self._deferred_marks: list = []       # cache marks held for the next call
         self._home: int | None = None       # this process's node's warehouse (resolved lazily)
         self._ahead = None                  # a reset sent ahead (reset_ahead): a copy has none
         self.round_trips = 0
@@ -115,8 +117,8 @@ class RayDock(DockClient):
         self._learn(rows, whs)
         return rows
 
-    # -- writes: sent now, settled at the next blocking call ---------------------------------------
-    def put(self, columns, rows) -> None:
+    # -- writes: sent now (or with the next call), settled at the next blocking call ----------------
+    def put(self, columns, rows, *, defer=False) -> None:
         rows = [int(r) for r in rows]
         meta, packed = _put_meta(columns, rows, own=False)
         if len(self._warehouses) == 1:
@@ -130,26 +132,66 @@ class RayDock(DockClient):
         for i, w in enumerate(wh_of):
             by_wh.setdefault(w, []).append(i)
         for w, pos in by_wh.items():
-            ref = self._warehouses[w].write.remote(
-                [rows[i] for i in pos], {c: slice_packed(p, pos) for c, p in packed.items()},
-                {c: (d, st, [ls[i] for i in pos]) for c, (d, st, ls) in meta.items()})
-            self._pending.append(("put", ref, [rows[i] for i in pos]))
+            write = ([rows[i] for i in pos], {c: slice_packed(p, pos) for c, p in packed.items()},
+                     {c: (d, st, [ls[i] for i in pos]) for c, (d, st, ls) in meta.items()})
+            if defer:
+                self._deferred.setdefault(w, []).append(write)
+            else:
+                self._pending.append(("put", self._warehouses[w].write.remote(*write), write[0]))
 
-    def mark_cached(self, columns, rows, rank) -> None:
-        ref = self._ctl("mark_ready", _cached_meta(columns, rows), [int(r) for r in rows], int(rank))
-        self._pending.append(("mark", ref, None))
+    def mark_cached(self, columns, rows, rank, *, defer=False) -> None:
+        mark = (_cached_meta(columns, rows), [int(r) for r in rows], int(rank))
+        if defer:
+            self._deferred_marks.append(mark)
+        else:
+            self._pending.append(("mark", self._ctl("mark_ready", *mark), None))
 
-    def flush(self) -> None:
-        """Wait for this client's writes and cache marks; raise the first failure."""
-        if not self._pending:
-            return
-        pending, self._pending = self._pending, []
-        for (kind, _, rows), res in zip(pending, self._wait([ref for _, ref, _ in pending])):
+    def _send_deferred(self, carrier: int | None = None) -> tuple[list, list]:
+        """Send the held writes and marks, one ``apply`` call per warehouse (the marks go with the
+        head's, which hosts the controller), except ``carrier``'s: those, and the marks, are
+        returned for the caller's own call to that warehouse to carry (any warehouse forwards marks
+        to the controller)."""
+        deferred, self._deferred = self._deferred, {}
+        marks, self._deferred_marks = self._deferred_marks, []
+        if carrier is not None:
+            carried = (deferred.pop(carrier, []), marks)
+            marks = []
+        else:
+            carried = ([], [])
+            if marks:
+                deferred.setdefault(0, [])
+        for w, writes in deferred.items():
+            ms = marks if w == 0 else []
+            self._pending.append(("apply", self._warehouses[w].apply.remote(writes, ms),
+                                  [wr[0] for wr in writes] + [None] * len(ms)))
+        return carried
+
+    def _settle(self, answers, rows_of) -> None:
+        """Answers of writes (None, ``("moved", step, warehouses)`` or ``("error", message)``)."""
+        for rows, res in zip(rows_of, answers):
             if res is None:
                 continue
             if res[0] == "error":
                 raise DockError(res[1])
             self._learn(rows, res[2])                  # "moved": the warehouse forwarded them
+
+    def flush(self) -> None:
+        """Wait for this client's writes and cache marks (sending the deferred ones); raise the
+        first failure."""
+        if self._deferred or self._deferred_marks:
+            self._send_deferred()
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        answers, rows_of = [], []
+        for (kind, _, rows), res in zip(pending, self._wait([ref for _, ref, _ in pending])):
+            if kind == "apply":
+                answers += res
+                rows_of += rows
+            else:
+                answers.append(res)
+                rows_of.append(rows)
+        self._settle(answers, rows_of)
 
     # -- reads -------------------------------------------------------------------------------------
     def get(self, consumer, columns, count=None, *, dp_rank=0, dp_size=1, whole_groups=False,
@@ -158,18 +200,20 @@ class RayDock(DockClient):
         columns = list(columns)
         home = self._local_warehouse()
         home = 0 if home is None else home
+        writes, marks = self._send_deferred(carrier=home)   # the home warehouse's go with the claim
         ref = self._warehouses[home].claim_read.remote(consumer, columns, count, dp_rank, dp_size, whole_groups,
-                                                       float(timeout))
-        self.flush()   # this client's own writes settle while the claim is in flight
+                                                       float(timeout), writes, marks)
+        self.flush()   # this client's other writes settle while the claim is in flight
         try:
             res = self._wait(ref, timeout=timeout + 60.0)
         except ray.exceptions.GetTimeoutError:
             raise DockTimeout(consumer, columns, timeout, {
                 "step": "?", "total": "?", "live": "?", "taken": "?", "dp_rank": dp_rank,
                 "dp_size": dp_size, "wanted": count, "ready": {}, "ready_all": "? (controller unresponsive)"})
+        self._settle(res[-1], [w[0] for w in writes] + [None] * len(marks))
         if res[0] == "timeout":
             raise DockTimeout(consumer, columns, timeout, res[1])
-        _, rows, cached, stored, read_at, local_data = res
+        _, rows, cached, stored, read_at, local_data, _ = res
         step = stored["step"]
         for w, rs in stored["by_warehouse"].items():
             self._learn(rs, [w] * len(rs))

@@ -192,19 +192,46 @@ class _Warehouse:
                 raise DockError(f"warehouse {self.index}: read for step {step}, dock at step {self.step}")
             return {c: self.store.read(c, rows) for c in columns}
 
-    def claim_read(self, consumer, columns, count, dp_rank, dp_size, whole_groups, timeout):
-        """The controller's claim, then this warehouse's share of the claimed rows read here: one
-        client round trip when the rows live on the caller's node (``("ok", ..., index, data)``)."""
+    def apply(self, writes=(), marks=()):
+        """Several writes to this warehouse (``(rows, packed, meta)`` each, as :meth:`write`) and
+        cache marks (``(meta, rows, rank)`` each, for the controller), in order, in one call: what a
+        client deferred until its next call. Answers one entry per write and mark: None, ``("moved",
+        ...)`` or ``("error", message)``; it stops at the first error (later entries answer None)."""
+        answers = []
+        for rows, packed, meta in writes:
+            answers.append(self.write(rows, packed, meta))
+            if answers[-1] is not None and answers[-1][0] == "error":
+                return answers + [None] * (len(writes) + len(marks) - len(answers))
+        for meta, rows, rank in marks:
+            try:
+                self._control("mark_ready", meta, rows, rank)
+                answers.append(None)
+            except DockError as e:
+                answers.append(("error", str(e)))
+                return answers + [None] * (len(writes) + len(marks) - len(answers))
+        return answers
+
+    def claim_read(self, consumer, columns, count, dp_rank, dp_size, whole_groups, timeout,
+                   writes=(), marks=()):
+        """The caller's deferred ``writes`` and ``marks`` (see :meth:`apply`), then the controller's
+        claim, then this warehouse's share of the claimed rows read here: one client round trip for
+        "write my outputs, hand me my next inputs" when the rows live on the caller's node. Answers
+        ``("ok", rows, cached, stored, index, data, answers)``, ``("timeout", diagnostics, answers)``
+        or, when a deferred write failed, ``("error", message, answers)`` without claiming."""
+        answers = self.apply(writes, marks) if writes or marks else []
+        bad = next((a for a in answers if a is not None and a[0] == "error"), None)
+        if bad is not None:
+            return ("error", bad[1], answers)
         res = self._control("claim", consumer, columns, count, dp_rank, dp_size, whole_groups, timeout)
         if res[0] != "ok":
-            return res
+            return (*res, answers)
         _, rows, cached, stored = res
         mine = stored["by_warehouse"].get(self.index)
         data = None
         with self.lock:
             if mine and stored["columns"] and stored["step"] == self.step:
                 data = {c: self.store.read(c, mine) for c in stored["columns"]}
-        return ("ok", rows, cached, stored, self.index, data)
+        return ("ok", rows, cached, stored, self.index, data, answers)
 
     def drop(self, rows):
         with self.lock:
