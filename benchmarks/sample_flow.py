@@ -187,7 +187,7 @@ def make_worker_class(ray):
                 d.mark_cached(pending, rows, me, defer=True)
             b = d.get("update", cols, None, dp_rank=me, dp_size=W)
             if use_cache:  # another DP layout: one all-to-all between the workers
-                got = self.cache.exchange(cols, b.partition)    # every rank's rows, from the dock
+                got = self.cache.exchange(cols, b.partition, holders=b.partition_holders)
                 arr = {c: torch.stack(got[c]).numpy() if got[c] else np.zeros((0, self.L))
                        for c in cols}
                 loss = update(arr["input_ids"], arr["log_probs"], arr["ref_log_probs"],
@@ -203,33 +203,31 @@ def make_worker_class(ray):
 
         def run_steps(self, steps: int, use_cache: bool):
             """This worker's own loop over ``steps + 1`` steps (step 0 warms up), as the workflow's
-            workers run theirs: rank 0 starts each step's dock (the reset it sent ahead at the end of
-            the previous one) and broadcasts the rows; the step ends in one all-gather of the
-            workers' stage starts (the workflow's per-step facts), after which rank 0 sends the next
-            reset ahead. Rank 0's clock after that all-gather closes each step."""
+            workers run theirs. Rank 0 opens each step: it waits until every worker's last write of
+            the previous step is in (its claim of the ``loss`` column), resets the dock with the
+            step's groups, and broadcasts the rows. Rank 0's clock at each opening (and after the
+            last step's claim) delimits the steps."""
             import torch
             import torch.distributed as dist
             d, me, W, R = self.dock, self.rank, self.world, self.R
             groups = (W * R // GROUP, GROUP)
-            ends, all_starts, moved = [], [], 0
-            for step in range(steps + 1):
+            marks, starts, moved = [], [], 0
+            for step in range(steps + 2):
                 rows = torch.empty(W * R, dtype=torch.int64)
                 if me == 0:
-                    rows = torch.tensor(d.reset(step, groups=groups), dtype=torch.int64)
+                    if step > 0:
+                        d.get("step_end", ["loss"], None)      # every worker's last write is in
+                    marks.append(time.time())
+                    if step <= steps:
+                        rows = torch.tensor(d.reset(step, groups=groups), dtype=torch.int64)
+                if step > steps:
+                    break
                 dist.broadcast(rows, 0)
                 out = self.run_step(step, rows[me * R:(me + 1) * R].tolist(), use_cache)
-                mine = torch.tensor([out["starts"][s] for s in STAGES], dtype=torch.float64)
-                got = [torch.empty_like(mine) for _ in range(W)]
-                dist.all_gather(got, mine)
-                if me == 0:
-                    if step < steps:
-                        d.reset_ahead(step + 1, groups=groups)
-                    ends.append(time.time())
-                    if step > 0:
-                        all_starts.append(torch.stack(got).tolist())     # [W, stages]
                 if step > 0:
+                    starts.append([out["starts"][s] for s in STAGES])
                     moved += out["a2a_bytes"]
-            return {"ends": ends, "starts": all_starts, "a2a_bytes": moved}
+            return {"marks": marks, "starts": starts, "a2a_bytes": moved}
 
     return Worker
 
@@ -288,9 +286,9 @@ def run_dock(ray, workers, dock, W, R, L, steps, use_cache):
     """Every worker runs its own loop over the steps (one call each, as the workflow's workers do);
     the driver starts them and reads the timings."""
     res = ray.get([w.run_steps.remote(steps, use_cache) for w in workers])
-    ends = res[0]["ends"]
-    step_times = [b - a for a, b in zip(ends, ends[1:])]
-    skews = [max(col) - min(col) for per_step in res[0]["starts"] for col in zip(*per_step)]
+    marks = res[0]["marks"]                    # step s runs from marks[s] to marks[s + 1]
+    step_times = [b - a for a, b in zip(marks[1:], marks[2:])]
+    skews = [max(col) - min(col) for per_step in zip(*(r["starts"] for r in res)) for col in zip(*per_step)]
     moved = sum(r["a2a_bytes"] for r in res)
     return step_times, skews, 0, moved // steps
 

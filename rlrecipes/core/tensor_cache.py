@@ -103,13 +103,19 @@ class TensorCache:
 
     # -- collective -------------------------------------------------------------------------------
     def exchange(self, columns: Sequence[str], wanted_rows_per_rank: Sequence[Sequence[int]],
-                 group: dist.ProcessGroup | None = None, *, keep: bool = True) -> dict[str, list[torch.Tensor]]:
+                 group: dist.ProcessGroup | None = None, *, keep: bool = True,
+                 holders: dict[str, Sequence[Sequence[int]]] | None = None) -> dict[str, list[torch.Tensor]]:
         """Collective: every rank of ``group`` calls it with the same ``wanted_rows_per_rank``
         (entry ``r`` = the rows rank ``r`` needs, e.g. the dock's bins for a consumer). Each rank
         sends the wanted rows it holds to whoever wants them -- one all-to-all of bytes, after one
         of counts -- and returns ``{column: [tensor per wanted row]}`` for its own wanted rows, in
         order. Rows it holds itself are not sent. With ``keep`` the received rows are added to this
         cache (so later stages on this rank find them locally).
+
+        ``holders`` (e.g. a dock claim's ``Batch.partition_holders``; the same on every rank): per
+        column, the holder rank of each wanted row, laid out like ``wanted_rows_per_rank``. When
+        every rank holds all it wants, every rank sees so and the exchange is a local lookup, with
+        no collective (group ranks count as holder ranks).
 
         A row that no rank holds raises :class:`CacheMiss` on the rank that wanted it, after the
         collective finished (so no other rank hangs)."""
@@ -119,8 +125,11 @@ class TensorCache:
             raise ValueError(f"TensorCache.exchange: wanted_rows_per_rank has {len(wanted_rows_per_rank)} "
                              f"entries for a group of {world} ranks")
         columns = list(columns)
-        if world == 1:  # one rank: no collective, only the local lookup (and its CacheMiss)
-            mine = [int(r) for r in wanted_rows_per_rank[0]]
+        in_place = holders is not None and all(
+            c in holders and len(holders[c]) == world
+            and all(h == q for q, hs in enumerate(holders[c]) for h in hs) for c in columns)
+        if world == 1 or in_place:  # no collective, only the local lookup (and its CacheMiss)
+            mine = [int(r) for r in wanted_rows_per_rank[me]]
             return {c: self.get(c, mine) for c in columns}
         # Per destination: rows it wants that this rank holds (for every requested column).
         sends: list[list[int]] = []

@@ -65,6 +65,17 @@ def _worker(rank: int, world: int, port: int):
         back = cache.exchange_mine(["logp"], [r for r in range(N_ROWS) if r % world == (rank + 1) % world])
         for r, t in zip([r for r in range(N_ROWS) if r % world == (rank + 1) % world], back["logp"]):
             assert torch.equal(t, row_logp(r))
+        # every rank wants what it holds (a balanced claim of cached rows): no bytes move
+        cache.put("v", held, [row_logp(r) for r in held])
+        sent = cache.bytes_sent
+        own = cache.exchange(["v"], [[r for r in range(N_ROWS) if r % world == q] for q in range(world)])
+        assert cache.bytes_sent == sent and [t.tolist() for t in own["v"]] == [row_logp(r).tolist() for r in held]
+        # every rank wants what it holds, and says so (a dock claim's partition_holders): no collective
+        cache.put("v", held, [row_logp(r) for r in held])
+        wants = [[r for r in range(N_ROWS) if r % world == q] for q in range(world)]
+        for _ in range(rank + 1):  # ranks call it unequally often: a collective would hang
+            own = cache.exchange(["v"], wants, holders={"v": [[q] * len(w) for q, w in enumerate(wants)]})
+        assert [t.tolist() for t in own["v"]] == [row_logp(r).tolist() for r in held]
         # a row nobody holds: the wanting rank gets CacheMiss, nobody hangs
         try:
             cache.exchange(["ids"], [[999] if q == 0 else [] for q in range(world)])

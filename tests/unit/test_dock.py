@@ -249,6 +249,7 @@ def test_a_claim_of_cached_columns_keeps_rows_with_their_holder(dock):
         dock.mark_cached({"logp": [6] * 4}, rows[4 * rank:4 * rank + 4], rank)
     got = [dock.get("upd", ["logp"], None, dp_rank=r, dp_size=2, timeout=1) for r in range(2)]
     assert [b.rows for b in got] == [[0, 1, 2, 3], [4, 5, 6, 7]]    # nothing to exchange
+    assert got[1].partition_holders == {"logp": [[0] * 4, [1] * 4]}  # ... and every rank can tell
     assert got[0].holders == {"logp": [0] * 4}
     # uneven holders: the partition is as balanced as the plain one, and moves the fewest rows
     dock.reset(1)

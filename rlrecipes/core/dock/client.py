@@ -32,6 +32,10 @@ class Batch:
     # count=None only: the rows of every dp rank in this round (entry r = rank r's rows), e.g. for
     # TensorCache.exchange(columns, batch.partition) without gathering the wants first.
     partition: list[list[int]] | None = None
+    # count=None only: for each cached column, the holder rank of every row of ``partition``
+    # (entry r: rank r's rows), the same on every rank; ``TensorCache.exchange(cols,
+    # batch.partition, holders=batch.partition_holders)`` then needs no collective when nothing moves.
+    partition_holders: dict[str, list[list[int]]] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -182,4 +186,4 @@ def _empty_batch(stored: dict, cached: dict) -> Batch:
     for c in stored["columns"]:
         dtype, stacked = stored["kinds"][c]
         cols[c] = torch.empty(0, dtype=getattr(torch, dtype)) if stacked else []
-    return Batch([], cols, {c: [] for c in cached}, stored["partition"])
+    return Batch([], cols, {c: [] for c in cached}, stored["partition"], stored["partition_holders"])

@@ -52,7 +52,7 @@ class LocalDock(DockClient):
             raise DockError(f"get({consumer!r}): the dock moved past step {stored['step']} while its "
                             f"rows were being read; a reset must not overlap a stage's reads")
         return Batch(list(rows), {c: unpack(p, copy) for c, p in (data or {}).items()}, cached,
-                     stored["partition"])
+                     stored["partition"], stored["partition_holders"])
 
     def mark_cached(self, columns, rows, rank, *, defer=False) -> None:
         self._wh.control("mark_ready", _cached_meta(columns, rows), [int(r) for r in rows], int(rank))

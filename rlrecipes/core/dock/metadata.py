@@ -20,6 +20,7 @@ class _ConsumerState:
     taken: np.ndarray                      # [rows] bool: row already handed to some dp rank
     dp_size: int | None = None
     partitions: list[list[list[int]]] = field(default_factory=list)   # [round][dp_rank] -> rows
+    holders: list[dict] = field(default_factory=list)   # [round] cached col -> [dp_rank] -> holder per row
     cursor: dict[int, int] = field(default_factory=dict)              # dp_rank -> next round
 
 
@@ -46,6 +47,7 @@ class _Meta:
         self.next_wh = 0
         self.version = 0                             # bumped on every change waiters care about
         self.last_partition: list[list[int]] | None = None   # of the last count=None claim
+        self.last_holders: dict = {}                          # its cached columns' holders, per bin
 
     # -- allocation ----------------------------------------------------------------------------
     def _grow(self, n: int):
@@ -169,7 +171,7 @@ class _Meta:
         if count is not None and count < 1:
             raise DockError(f"get({consumer!r}): count must be >= 1 or None, got {count}")
         cs = self._consumer(consumer)
-        self.last_partition = None
+        self.last_partition, self.last_holders = None, {}
         live = ~self.dropped
         untaken = live & ~cs.taken
         avail = untaken & self._ready_all(columns)
@@ -182,7 +184,7 @@ class _Meta:
             rnd = cs.cursor.get(dp_rank, 0)
             if rnd < len(cs.partitions):
                 cs.cursor[dp_rank] = rnd + 1
-                self.last_partition = cs.partitions[rnd]
+                self.last_partition, self.last_holders = cs.partitions[rnd], cs.holders[rnd]
                 return cs.partitions[rnd][dp_rank]
             # New round: everything not taken must be ready (so whole groups are complete).
             if not untaken.any() or (avail != untaken).any():
@@ -206,9 +208,13 @@ class _Meta:
             part = [sorted(x for i in b for x in units[i]) for b in bins]
             cs.taken[rows] = True
             cs.partitions.append(part)
+            # a snapshot every rank of the round gets alike (TensorCache.exchange skips its
+            # collectives when each bin's rows are all held by that bin's rank)
+            cs.holders.append({c: [self.holder[c][np.asarray(b, np.int64)].tolist() for b in part]
+                               for c in columns if c in self.holder and (self.holder[c][rows] >= 0).all()})
             cs.cursor[dp_rank] = rnd + 1
             self.version += 1
-            self.last_partition = part
+            self.last_partition, self.last_holders = part, cs.holders[-1]
             return part[dp_rank]
         # Streaming: the first `count` ready rows (or whole groups) nobody of this consumer took.
         if whole_groups:
@@ -287,7 +293,7 @@ class _Meta:
             by_wh.setdefault(int(self.warehouse[x]), []).append(x)
         kinds = {c: self.kinds.get(c, ("float32", True)) for c in stored_cols}
         return cached, {"columns": stored_cols, "by_warehouse": by_wh, "kinds": kinds,
-                        "partition": self.last_partition}
+                        "partition": self.last_partition, "partition_holders": self.last_holders}
 
     def cached_on(self, column: str, rows: Sequence[int]) -> list[int | None]:
         r = self._check_rows(rows, "cached_on")

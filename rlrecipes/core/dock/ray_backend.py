@@ -240,7 +240,7 @@ class RayDock(DockClient):
             for c in cols:
                 p = concat_packed(parts[c])
                 data[c] = unpack(p if idx == list(range(len(idx))) else slice_packed(p, idx), copy)
-        return Batch(list(rows), data, cached, stored["partition"])
+        return Batch(list(rows), data, cached, stored["partition"], stored["partition_holders"])
 
     def cached_on(self, column, rows):
         self.flush()
