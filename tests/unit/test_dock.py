@@ -258,11 +258,18 @@ def test_a_claim_of_cached_columns_keeps_rows_with_their_holder(dock):
     dock.mark_cached({"logp": [6] * 2}, rows[6:], 1)
     got = [dock.get("upd", ["logp"], None, dp_rank=r, dp_size=2, timeout=1) for r in range(2)]
     assert [len(b) for b in got] == [4, 4] and got[1].holders["logp"].count(0) == 2
-    # a stored column: the plain partition (no holder to keep rows with)
+    # stored rows of equal weight go out in contiguous blocks (one slice of a writer's chunk each)
     dock.reset(2)
     rows = dock.add_groups(4, 2)
     dock.put({"s": torch.ones(8)}, rows)
-    assert dock.get("x", ["s"], None, dp_rank=0, dp_size=2, timeout=1).rows == [0, 2, 4, 6]
+    assert [dock.get("x", ["s"], None, dp_rank=r, dp_size=2, timeout=1).rows for r in range(2)] == \
+        [[0, 1, 2, 3], [4, 5, 6, 7]]
+    # ... unless blocks cost balance: then the plain LPT bins
+    dock.reset(3)
+    rows = dock.add_groups(4, 2)
+    dock.put({"t": [torch.ones(n) for n in (9, 9, 1, 1, 9, 9, 1, 1)]}, rows)
+    got = [dock.get("x", ["t"], None, dp_rank=r, dp_size=2, timeout=1) for r in range(2)]
+    assert [int(b.lengths("t").sum()) for b in got] == [20, 20]    # blocks would be 38 / 2
 
 
 def test_concurrent_thread_writers_and_readers():

@@ -200,11 +200,13 @@ class _Meta:
                        if units else [])  # one pass over the rows, not a numpy call per unit
             bins = (partition_lpt(weights, dp_size, True) if self.equal_count
                     else partition_kk(weights, dp_size))
+            # Where it costs no balance, rows cached on ranks stay with their holder, and stored rows
+            # go out in contiguous blocks (row order): a rank's read is then one slice of what one
+            # writer put, not a gather from every writer's chunk.
             home = self._home_bins(columns, units, dp_size)
-            if home is not None:  # rows cached on ranks: keep them there when that costs no balance
-                stay = partition_sticky(weights, dp_size, home, self.equal_count)
-                if max_load(weights, stay) <= max_load(weights, bins):
-                    bins = stay
+            stay = partition_sticky(weights, dp_size, home, self.equal_count)
+            if max_load(weights, stay) <= max_load(weights, bins):
+                bins = stay
             part = [sorted(x for i in b for x in units[i]) for b in bins]
             cs.taken[rows] = True
             cs.partitions.append(part)
@@ -237,13 +239,14 @@ class _Meta:
         self.version += 1
         return chosen
 
-    def _home_bins(self, columns: Sequence[str], units: list[list[int]], dp_size: int) -> list[int] | None:
-        """Per unit, the rank whose TensorCache holds it (the holder rank counts as the DP rank, as in
-        a pure-DP layout; -1 when its rows are held apart or on a rank outside ``0..dp_size-1``),
-        for the largest cached column claimed; None when nothing claimed is cached."""
+    def _home_bins(self, columns: Sequence[str], units: list[list[int]], dp_size: int) -> list[int]:
+        """Per unit, the bin it would rather be in. With a cached column claimed: the rank whose
+        TensorCache holds it (the holder rank counts as the DP rank, as in a pure-DP layout; -1 when
+        its rows are held apart or on a rank outside ``0..dp_size-1``), for the largest such column.
+        Else its block of the row order (unit i of n: bin ``i * dp_size // n``)."""
         cached = [c for c in columns if c in self.holder and (self.holder[c] >= 0).any()]
         if not cached or not units:
-            return None
+            return [i * dp_size // len(units) for i in range(len(units))]
         col = max(cached, key=lambda c: int(self.lengths[c].sum()))
         held = self.holder[col]
         home = []

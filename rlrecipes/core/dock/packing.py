@@ -91,17 +91,20 @@ def pack_column(name: str, value: Any, n_rows: int, own: bool = False) -> Packed
 
 
 def slice_packed(p: Packed, idx: Sequence[int]) -> Packed:
-    """The rows ``idx`` (positions in ``p``) as a new Packed; one gather copy (none for all rows)."""
+    """The rows ``idx`` (positions in ``p``) as a new Packed: a view of ``p`` for one run of
+    consecutive positions, else one gather copy."""
     n = len(p.shapes)
     if len(idx) == n and list(idx) == list(range(n)):
         return p
     if not len(idx):
         return Packed(p.flat[:0], [], p.dtype, p.stacked)
     pos = np.asarray(idx, np.int64)
+    off = p.offsets
+    if pos[-1] - pos[0] == pos.size - 1 and (pos.size == 1 or (np.diff(pos) == 1).all()):
+        return Packed(p.flat[off[pos[0]]:off[pos[-1] + 1]], p.shapes[pos[0]:pos[-1] + 1], p.dtype, p.stacked)  # a view
     if p.stacked and len(set(p.shapes)) == 1:   # equal rows: one fancy-index gather
         flat = p.flat.reshape(n, -1)[pos].reshape(-1)
     else:  # runs of consecutive positions are one slice each
-        off = p.offsets
         cut = np.flatnonzero(np.diff(pos) != 1) + 1
         flat = np.concatenate([p.flat[off[run[0]]:off[run[-1] + 1]] for run in np.split(pos, cut)])
     return Packed(flat, [p.shapes[i] for i in pos.tolist()], p.dtype, p.stacked)
