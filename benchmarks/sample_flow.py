@@ -8,20 +8,23 @@ int64 and ``log_probs [L]`` float32; each later stage reads its inputs and write
 Modes:
   centralised  the driver gathers every stage's output (``ray.get``) into one batch and scatters
                contiguous chunks as the next stage's input (the single-controller design).
-  dock         every worker runs its own loop over the stages, pulling a token-balanced share of
-               the rows from the TransferDock and putting its outputs back; the driver only says
-               "step s" and collects timings.
+  dock         every worker runs its own loop over the steps and stages (one call from the driver
+               for the whole run, as the workflow's workers do), pulling a token-balanced share of
+               the rows from the TransferDock at each stage. A stage's outputs are put with
+               ``defer=True``, so they ride on the next stage's claim: one round trip per worker
+               and stage ("write my outputs, hand me my next inputs").
   dock+cache   like dock, but columns a worker produces and consumes itself (ids, log-probs,
                scores, ref log-probs, advantages) stay in its TensorCache and the dock records
-               only "held on rank r" -- published in one controller call just before the first
-               stage that needs another rank's rows. The update stage uses the dock's balanced
-               layout, so its inputs move with one all-to-all (gloo) between the workers.
+               only "held on rank r" -- the marks ride on the update's claim. The update stage
+               uses the dock's balanced layout; the dock keeps rows with their holder where that
+               costs no balance, and ``TensorCache.exchange`` moves whatever the layout moved (with
+               this benchmark's equal-length rows: nothing, and no collective).
 
 Prints one JSON line per (mode, W): mode, workers, rows, seq_len, seconds_per_step,
 driver_bytes (sample bytes that passed through the driver process, counted where the driver
 receives or sends arrays), skew_p50_s / skew_p99_s (last minus first worker start of a stage,
-over all stages and measured steps), plus moved_bytes (sample bytes moved between processes by
-the mode's data path, for context), and cpu_s_per_step: CPU seconds used per measured step by
+over all stages and measured steps), a2a_bytes_per_step (sample bytes the dock+cache mode's
+TensorCache exchange moved between workers), and cpu_s_per_step: CPU seconds used per measured step by
 every process of the local Ray session (driver, raylet, GCS, workers, dock actors; warm-up step
 excluded). On a shared 2-core machine the wall time mostly measures how much CPU a mode burns, and
 the CPU figure is the steadier of the two.
@@ -31,9 +34,11 @@ What is timed, per mode (the same things a real step pays):
                store, results gathered (ray.get) and concatenated in the driver, then split again
                for the next stage -- "the driver splits it, pickles it, sends it, gathers it and
                concatenates it". Row ids are made by the driver itself (no allocation call).
-  dock / dock+cache  the driver's ``dock.reset(step, groups=...)`` (controller and warehouses
-               cleared in parallel and the step's groups allocated: one round trip) is inside the
-               timed step: the workflow pays it every step too (on worker rank 0).
+  dock / dock+cache  rank 0 opens each step: a claim that waits for every worker's last write
+               of the step before, ``dock.reset(step, groups=...)`` (controller and warehouses
+               cleared in parallel and the groups allocated: one round trip) and one broadcast of
+               the rows (gloo). Rank 0's clock at each opening delimits the steps; the workflow
+               pays the same per step (on worker rank 0).
 
     python benchmarks/sample_flow.py                       # W = 2, 4, 8, 16; L = 1024; 64 rows/worker
     python benchmarks/sample_flow.py --workers 8 --seq-len 512 --rows-per-worker 32 --steps 5
@@ -320,7 +325,7 @@ def main(argv=None):
             ray.get([w.ready.remote() for w in workers])
             port = _free_port()
             ray.get([w.init_group.remote(port) for w in workers])
-            dock = TransferDock.ray(concurrency=int(os.environ.get("SF_CONC", "256")))
+            dock = TransferDock.ray()
             ray.get([w.set_dock.remote(dock) for w in workers])
             try:
                 for mode in args.modes:

@@ -130,9 +130,10 @@ class DockClient(abc.ABC):
 
         ``defer=True``: hold the write until this client's next :meth:`get` (or :meth:`flush`,
         :meth:`reset`), which carries it in the same call -- "write my outputs, hand me my next
-        inputs" in one round trip. For a put followed directly by a get: nobody else sees the rows
-        before that call, and the tensors must not be changed in place until then. An in-process
-        backend writes at once either way."""
+        inputs" in one round trip. For a put followed directly by this client's next dock call:
+        nobody else sees the rows before that call (a process that waits on a collective with the
+        rows' readers in between deadlocks them until their claim times out), and the tensors must
+        not be changed in place until then. An in-process backend writes at once either way."""
         ...
 
     @abc.abstractmethod
