@@ -167,8 +167,11 @@ def dynamic_sampling(ctx: Context, st: StepState) -> None:
     st.more = len(st.kept_rows) < st.target and st.round < ds.max_gen_batches
     if not st.more:
         if ctx.rank == 0 and len(st.kept_rows) > st.target:  # trim the surplus groups
-            ctx.dock.drop_rows([x for g in st.kept_rows[st.target:] for x in g])
-        dist.barrier()  # every rank sees the final batch before the next stage claims rows
+            ctx.dock.drop_rows([x for g in st.kept_rows[st.target:] for x in g], defer=st.own is not None)
+        if st.own is None:
+            dist.barrier()  # every rank sees the final batch before the next stage claims rows
+        # colocated: every rank reached the same verdict itself, and rank 0's drops ride on its next
+        # dock call; a claim (the only reader: none of these rows is in the dock yet) waits for them
 
 
 # ------------------------------------------------------------------------------ forward passes
@@ -182,7 +185,7 @@ def _filter_groups(ctx: Context, st: StepState, rows: list[int], metric: torch.T
     kept_g = set(int(g) for g in res.kept_group_ids)
     drop = [x for g, rs in enumerate(groups) if g not in kept_g for x in rs]
     if drop and ctx.rank == 0:
-        ctx.dock.drop_rows(drop)
+        ctx.dock.drop_rows(drop, defer=st.own is not None)  # colocated: see dynamic_sampling
     return {"kept_rows": st.kept_rows + [rs for g, rs in enumerate(groups) if g in kept_g],
             "kept": len(kept_g), "dropped": len(groups) - len(kept_g)}
 

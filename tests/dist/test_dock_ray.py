@@ -174,6 +174,22 @@ def test_deferred_writes_and_marks_ride_on_the_next_call(dock):
     dock.put({"e": torch.ones(6)}, rows, defer=True)
     dock.flush()
     assert dock.stats()["ready"]["e"] == 6
+    # a held drop: another client's claim waits for it (the dropped rows are never written), and
+    # the dropping client's next call carries it
+    rows = dock.reset(next(_steps), groups=(3, 2))
+    dock.put({"f": torch.ones(4)}, rows[:4])
+    dock.drop_rows(rows[4:], defer=True)
+    other = pickle.loads(pickle.dumps(dock))
+    with pytest.raises(DockTimeout):
+        other.get("g", ["f"], None, timeout=0.5)
+    assert dock.get("h", ["f"], None, timeout=5).rows == rows[:4]       # carries the drop
+    assert other.get("g", ["f"], None, timeout=5).rows == rows[:4]
+    assert dock.stats()["dropped_rows"] == 2
+    # a reset discards held drops: the new step's rows are all live
+    dock.drop_rows([0, 1], defer=True)
+    rows = dock.reset(next(_steps), groups=(1, 2))
+    dock.flush()
+    assert dock.stats()["dropped_rows"] == 0
 
 
 def _shared_mapping_of(ptr: int) -> str | None:

@@ -44,16 +44,23 @@ def test_disaggregated_k1_trains_one_version_behind(tmp_path):
         assert "timing_s/old" not in r
 
 
-def test_update_on_own_rows_trains_what_the_rebalanced_update_trains(tmp_path):
+@pytest.mark.parametrize("recipe, extra", [
+    ("qwen25_7b", []),
+    # DAPO: its first step drops groups and trims a second round's surplus; rank 0's drops ride on
+    # its next dock call (the re-balancing claim), which a claim that waited for them needs
+    ("qwen3_moe_30b", ["actor.layout.ep=1"]),
+])
+def test_update_on_own_rows_trains_what_the_rebalanced_update_trains(tmp_path, recipe, extra):
     """Colocated pure DP at W=2: each worker trains on the rows it generated while the loads are within
     ``trainer.rebalance_tolerance`` (no dock claim in the update); with tolerance 0 the update re-balances
     through the dock. One mini-batch normalised by the global token count: the same step either way."""
     own, rebal = tmp_path / "own", tmp_path / "rebal"
-    common = ["--steps", "1", "-d", "2", *BASE]
-    cli("run", "qwen25_7b", "--out", str(own), *common, "trainer.rebalance_tolerance=100")
-    cli("run", "qwen25_7b", "--out", str(rebal), *common, "trainer.rebalance_tolerance=0")
+    common = ["--steps", "1", "-d", "2", *BASE, *extra, "trainer.dock_timeout_s=60"]
+    cli("run", recipe, "--out", str(own), *common, "trainer.rebalance_tolerance=100")
+    cli("run", recipe, "--out", str(rebal), *common, "trainer.rebalance_tolerance=0")
     [a], [b] = metrics(own), metrics(rebal)
     assert a["dock_s/update"] == 0.0 and b["dock_s/update"] > 0.0   # only the re-balancing update claims
     assert a["reward/mean"] == b["reward/mean"] and a["perf/tokens"] == b["perf/tokens"]
+    assert a.get("dapo/dropped_groups", 1) == b.get("dapo/dropped_groups", 1) > 0    # DAPO dropped some
     for k in ["actor/loss", "actor/pg_loss", "actor/kl", "actor/grad_norm"]:  # all reduced over the ranks
         assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-7), k

@@ -158,7 +158,11 @@ class DockClient(abc.ABC):
         ...
 
     @abc.abstractmethod
-    def drop_rows(self, rows: Sequence[int]) -> None:
+    def drop_rows(self, rows: Sequence[int], *, defer: bool = False) -> None:
+        """Drop ``rows`` from the step: no claim hands them out, and their data is freed.
+        ``defer=True``: hold the drop until this client's next dock call, which carries it (as for
+        :meth:`put`); a claim that needs every live row waits for it meanwhile, so nobody is handed a
+        dropped row. A reset discards held drops (the new step has none of these rows)."""
         ...
 
     @abc.abstractmethod

@@ -63,7 +63,7 @@ class LocalDock(DockClient):
     def all_consumed(self, consumer) -> bool:
         return self._wh.control("all_consumed", consumer)
 
-    def drop_rows(self, rows) -> None:
+    def drop_rows(self, rows, *, defer=False) -> None:
         rows = [int(r) for r in rows]
         self._wh.control("drop_rows", rows)
         self._wh.drop(rows)

@@ -40,6 +40,7 @@ class RayDock(DockClient):
         self._pending: list[tuple] = []     # unsettled writes: (kind, ref, payload)
         self._deferred: dict[int, list] = {}  # warehouse -> writes held for the next call (put(defer=True))
         self._deferred_marks: list = []       # cache marks held for the next call
+        self._deferred_drops: list[int] = []  # dropped rows held for the next call
         self._home: int | None = None       # this process's node's warehouse (resolved lazily)
         self._ahead = None                  # a reset sent ahead (reset_ahead): a copy has none
         self.round_trips = 0
@@ -88,6 +89,7 @@ class RayDock(DockClient):
         return ray
 
     def _start_reset(self, step, groups):
+        self._deferred_drops = []   # moot: the new step has none of those rows
         self.flush()
         wh = self._local_warehouse() if groups is not None and self._placement == "writer_node" else None
         # Warehouses and controller in parallel: one round trip of latency, the groups included.
@@ -146,24 +148,25 @@ class RayDock(DockClient):
         else:
             self._pending.append(("mark", self._ctl("mark_ready", *mark), None))
 
-    def _send_deferred(self, carrier: int | None = None) -> tuple[list, list]:
-        """Send the held writes and marks, one ``apply`` call per warehouse (the marks go with the
-        head's, which hosts the controller), except ``carrier``'s: those, and the marks, are
-        returned for the caller's own call to that warehouse to carry (any warehouse forwards marks
-        to the controller)."""
+    def _send_deferred(self, carrier: int | None = None) -> tuple[list, list, list]:
+        """Send the held writes, marks and drops, one ``apply`` call per warehouse (marks and drops
+        go with the head's, which hosts the controller), except ``carrier``'s: its writes, and the
+        marks and drops, are returned for the caller's own call to that warehouse to carry (any
+        warehouse forwards them to the controller)."""
         deferred, self._deferred = self._deferred, {}
         marks, self._deferred_marks = self._deferred_marks, []
+        drops, self._deferred_drops = self._deferred_drops, []
         if carrier is not None:
-            carried = (deferred.pop(carrier, []), marks)
-            marks = []
+            carried = (deferred.pop(carrier, []), marks, drops)
+            marks, drops = [], []
         else:
-            carried = ([], [])
-            if marks:
+            carried = ([], [], [])
+            if marks or drops:
                 deferred.setdefault(0, [])
         for w, writes in deferred.items():
-            ms = marks if w == 0 else []
-            self._pending.append(("apply", self._warehouses[w].apply.remote(writes, ms),
-                                  [wr[0] for wr in writes] + [None] * len(ms)))
+            ms, ds = (marks, drops) if w == 0 else ([], [])
+            self._pending.append(("apply", self._warehouses[w].apply.remote(writes, ms, ds),
+                                  [wr[0] for wr in writes] + [None] * (len(ms) + (1 if ds else 0))))
         return carried
 
     def _settle(self, answers, rows_of) -> None:
@@ -178,7 +181,7 @@ class RayDock(DockClient):
     def flush(self) -> None:
         """Wait for this client's writes and cache marks (sending the deferred ones); raise the
         first failure."""
-        if self._deferred or self._deferred_marks:
+        if self._deferred or self._deferred_marks or self._deferred_drops:
             self._send_deferred()
         if not self._pending:
             return
@@ -200,9 +203,9 @@ class RayDock(DockClient):
         columns = list(columns)
         home = self._local_warehouse()
         home = 0 if home is None else home
-        writes, marks = self._send_deferred(carrier=home)   # the home warehouse's go with the claim
+        writes, marks, drops = self._send_deferred(carrier=home)   # the home warehouse's go with the claim
         ref = self._warehouses[home].claim_read.remote(consumer, columns, count, dp_rank, dp_size, whole_groups,
-                                                       float(timeout), writes, marks)
+                                                       float(timeout), writes, marks, drops)
         self.flush()   # this client's other writes settle while the claim is in flight
         try:
             res = self._wait(ref, timeout=timeout + 60.0)
@@ -210,7 +213,7 @@ class RayDock(DockClient):
             raise DockTimeout(consumer, columns, timeout, {
                 "step": "?", "total": "?", "live": "?", "taken": "?", "dp_rank": dp_rank,
                 "dp_size": dp_size, "wanted": count, "ready": {}, "ready_all": "? (controller unresponsive)"})
-        self._settle(res[-1], [w[0] for w in writes] + [None] * len(marks))
+        self._settle(res[-1], [w[0] for w in writes] + [None] * (len(marks) + (1 if drops else 0)))
         if res[0] == "timeout":
             raise DockTimeout(consumer, columns, timeout, res[1])
         _, rows, cached, stored, read_at, local_data, _ = res
@@ -250,7 +253,10 @@ class RayDock(DockClient):
         self.flush()
         return self._wait(self._ctl("all_consumed", consumer))
 
-    def drop_rows(self, rows) -> None:
+    def drop_rows(self, rows, *, defer=False) -> None:
+        if defer:
+            self._deferred_drops.extend(int(r) for r in rows)
+            return
         self.flush()
         by_wh = self._wait(self._ctl("drop_rows", [int(r) for r in rows]))
         self._wait([self._warehouses[w].drop.remote(rs) for w, rs in by_wh.items()])

@@ -192,33 +192,42 @@ class _Warehouse:
                 raise DockError(f"warehouse {self.index}: read for step {step}, dock at step {self.step}")
             return {c: self.store.read(c, rows) for c in columns}
 
-    def apply(self, writes=(), marks=()):
-        """Several writes to this warehouse (``(rows, packed, meta)`` each, as :meth:`write`) and
-        cache marks (``(meta, rows, rank)`` each, for the controller), in order, in one call: what a
-        client deferred until its next call. Answers one entry per write and mark: None, ``("moved",
-        ...)`` or ``("error", message)``; it stops at the first error (later entries answer None)."""
+    def apply(self, writes=(), marks=(), drops=()):
+        """What a client deferred until its next call, in one call and in this order: writes to this
+        warehouse (``(rows, packed, meta)`` each, as :meth:`write`), cache marks (``(meta, rows,
+        rank)`` each) and dropped rows (one list), the last two for the controller. Answers one
+        entry per write and mark, and one for the drops if any: None, ``("moved", ...)`` or
+        ``("error", message)``; it stops at the first error (later entries answer None)."""
+        n = len(writes) + len(marks) + (1 if drops else 0)
         answers = []
         for rows, packed, meta in writes:
             answers.append(self.write(rows, packed, meta))
             if answers[-1] is not None and answers[-1][0] == "error":
-                return answers + [None] * (len(writes) + len(marks) - len(answers))
-        for meta, rows, rank in marks:
+                return answers + [None] * (n - len(answers))
+        steps = [("mark_ready", m) for m in marks] + ([("drop_rows", (list(drops),))] if drops else [])
+        for method, args in steps:
             try:
-                self._control("mark_ready", meta, rows, rank)
-                answers.append(None)
+                res = self._control(method, *args)
             except DockError as e:
                 answers.append(("error", str(e)))
-                return answers + [None] * (len(writes) + len(marks) - len(answers))
+                return answers + [None] * (n - len(answers))
+            answers.append(None)
+            if method == "drop_rows":   # the dropped rows' data: here, and on the other warehouses
+                for w, rs in res.items():
+                    if w == self.index:
+                        self.drop(rs)
+                    else:
+                        self.peers[w].drop.remote(rs)
         return answers
 
     def claim_read(self, consumer, columns, count, dp_rank, dp_size, whole_groups, timeout,
-                   writes=(), marks=()):
-        """The caller's deferred ``writes`` and ``marks`` (see :meth:`apply`), then the controller's
+                   writes=(), marks=(), drops=()):
+        """The caller's deferred ``writes``, ``marks`` and ``drops`` (see :meth:`apply`), then the controller's
         claim, then this warehouse's share of the claimed rows read here: one client round trip for
         "write my outputs, hand me my next inputs" when the rows live on the caller's node. Answers
         ``("ok", rows, cached, stored, index, data, answers)``, ``("timeout", diagnostics, answers)``
         or, when a deferred write failed, ``("error", message, answers)`` without claiming."""
-        answers = self.apply(writes, marks) if writes or marks else []
+        answers = self.apply(writes, marks, drops) if writes or marks or drops else []
         bad = next((a for a in answers if a is not None and a[0] == "error"), None)
         if bad is not None:
             return ("error", bad[1], answers)
