@@ -39,10 +39,11 @@ the consumer has not taken yet has ``cols`` ready, then partitions those rows (o
 into ``k`` bins by token count -- greedy LPT with equal row counts per bin (``equal_count=True``,
 default; what micro-batched training wants) or Karmarkar-Karp differencing (``equal_count=False``)
 -- and every rank receives its own bin. The partition is deterministic (ties broken by row id).
-When the claimed columns are cached on ranks (``mark_cached``), the rows stay with their holder
-(its rank taken as the DP rank) wherever that costs no balance (``partition_sticky``: the heaviest
-bin is no heavier than the plain partition's), so a balanced step's ``TensorCache.exchange`` moves
-nothing and an unbalanced one moves only the excess.
+Among partitions no less balanced (``partition_sticky``: the heaviest bin is no heavier than the
+plain partition's), the claim keeps rows where they are: rows of cached columns (``mark_cached``)
+with their holder (its rank taken as the DP rank), so a balanced step's ``TensorCache.exchange``
+moves nothing and an unbalanced one only the excess; stored rows in contiguous blocks of the row
+order, so a rank's read is one slice of one writer's chunk.
 ``count=N`` streams: the rank takes the first ``N`` ready rows nobody of that consumer took yet.
 """
 from __future__ import annotations
