@@ -55,9 +55,13 @@ class RayDock(DockClient):
         self.__dict__.update(d)
         self._init_client()   # a copy is a new client: its own row map, no unsettled writes
 
+    def _call(self, w: int, method: str, *args):
+        """Warehouse ``w``'s ``method``: one Ray call with one argument (see ``_Warehouse.call``)."""
+        return self._warehouses[w].call.remote((method, args))
+
     def _ctl(self, method: str, *args):
         """A controller call (the controller lives in the head warehouse's process)."""
-        return self._warehouses[0].control.remote(method, *args)
+        return self._call(0, "control", method, *args)
 
     def _wait(self, refs, **kw):
         """``ray.get`` counted as one round trip of the caller."""
@@ -92,8 +96,10 @@ class RayDock(DockClient):
         self._deferred_drops = []   # moot: the new step has none of those rows
         self.flush()
         wh = self._local_warehouse() if groups is not None and self._placement == "writer_node" else None
-        # Warehouses and controller in parallel: one round trip of latency, the groups included.
-        return [w.clear.remote(step) for w in self._warehouses] + [self._ctl("reset", step, groups, wh)]
+        # The other warehouses in parallel with the head's call (its store and the controller):
+        # one round trip of latency, the groups included.
+        return [self._call(w, "clear", step) for w in range(1, len(self._warehouses))] + \
+            [self._call(0, "start_step", step, groups, wh)]
 
     def _finish_reset(self, started):
         *_, res = self._wait(started)
@@ -139,7 +145,7 @@ class RayDock(DockClient):
             if defer:
                 self._deferred.setdefault(w, []).append(write)
             else:
-                self._pending.append(("put", self._warehouses[w].write.remote(*write), write[0]))
+                self._pending.append(("put", self._call(w, "write", *write), write[0]))
 
     def mark_cached(self, columns, rows, rank, *, defer=False) -> None:
         mark = (_cached_meta(columns, rows), [int(r) for r in rows], int(rank))
@@ -165,7 +171,7 @@ class RayDock(DockClient):
                 deferred.setdefault(0, [])
         for w, writes in deferred.items():
             ms, ds = (marks, drops) if w == 0 else ([], [])
-            self._pending.append(("apply", self._warehouses[w].apply.remote(writes, ms, ds),
+            self._pending.append(("apply", self._call(w, "apply", writes, ms, ds),
                                   [wr[0] for wr in writes] + [None] * (len(ms) + (1 if ds else 0))))
         return carried
 
@@ -204,8 +210,8 @@ class RayDock(DockClient):
         home = self._local_warehouse()
         home = 0 if home is None else home
         writes, marks, drops = self._send_deferred(carrier=home)   # the home warehouse's go with the claim
-        ref = self._warehouses[home].claim_read.remote(consumer, columns, count, dp_rank, dp_size, whole_groups,
-                                                       float(timeout), writes, marks, drops)
+        ref = self._call(home, "claim_read", consumer, columns, count, dp_rank, dp_size, whole_groups,
+                         float(timeout), writes, marks, drops)
         self.flush()   # this client's other writes settle while the claim is in flight
         try:
             res = self._wait(ref, timeout=timeout + 60.0)
@@ -226,7 +232,7 @@ class RayDock(DockClient):
         data = {}
         if cols:
             got = {read_at: local_data} if local_data is not None else {}
-            refs = {w: self._warehouses[w].read.remote(step, cols, rs)
+            refs = {w: self._call(w, "read", step, cols, rs)
                     for w, rs in stored["by_warehouse"].items() if w not in got}
             if refs:
                 got.update(zip(refs, self._wait(list(refs.values()))))
@@ -259,7 +265,7 @@ class RayDock(DockClient):
             return
         self.flush()
         by_wh = self._wait(self._ctl("drop_rows", [int(r) for r in rows]))
-        self._wait([self._warehouses[w].drop.remote(rs) for w, rs in by_wh.items()])
+        self._wait([self._call(w, "drop", rs) for w, rs in by_wh.items()])
 
     def stats(self) -> dict:
         self.flush()
