@@ -357,3 +357,30 @@ def test_reset_ahead_is_taken_by_the_matching_reset_only(dock):
     dock.reset_ahead(6, groups=(1, 2))
     assert dock.reset(7, groups=(2, 2)) == [0, 1, 2, 3]    # another step: a fresh reset, not the one sent
     assert dock.stats()["step"] == 7
+
+
+@pytest.mark.parametrize("big", [False, True])
+def test_wire_format_round_trips_every_column_kind(big, monkeypatch):
+    """What a Ray call carries (packing.to_wire) comes back as the same rows: stacked and list
+    columns, bf16 (stored as int16), scalars, no rows; small buffers as bytes, big ones as arrays."""
+    import numpy as np
+    from rlrecipes.core.dock import packing
+    if big:
+        monkeypatch.setattr(packing, "WIRE_BYTES_MAX", 0)
+    cols = {
+        "ids": torch.arange(12, dtype=torch.int64).view(3, 4),
+        "ragged": [torch.ones(2), torch.zeros(5), torch.full((1,), 3.0)],
+        "bf": torch.randn(3, 2, 2).to(torch.bfloat16),
+        "score": torch.tensor([0.5, 1.0, -1.0]),
+    }
+    for name, value in cols.items():
+        p = packing.pack_column(name, value, 3)
+        w = packing.to_wire(p)
+        assert isinstance(w[0], np.ndarray if big else bytes)
+        back = packing.unpack(packing.from_wire(pickle.loads(pickle.dumps(w))), copy=True)
+        if isinstance(value, list):
+            assert all(torch.equal(a, b) for a, b in zip(back, value)) and len(back) == 3
+        else:
+            assert back.dtype == value.dtype and torch.equal(back, value)
+    empty = packing.slice_packed(packing.pack_column("ids", cols["ids"], 3), [])
+    assert packing.from_wire(packing.to_wire(empty)).shapes == []

@@ -8,7 +8,7 @@ import time
 import numpy as np
 
 from .errors import DockError, DockTimeout, DEFAULT_TIMEOUT_S
-from .packing import Packed, slice_packed, concat_packed, unpack
+from .packing import Packed, columns_from_wire, columns_to_wire, slice_packed, concat_packed, unpack
 from .client import Batch, DockClient, _put_meta, _cached_meta, _empty_batch
 
 
@@ -140,7 +140,7 @@ class RayDock(DockClient):
         for i, w in enumerate(wh_of):
             by_wh.setdefault(w, []).append(i)
         for w, pos in by_wh.items():
-            write = ([rows[i] for i in pos], {c: slice_packed(p, pos) for c, p in packed.items()},
+            write = ([rows[i] for i in pos], columns_to_wire({c: slice_packed(p, pos) for c, p in packed.items()}),
                      {c: (d, st, [ls[i] for i in pos]) for c, (d, st, ls) in meta.items()})
             if defer:
                 self._deferred.setdefault(w, []).append(write)
@@ -231,11 +231,11 @@ class RayDock(DockClient):
             return _empty_batch(stored, cached)
         data = {}
         if cols:
-            got = {read_at: local_data} if local_data is not None else {}
+            got = {read_at: columns_from_wire(local_data)} if local_data is not None else {}
             refs = {w: self._call(w, "read", step, cols, rs)
                     for w, rs in stored["by_warehouse"].items() if w not in got}
             if refs:
-                got.update(zip(refs, self._wait(list(refs.values()))))
+                got.update(zip(refs, map(columns_from_wire, self._wait(list(refs.values())))))
             parts: dict[str, list[Packed]] = {c: [] for c in cols}
             pos: list[int] = []
             for w, rs in stored["by_warehouse"].items():
