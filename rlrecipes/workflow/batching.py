@@ -13,15 +13,15 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+from ..core.collectives import all_gather_objects, broadcast_object
 from ..core.tensor_cache import comm_device
 from ..engines.base import SeqBatch, TrainEngine
 from .context import Context
 
 
-def broadcast(obj: Any, src: int = 0, group=None) -> Any:
-    box = [obj]
-    dist.broadcast_object_list(box, src=src, group=group)
-    return box[0]
+def broadcast(obj: Any, src: int = 0, group=None, device: torch.device | None = None) -> Any:
+    """``obj`` of global rank ``src`` on every rank (one collective; ``core.collectives``)."""
+    return broadcast_object(obj, src, group=group, device=device or torch.device("cpu"))
 
 
 def all_gather(t: torch.Tensor) -> list[torch.Tensor]:
@@ -43,7 +43,7 @@ def share_rows(engine: TrainEngine, data: dict, device: torch.device) -> dict:
         return data
     lead = dist.get_rank() == src
     layout, parts = _flatten(data) if lead else (None, [])
-    layout = broadcast(layout, src=src, group=group)
+    layout = broadcast(layout, src=src, group=group, device=device)
     comm = comm_device(group, device)
     n = sum(nb for *_, nb in layout)
     buf = (torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8)).to(comm) if lead else \
@@ -62,8 +62,7 @@ def gather_in_model_parallel_group(engine: TrainEngine, data: dict, device: torc
     if group is None:
         return data
     layout, parts = _flatten(data)
-    layouts: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(layouts, layout, group=group)
+    layouts = all_gather_objects(layout, group=group, device=device)
     sizes = [sum(nb for *_, nb in lay) for lay in layouts]
     comm = comm_device(group, device)
     mine = torch.zeros(max(sizes), dtype=torch.uint8)

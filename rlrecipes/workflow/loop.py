@@ -12,6 +12,7 @@ from typing import Any
 import torch.distributed as dist
 
 from .. import device as dev
+from ..core.collectives import all_gather_objects
 from ..metrics import COMPUTE_STAGES, StageTimer, dispatch_skew, tps_per_card
 from .context import Context
 from .stages import RUNNERS, StepState, publish_or_receive, rollout
@@ -61,11 +62,7 @@ def train_step(ctx: Context, step: int) -> dict:
              "dock_trips": ctx.dock.round_trips - trips0, "dock_wait": ctx.dock.wait_s - wait0,
              "dock_stage": t.dock_wait, "stale_sum": st.staleness_sum, "stale_max": st.staleness_max,
              "reward_sum": st.reward_sum, "reward_n": st.reward_n, "errors": st.errors, "first_error": st.first_error}
-    gathered: list = [None] * ctx.world
-    if ctx.world == 1:
-        gathered[0] = facts
-    else:
-        dist.all_gather_object(gathered, facts)
+    gathered = all_gather_objects(facts, device=ctx.device)
     if ctx.role == "both" and ctx.rank == 0 and step + 1 < ctx.end_step:
         # every worker has flushed this step's writes (the gather above follows each one's flush):
         # the next step's reset goes out now and is answered while this one's row is assembled

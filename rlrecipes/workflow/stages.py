@@ -21,6 +21,7 @@ from ..algos import overlong_reward_penalty
 from ..algos.spec import (actor_loss_fn, critic_loss_fn, dynamic_sampling_column, gae_advantages,
                           outcome_advantages)
 from ..engines.base import SamplingParams, SeqBatch
+from ..core.collectives import all_gather_objects
 from .batching import (all_gather, broadcast, gather_in_model_parallel_group, global_counts, local_counts,
                        seq_batch, subset, train_rows)
 from .context import Context
@@ -67,7 +68,7 @@ def rollout(ctx: Context, st: StepState) -> None:
     if ctx.rank == 0:
         first = ctx.role == "both" and st.round == 0
         rows = ctx.dock.reset(st.step, groups=(st.target, n)) if first else ctx.dock.add_groups(st.target, n)
-    rows = broadcast(rows) if ctx.world > 1 else rows
+    rows = broadcast(rows, device=ctx.device) if ctx.world > 1 else rows
     prompt_idx = ctx.sampler.next_indices(st.target)  # identical on every rank
     mine = list(range(eng.dp_rank, st.target, eng.dp_size))
     group_prompts = [torch.tensor(ctx.dataset[prompt_idx[g]]["prompt_ids"], dtype=torch.long) for g in mine]
@@ -153,16 +154,14 @@ def dynamic_sampling(ctx: Context, st: StepState) -> None:
     if st.own is not None:  # colocated: every worker's own scores by one small all-gather, and each
         # rank reaches the same verdict (nothing of these rows is in the dock yet: OwnRows.publish)
         mine = st.own.last_scored(col)
-        every = [mine] if ctx.world == 1 else [None] * ctx.world
-        if ctx.world > 1:
-            dist.all_gather_object(every, (mine[0], mine[1].tolist()))
+        every = all_gather_objects((mine[0], mine[1].tolist()), device=ctx.device)
         pairs = sorted((x, float(v)) for rs, vs in every for x, v in zip(rs, vs))  # row order, as the dock's
         rows, metric = [x for x, _ in pairs], torch.tensor([v for _, v in pairs])
         decision = _filter_groups(ctx, st, rows, metric, n)
     elif ctx.rank == 0:
         b = ctx.dock.get("dynamic_sampling", [col], None, whole_groups=True, timeout=r.trainer.dock_timeout_s)
         decision = _filter_groups(ctx, st, list(b.rows), b[col].float(), n)
-    d = decision if st.own is not None else broadcast(decision)
+    d = decision if st.own is not None else broadcast(decision, device=ctx.device)
     st.kept_rows, st.ds_kept, st.ds_dropped = d["kept_rows"], st.ds_kept + d["kept"], st.ds_dropped + d["dropped"]
     st.more = len(st.kept_rows) < st.target and st.round < ds.max_gen_batches
     if not st.more:
