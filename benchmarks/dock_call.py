@@ -1,0 +1,95 @@
+"""What one TransferDock call costs on the Ray backend: one client actor, one warehouse, small rows.
+
+Ops, each repeated ``--calls`` times by the client in its own loop:
+  empty    an empty actor call to a plain actor (Ray's floor on this host)
+  control  a controller call through the warehouse (``step``)
+  put      ``put`` of one column for 32 rows, then ``flush`` (the write's round trip)
+  claim    ``put(..., defer=True)`` of one column, then a ``get`` of another for the same rows
+           (the write rides on the claim: "write my outputs, hand me my next inputs")
+
+One JSON line per op: ``{"op", "calls", "us_per_call", "cpu_us_per_call"}``; the CPU counts every
+process of the local Ray session (caller, warehouse, raylet, ...), the steadier figure on a shared
+host (see sample_flow.py).
+
+    python benchmarks/dock_call.py [--calls 1000] [--rows 32] [--width 8]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+OPS = ("empty", "control", "put", "claim")
+
+
+class _Plain:
+    def noop(self):
+        return None
+
+
+class _Client:
+    def __init__(self, dock, plain, rows: int, width: int):
+        import torch
+        self.d, self.plain = dock, plain
+        self.rows = self.d.reset(0, groups=(max(rows // 8, 1), min(rows, 8)))
+        self.x = torch.zeros(len(self.rows), width, dtype=torch.int64)   # [rows, width]
+        self.d.put({"c0": self.x}, self.rows)
+        self.d.flush()
+        self.claims = 0   # each claim is a new consumer (a consumer takes each row once)
+
+    def loop(self, op: str, n: int) -> float:
+        import ray
+        d, rows, x = self.d, self.rows, self.x
+        t0 = time.perf_counter()
+        for i in range(n):
+            if op == "empty":
+                ray.get(self.plain.noop.remote())
+            elif op == "control":
+                d._wait(d._ctl("step"))
+            elif op == "put":
+                d.put({"p": x}, rows)
+                d.flush()
+            else:
+                d.put({"p": x}, rows, defer=True)
+                self.claims += 1
+                d.get(f"claim{self.claims}", ["c0"], None, dp_rank=0, dp_size=1)
+        return (time.perf_counter() - t0) / n
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--calls", type=int, default=1000)
+    ap.add_argument("--rows", type=int, default=32)
+    ap.add_argument("--width", type=int, default=8, help="int64 values per row")
+    ap.add_argument("--ops", nargs="+", default=list(OPS), choices=OPS)
+    args = ap.parse_args(argv)
+
+    import ray
+    from benchmarks.sample_flow import _session_cpu
+    from rlrecipes.core.dock import TransferDock
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
+             runtime_env={"env_vars": {"PYTHONPATH": root}})
+    dock = TransferDock.ray()
+    try:
+        plain = ray.remote(num_cpus=0)(_Plain).remote()
+        client = ray.remote(num_cpus=0)(_Client).remote(dock, plain, args.rows, args.width)
+        for op in args.ops:
+            ray.get(client.loop.remote(op, max(args.calls // 10, 1)))     # warm-up
+            cpu0 = _session_cpu()
+            dt = ray.get(client.loop.remote(op, args.calls))
+            cpu = (_session_cpu() - cpu0) / args.calls
+            print(json.dumps({"op": op, "calls": args.calls, "us_per_call": round(dt * 1e6),
+                              "cpu_us_per_call": round(cpu * 1e6)}), flush=True)
+    finally:
+        dock.shutdown()
+        ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()
