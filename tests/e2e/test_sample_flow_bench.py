@@ -25,3 +25,14 @@ def test_sample_flow_runs_every_mode():
     assert lines["dock"]["driver_bytes"] == lines["dock+cache"]["driver_bytes"] == 0
     assert lines["dock+cache"]["a2a_bytes_per_step"] == 0
     assert all(d["seconds_per_step"] > 0 and d["rows"] == 16 for d in lines.values())
+
+
+@pytest.mark.dist
+def test_dock_call_prices_every_op():
+    """benchmarks/dock_call.py: every op runs its calls (a claim per new consumer, so none waits)."""
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "dock_call.py"), "--calls", "20"],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = [json.loads(x) for x in out.stdout.splitlines() if x.startswith("{")]
+    assert [d["op"] for d in lines] == ["empty", "control", "put", "claim"]
+    assert all(d["calls"] == 20 and d["us_per_call"] > 0 for d in lines)
