@@ -25,12 +25,10 @@ _CPU = torch.device("cpu")
 
 
 def _frame(obj: Any, cap: int) -> tuple[torch.Tensor, bytes]:
+    """``[8 + cap]`` uint8: the pickle's length, then the pickle if it fits; and the pickle."""
     data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    buf = torch.zeros(8 + cap, dtype=torch.uint8)
-    buf[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
-    if len(data) <= cap:
-        buf[8:8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    return buf, data
+    head = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
+    return torch.cat([head, _padded(data if len(data) <= cap else b"", cap)]), data
 
 
 def _length(buf: torch.Tensor) -> int:

@@ -8,7 +8,7 @@ travel through Ray. The result is engine-neutral: a :class:`~rlrecipes.engines.b
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -17,11 +17,6 @@ from ..core.collectives import all_gather_objects, broadcast_object
 from ..core.tensor_cache import comm_device
 from ..engines.base import SeqBatch, TrainEngine
 from .context import Context
-
-
-def broadcast(obj: Any, src: int = 0, group=None, device: torch.device | None = None) -> Any:
-    """``obj`` of global rank ``src`` on every rank (one collective; ``core.collectives``)."""
-    return broadcast_object(obj, src, group=group, device=device or torch.device("cpu"))
 
 
 def all_gather(t: torch.Tensor) -> list[torch.Tensor]:
@@ -43,7 +38,7 @@ def share_rows(engine: TrainEngine, data: dict, device: torch.device) -> dict:
         return data
     lead = dist.get_rank() == src
     layout, parts = _flatten(data) if lead else (None, [])
-    layout = broadcast(layout, src=src, group=group, device=device)
+    layout = broadcast_object(layout, src, group=group, device=device)
     comm = comm_device(group, device)
     n = sum(nb for *_, nb in layout)
     buf = (torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8)).to(comm) if lead else \

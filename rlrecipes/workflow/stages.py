@@ -21,8 +21,8 @@ from ..algos import overlong_reward_penalty
 from ..algos.spec import (actor_loss_fn, critic_loss_fn, dynamic_sampling_column, gae_advantages,
                           outcome_advantages)
 from ..engines.base import SamplingParams, SeqBatch
-from ..core.collectives import all_gather_objects
-from .batching import (all_gather, broadcast, gather_in_model_parallel_group, global_counts, local_counts,
+from ..core.collectives import all_gather_objects, broadcast_object
+from .batching import (all_gather, gather_in_model_parallel_group, global_counts, local_counts,
                        seq_batch, subset, train_rows)
 from .context import Context
 from .own_rows import OwnRows
@@ -68,7 +68,7 @@ def rollout(ctx: Context, st: StepState) -> None:
     if ctx.rank == 0:
         first = ctx.role == "both" and st.round == 0
         rows = ctx.dock.reset(st.step, groups=(st.target, n)) if first else ctx.dock.add_groups(st.target, n)
-    rows = broadcast(rows, device=ctx.device) if ctx.world > 1 else rows
+    rows = broadcast_object(rows, device=ctx.device)  # as is on one rank
     prompt_idx = ctx.sampler.next_indices(st.target)  # identical on every rank
     mine = list(range(eng.dp_rank, st.target, eng.dp_size))
     group_prompts = [torch.tensor(ctx.dataset[prompt_idx[g]]["prompt_ids"], dtype=torch.long) for g in mine]
@@ -161,7 +161,7 @@ def dynamic_sampling(ctx: Context, st: StepState) -> None:
     elif ctx.rank == 0:
         b = ctx.dock.get("dynamic_sampling", [col], None, whole_groups=True, timeout=r.trainer.dock_timeout_s)
         decision = _filter_groups(ctx, st, list(b.rows), b[col].float(), n)
-    d = decision if st.own is not None else broadcast(decision, device=ctx.device)
+    d = decision if st.own is not None else broadcast_object(decision, device=ctx.device)
     st.kept_rows, st.ds_kept, st.ds_dropped = d["kept_rows"], st.ds_kept + d["kept"], st.ds_dropped + d["dropped"]
     st.more = len(st.kept_rows) < st.target and st.round < ds.max_gen_batches
     if not st.more:

@@ -96,6 +96,13 @@ def columns_to_wire(packed: dict) -> dict:
     return {c: to_wire(p) for c, p in packed.items()}
 
 
+def wire_write(rows: Sequence[int], packed: dict, meta: dict, pos: Sequence[int]) -> tuple:
+    """The write of positions ``pos`` of a put (``rows``, ``{col: Packed}``, ``{col: (dtype, stacked,
+    per-row lengths)}``) as one warehouse takes it: ``(rows, wire columns, meta)``."""
+    return ([rows[i] for i in pos], columns_to_wire({c: slice_packed(p, pos) for c, p in packed.items()}),
+            {c: (d, st, [ls[i] for i in pos]) for c, (d, st, ls) in meta.items()})
+
+
 def columns_from_wire(wire: dict) -> dict:
     return {c: from_wire(w) for c, w in wire.items()}
 

@@ -8,7 +8,7 @@ import time
 import numpy as np
 
 from .errors import DockError, DockTimeout, DEFAULT_TIMEOUT_S
-from .packing import Packed, columns_from_wire, columns_to_wire, slice_packed, concat_packed, unpack
+from .packing import Packed, columns_from_wire, slice_packed, concat_packed, unpack, wire_write
 from .client import Batch, DockClient, _put_meta, _cached_meta, _empty_batch
 
 
@@ -140,8 +140,7 @@ class RayDock(DockClient):
         for i, w in enumerate(wh_of):
             by_wh.setdefault(w, []).append(i)
         for w, pos in by_wh.items():
-            write = ([rows[i] for i in pos], columns_to_wire({c: slice_packed(p, pos) for c, p in packed.items()}),
-                     {c: (d, st, [ls[i] for i in pos]) for c, (d, st, ls) in meta.items()})
+            write = wire_write(rows, packed, meta, pos)
             if defer:
                 self._deferred.setdefault(w, []).append(write)
             else:

@@ -12,7 +12,7 @@ import threading
 import time
 
 from .errors import DockError
-from .packing import columns_from_wire, columns_to_wire, slice_packed, to_wire, _ColumnStore
+from .packing import columns_from_wire, columns_to_wire, wire_write, _ColumnStore
 from .metadata import _Meta
 
 
@@ -122,6 +122,7 @@ class _Warehouse:
     CONTROL = frozenset({"reset", "add_groups", "placement", "mark_ready", "commit", "claim", "cached_on",
                          "all_consumed", "drop_rows", "stats", "step"})
     CALLS = frozenset({"control", "clear", "start_step", "write", "read", "apply", "claim_read", "drop"})
+    _WRITES_AT = {"apply": 0, "claim_read": 7}   # the position of the ``writes`` argument
 
     def __init__(self, index: int, head=None, n_warehouses: int = 1, equal_count: bool = True):
         """``head``: the handle of the warehouse that hosts the controller; None: this one does."""
@@ -144,13 +145,13 @@ class _Warehouse:
             raise DockError(f"warehouse {self.index}: no method {method!r} to call")
         if method == "write":
             args = (args[0], columns_from_wire(args[1]), *args[2:])
-        elif method in ("apply", "claim_read"):
-            k = 0 if method == "apply" else 7
+        elif method in self._WRITES_AT:   # a list of (rows, columns, meta) writes
+            k = self._WRITES_AT[method]
             args = (*args[:k], [(r, columns_from_wire(w), m) for r, w, m in args[k]], *args[k + 1:])
         out = getattr(self, method)(*args)
         if method == "read":
             return columns_to_wire(out)
-        if method == "claim_read" and out[0] == "ok" and out[5] is not None:
+        if method == "claim_read" and out[0] == "ok" and out[5] is not None:   # ("ok", ..., data, answers)
             return (*out[:5], columns_to_wire(out[5]), out[6])
         return out
 
@@ -207,10 +208,8 @@ class _Warehouse:
         for i, w in enumerate(whs):
             by_wh.setdefault(int(w), []).append(i)
         import ray
-        answers = ray.get([self.peers[w].call.remote(("write", (
-            [rows[i] for i in pos], {c: to_wire(slice_packed(p, pos)) for c, p in packed.items()},
-            {c: (d, st, [ls[i] for i in pos]) for c, (d, st, ls) in meta.items()}, hops + 1)))
-            for w, pos in by_wh.items()])
+        answers = ray.get([self.peers[w].call.remote(("write", (*wire_write(rows, packed, meta, pos), hops + 1)))
+                           for w, pos in by_wh.items()])
         bad = next((a for a in answers if a is not None and a[0] == "error"), None)
         return bad or ("moved", res[1], whs)
 
