@@ -384,3 +384,22 @@ def test_wire_format_round_trips_every_column_kind(big, monkeypatch):
             assert back.dtype == value.dtype and torch.equal(back, value)
     empty = packing.slice_packed(packing.pack_column("ids", cols["ids"], 3), [])
     assert packing.from_wire(packing.to_wire(empty)).shapes == []
+
+
+def test_undo_of_a_rejected_write_keeps_a_write_stored_after_it():
+    """A warehouse runs calls on several threads: a writer's put can be stored after its next,
+    rejected put was stored. Taking the rejected one back must not erase the rows stored meanwhile."""
+    from rlrecipes.core.dock.packing import _ColumnStore, pack_column, unpack
+    store = _ColumnStore()
+    rejected = store.write("a", [2, 3], pack_column("a", [torch.ones(2)] * 2, 2))
+    store.write("a", [2, 3], pack_column("a", torch.tensor([5.0, 6.0]), 2))      # lands meanwhile
+    store.undo(rejected)
+    assert unpack(store.read("a", [2, 3]), copy=True).tolist() == [5.0, 6.0]
+    # the ordinary order: the rejected write came last and goes back to what the rows held
+    rejected = store.write("a", [2, 3], pack_column("a", [torch.ones(2)] * 2, 2))
+    store.undo(rejected)
+    assert unpack(store.read("a", [2, 3]), copy=True).tolist() == [5.0, 6.0]
+    gone = store.write("b", [7], pack_column("b", torch.ones(1), 1))
+    store.undo(gone)
+    with pytest.raises(DockError, match="no data"):
+        store.read("b", [7])

@@ -193,19 +193,24 @@ class _ColumnStore:
         idx = self.index.setdefault(col, {})
         chunks.append(p)
         c = len(chunks) - 1
-        before = [(col, int(r), idx.get(int(r))) for r in rows]
-        for j, r in enumerate(rows):
-            idx[int(r)] = (c, j)
+        before = [(col, int(r), idx.get(int(r)), (c, j)) for j, r in enumerate(rows)]
+        for _, r, _, at in before:
+            idx[r] = at
         self.live_bytes += p.nbytes
         return before
 
     def undo(self, before: list) -> None:
-        """Point the rows of a rejected write back at what they held before it."""
-        for col, r, old in reversed(before):
+        """Point the rows of a rejected write back at what they held before it -- only rows that
+        still point at it: a write stored meanwhile (a warehouse runs calls on several threads, so a
+        writer's earlier put can be stored after its later, rejected one) keeps its rows."""
+        for col, r, old, at in reversed(before):
+            idx = self.index[col]
+            if idx.get(r) != at:
+                continue
             if old is None:
-                self.index[col].pop(r, None)
+                idx.pop(r, None)
             else:
-                self.index[col][r] = old
+                idx[r] = old
 
     def read(self, col: str, rows: Sequence[int]) -> Packed:
         idx = self.index.get(col, {})
