@@ -1,17 +1,18 @@
-"""What one TransferDock call costs on the Ray backend: one client actor, one warehouse, small rows.
+"""What one TransferDock call costs on the Ray backend: one client actor, one warehouse, small rows,
+over the direct channel (``--transport direct``, the default) or Ray actor calls (``ray``).
 
 Ops, each repeated ``--calls`` times by the client in its own loop:
-  empty    an empty actor call to a plain actor (Ray's floor on this host)
+  empty    an empty Ray actor call to a plain actor (Ray's floor on this host, either transport)
   control  a controller call through the warehouse (``step``)
   put      ``put`` of one column for 32 rows, then ``flush`` (the write's round trip)
   claim    ``put(..., defer=True)`` of one column, then a ``get`` of another for the same rows
            (the write rides on the claim: "write my outputs, hand me my next inputs")
 
-One JSON line per op: ``{"op", "calls", "us_per_call", "cpu_us_per_call"}``; the CPU counts every
+One JSON line per op: ``{"op", "transport", "calls", "us_per_call", "cpu_us_per_call"}``; the CPU counts every
 process of the local Ray session (caller, warehouse, raylet, ...), the steadier figure on a shared
 host (see sample_flow.py).
 
-    python benchmarks/dock_call.py [--calls 1000] [--rows 32] [--width 8]
+    python benchmarks/dock_call.py [--calls 1000] [--rows 32] [--width 8] [--transport direct|ray]
 """
 from __future__ import annotations
 
@@ -65,6 +66,8 @@ def main(argv=None) -> None:
     ap.add_argument("--calls", type=int, default=1000)
     ap.add_argument("--rows", type=int, default=32)
     ap.add_argument("--width", type=int, default=8, help="int64 values per row")
+    ap.add_argument("--transport", default="direct", choices=["direct", "ray"],
+                    help="how clients call the dock's warehouses (TransferDock.ray(transport=))")
     ap.add_argument("--ops", nargs="+", default=list(OPS), choices=OPS)
     args = ap.parse_args(argv)
 
@@ -75,7 +78,7 @@ def main(argv=None) -> None:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
              runtime_env={"env_vars": {"PYTHONPATH": root}})
-    dock = TransferDock.ray()
+    dock = TransferDock.ray(transport=args.transport)
     try:
         plain = ray.remote(num_cpus=0)(_Plain).remote()
         client = ray.remote(num_cpus=0)(_Client).remote(dock, plain, args.rows, args.width)
@@ -84,7 +87,8 @@ def main(argv=None) -> None:
             cpu0 = _session_cpu()
             dt = ray.get(client.loop.remote(op, args.calls))
             cpu = (_session_cpu() - cpu0) / args.calls
-            print(json.dumps({"op": op, "calls": args.calls, "us_per_call": round(dt * 1e6),
+            print(json.dumps({"op": op, "transport": args.transport if op != "empty" else "ray",
+                              "calls": args.calls, "us_per_call": round(dt * 1e6),
                               "cpu_us_per_call": round(cpu * 1e6)}), flush=True)
     finally:
         dock.shutdown()

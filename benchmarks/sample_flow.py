@@ -306,6 +306,8 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=3, help="measured steps (after one warm-up step)")
     ap.add_argument("--modes", nargs="+", default=["centralised", "dock", "dock+cache"],
                     choices=["centralised", "dock", "dock+cache"])
+    ap.add_argument("--transport", default="direct", choices=["direct", "ray"],
+                    help="how clients call the dock's warehouses (TransferDock.ray(transport=))")
     ap.add_argument("--num-cpus", type=int, default=2, help="CPUs of the local Ray")
     args = ap.parse_args(argv)
     if args.rows_per_worker % GROUP:
@@ -325,7 +327,7 @@ def main(argv=None):
             ray.get([w.ready.remote() for w in workers])
             port = _free_port()
             ray.get([w.init_group.remote(port) for w in workers])
-            dock = TransferDock.ray()
+            dock = TransferDock.ray(transport=args.transport)
             ray.get([w.set_dock.remote(dock) for w in workers])
             try:
                 for mode in args.modes:
@@ -340,6 +342,7 @@ def main(argv=None):
                     cpu = (_session_cpu() - cpu0) / (args.steps + 1)
                     print(json.dumps({
                         "mode": mode, "workers": W, "rows": W * R, "seq_len": L,
+                        "transport": args.transport if mode != "centralised" else None,
                         "seconds_per_step": round(float(np.median(st)), 4),
                         "cpu_s_per_step": round(float(cpu), 4),
                         "driver_bytes": int(db),

@@ -380,6 +380,11 @@ class ResourcesConfig(_Strict):
     rollout_devices: Optional[int] = Field(None, ge=1)
     """disaggregated: devices given to the rollout (rollout TP x EP x DP fills exactly these);
     the actor, ref and critic layouts fill the other world - rollout_devices. Null when colocated."""
+    dock_transport: Literal["direct", "ray"] = "direct"
+    """How workers call the TransferDock's warehouses: direct (an authenticated TCP connection per
+    worker and warehouse, on an ephemeral port of each node; about 1/50 of a Ray call's CPU) or ray
+    (Ray actor calls only). A worker that cannot open a connection uses Ray calls for it, with a
+    warning; set ray where the nodes' ephemeral ports are firewalled from each other."""
 
 
 class TrainerConfig(_Strict):

@@ -215,7 +215,8 @@ def run_recipe(recipe: Recipe, plan: Plan, on_event: EventSink, out: Optional[Pa
         # warehouse thread (room for every worker's get and writes at once).
         n_docks = 1 + (recipe.algorithm.max_staleness if recipe.resources.placement == "disaggregated" else 0)
         docks = ([TransferDock.in_worker()] if world == 1 else
-                 [TransferDock.ray(name=f"dock-{os.getpid()}-{i}", concurrency=max(64, 4 * world + 16))
+                 [TransferDock.ray(name=f"dock-{os.getpid()}-{i}", concurrency=max(64, 4 * world + 16),
+                                   transport=recipe.resources.dock_transport)
                   for i in range(n_docks)])
         progress = ray.remote(_Progress).options(num_cpus=0).remote()
         RayWorker = ray.remote(Worker)
@@ -233,6 +234,7 @@ def run_recipe(recipe: Recipe, plan: Plan, on_event: EventSink, out: Optional[Pa
         in_worker = not hasattr(docks[0], "warehouse_nodes")
         (run_dir / "workers.json").write_text(json.dumps({
             "pids": pids, "nodes": nodes, "dock_backend": "in_worker" if in_worker else "ray",
+            "dock_transport": "in_process" if in_worker else docks[0].transport,
             "dock_warehouse_nodes": nodes[:1] if in_worker else docks[0].warehouse_nodes}))
         addr = ray.get(workers[0].node_ip.remote())
         port = ray.get(workers[0].open_store.remote())

@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import os
 import pickle
+import socket
 
 import pytest
 import torch
@@ -202,10 +203,11 @@ def _shared_mapping_of(ptr: int) -> str | None:
     return None
 
 
-def test_large_reads_are_zero_copy_views_of_the_object_store(dock):
+def test_large_reads_over_ray_calls_are_zero_copy_views_of_the_object_store(dock):
     # Zero-copy holds when a column of a batch comes from one warehouse call (rows of several
     # warehouses are concatenated: one copy). writer_node puts all rows on the driver's node.
-    dock = dock.with_placement("writer_node")
+    dock = dock.with_placement("writer_node").with_transport("ray")
+    assert dock.transport == "ray"
     rows = dock.add_groups(8, 4)
     x = torch.randn(32, 16384)  # [rows, L] 2 MiB: above Ray's inline threshold
     dock.put({"x": x}, rows)
@@ -220,6 +222,33 @@ def test_large_reads_are_zero_copy_views_of_the_object_store(dock):
     c = dock.get("c", ["x"], None, timeout=10, copy=True)
     where = _shared_mapping_of(c["x"].data_ptr())
     assert torch.equal(c["x"], x) and (where is None or "plasma" not in where)
+
+
+def test_clients_use_direct_channels_and_fall_back_to_ray_calls_where_none_opens(dock):
+    assert dock.transport == "direct"
+    rows = dock.reset(next(_steps), groups=(3, 2))
+    # A client that cannot reach the warehouses' listeners (nothing listens on that port) warns
+    # once per warehouse and calls them through Ray; the data is the same.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]
+    cut = RayDock(dock._warehouses, dock._node_ids, "round_robin",
+                  [("127.0.0.1", dead)] * len(dock._warehouses), dock._key)
+    with pytest.warns(RuntimeWarning, match="no direct channel to warehouse 0"):
+        cut.put({"a": torch.arange(6.)}, rows)
+        cut.flush()
+    assert cut._channels and all(c is None for c in cut._channels.values())
+    assert cut.get("c", ["a"], None, timeout=5)["a"].tolist() == list(range(6))
+    assert dock.with_transport("ray").get("d", ["a"], None, timeout=5)["a"].tolist() == list(range(6))
+
+
+def test_a_killed_warehouse_is_named_at_the_call_that_waits_on_it(shared_dock):
+    d = TransferDock.ray(nodes=[_node_with("node0")])
+    client = pickle.loads(pickle.dumps(d))                  # a worker's copy, connected
+    client.reset(1, groups=(1, 2))
+    d.shutdown()
+    with pytest.raises(DockError, match="the warehouse actor died or the dock was shut down"):
+        client.get("c", ["a"], None, timeout=30)
 
 
 @ray.remote(num_cpus=0, max_concurrency=2)

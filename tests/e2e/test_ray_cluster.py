@@ -69,6 +69,7 @@ def test_launch_sh_head_and_worker_modes_on_a_two_raylet_cluster(tmp_path, clust
         info = json.loads((run / "workers.json").read_text())
         assert len(set(info["nodes"])) == 2, info  # one worker on each raylet
         assert sorted(info["dock_warehouse_nodes"]) == sorted(set(info["nodes"]))  # a warehouse per raylet
+        assert info["dock_transport"] == "direct"  # workers reach both warehouses over channels
     finally:
         for p in (worker, head):  # the whole session: `ray start --block` outlives a killed bash
             if p is not None:

@@ -4,8 +4,11 @@ there); the client talks to both, and the driver never touches sample data."""
 from __future__ import annotations
 
 import time
+import warnings
 
 import numpy as np
+
+from .channel import Channel, ChannelClosed, ChannelTimeout, Reply
 
 from .errors import DockError, DockTimeout, DEFAULT_TIMEOUT_S
 from .packing import Packed, columns_from_wire, slice_packed, concat_packed, unpack, wire_write
@@ -25,10 +28,16 @@ class RayDock(DockClient):
     count the blocking calls and the seconds spent in them (the step's ``dock/*`` metrics).
     """
 
-    def __init__(self, warehouses: list, node_ids: list[str], placement: str):
+    def __init__(self, warehouses: list, node_ids: list[str], placement: str,
+                 channels: list | None = None, key: bytes | None = None, direct: bool = True):
         self._warehouses = list(warehouses)   # [0] hosts the controller
         self._node_ids = list(node_ids)
         self._placement = placement
+        # Direct channels (``channel.py``): each warehouse's listening address and the dock's key
+        # (None: the warehouses do not listen); ``direct=False``: this client makes Ray calls.
+        self._addresses = list(channels) if channels is not None else None
+        self._key = key
+        self._direct = direct and channels is not None
         self._owner = False
         self._init_client()
 
@@ -43,31 +52,77 @@ class RayDock(DockClient):
         self._deferred_drops: list[int] = []  # dropped rows held for the next call
         self._home: int | None = None       # this process's node's warehouse (resolved lazily)
         self._ahead = None                  # a reset sent ahead (reset_ahead): a copy has none
+        self._channels: dict[int, Channel | None] = {}   # warehouse -> open channel (None: Ray calls)
         self.round_trips = 0
         self.wait_s = 0.0
 
+    _SHARED = ("_warehouses", "_node_ids", "_placement", "_addresses", "_key", "_direct")
+
     def __getstate__(self):
-        d = dict(self.__dict__)
-        d["_owner"] = False   # only the creator kills the actors
-        return d
+        # The actors and how to reach them; not this client's state (its row map, unsettled writes,
+        # open connections). Only the creator kills the actors.
+        return {k: self.__dict__[k] for k in self._SHARED} | {"_owner": False}
 
     def __setstate__(self, d):
         self.__dict__.update(d)
         self._init_client()   # a copy is a new client: its own row map, no unsettled writes
 
     def _call(self, w: int, method: str, *args):
-        """Warehouse ``w``'s ``method``: one Ray call with one argument (see ``_Warehouse.call``)."""
+        """Warehouse ``w``'s ``method`` (see ``_Warehouse.call``), sent without waiting: over the
+        direct channel when there is one (a :class:`Reply`), else one Ray call with one argument
+        (an ``ObjectRef``). :meth:`_wait` takes either."""
+        ch = self._channel(w)
+        if ch is not None:
+            return Reply(ch, ch.send((method, args)))
         return self._warehouses[w].call.remote((method, args))
+
+    def _channel(self, w: int) -> Channel | None:
+        """This client's connection to warehouse ``w``, opened on first use. A warehouse that
+        cannot be reached directly (a firewall between nodes, say) is called through Ray, with one
+        warning per client."""
+        if not self._direct:
+            return None
+        ch = self._channels.get(w, False)
+        if ch is False:
+            try:
+                ch = Channel(self._addresses[w], self._key)
+            except (ChannelClosed, OSError) as e:
+                warnings.warn(f"TransferDock: no direct channel to warehouse {w} at {self._addresses[w]} "
+                              f"({e}); its calls go through Ray actor calls", RuntimeWarning, stacklevel=3)
+                ch = None
+            self._channels[w] = ch
+        return ch
+
+    @property
+    def transport(self) -> str:
+        """``direct`` (channels to the warehouses) or ``ray`` (Ray actor calls)."""
+        return "direct" if self._direct else "ray"
+
+    def with_transport(self, transport: str) -> "RayDock":
+        """A client on the same actors that calls them over ``direct`` channels or ``ray`` calls."""
+        if transport not in ("direct", "ray"):
+            raise DockError(f"transport {transport!r}: expected direct or ray")
+        if transport == "direct" and self._addresses is None:
+            raise DockError("transport 'direct': this dock's warehouses do not listen for channels "
+                            "(it was started with TransferDock.ray(transport='ray'))")
+        return RayDock(self._warehouses, self._node_ids, self._placement, self._addresses, self._key,
+                       direct=transport == "direct")
 
     def _ctl(self, method: str, *args):
         """A controller call (the controller lives in the head warehouse's process)."""
         return self._call(0, "control", method, *args)
 
-    def _wait(self, refs, **kw):
-        """``ray.get`` counted as one round trip of the caller."""
+    def _wait(self, refs, timeout: float | None = None):
+        """The answers of one call or a list of calls (channel replies and Ray refs alike), counted
+        as one round trip of the caller. Raises :class:`ChannelTimeout` or Ray's GetTimeoutError
+        after ``timeout`` seconds."""
         t0 = time.perf_counter()
         try:
-            return self._ray().get(refs, **kw)
+            if not isinstance(refs, list):
+                return refs.result(timeout) if isinstance(refs, Reply) else self._ray().get(refs, timeout=timeout)
+            ray_refs = [r for r in refs if not isinstance(r, Reply)]
+            got = iter(self._ray().get(ray_refs, timeout=timeout) if ray_refs else ())
+            return [r.result(timeout) if isinstance(r, Reply) else next(got) for r in refs]
         finally:
             self.round_trips += 1
             self.wait_s += time.perf_counter() - t0
@@ -81,7 +136,7 @@ class RayDock(DockClient):
         (``round_robin`` or ``writer_node``)."""
         if placement not in ("round_robin", "writer_node"):
             raise DockError(f"placement {placement!r}: expected round_robin or writer_node")
-        return RayDock(self._warehouses, self._node_ids, placement)
+        return RayDock(self._warehouses, self._node_ids, placement, self._addresses, self._key, self._direct)
 
     @property
     def warehouse_nodes(self) -> list[str]:
@@ -214,7 +269,7 @@ class RayDock(DockClient):
         self.flush()   # this client's other writes settle while the claim is in flight
         try:
             res = self._wait(ref, timeout=timeout + 60.0)
-        except ray.exceptions.GetTimeoutError:
+        except (ray.exceptions.GetTimeoutError, ChannelTimeout):
             raise DockTimeout(consumer, columns, timeout, {
                 "step": "?", "total": "?", "live": "?", "taken": "?", "dp_rank": dp_rank,
                 "dp_size": dp_size, "wanted": count, "ready": {}, "ready_all": "? (controller unresponsive)"})

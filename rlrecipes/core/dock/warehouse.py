@@ -133,6 +133,7 @@ class _Warehouse:
         self.store = _ColumnStore()
         self.step = None
         self.lock = threading.Lock()
+        self._server = None   # the direct-channel listener (open_channel)
 
     def call(self, request: tuple):
         """The one entry point of a Ray call: ``request = (method, args)``. Ray serializes every
@@ -167,6 +168,15 @@ class _Warehouse:
             return getattr(self.ctl, method)(*args)
         import ray
         return ray.get(self.head.call.remote(("control", (method, *args))))
+
+    def open_channel(self, key: bytes) -> tuple:
+        """Listen for direct channels from clients (``channel.py``) on this node's address; answers
+        the address. Each connection is served by a thread of its own through :meth:`call`."""
+        import ray
+        from .channel import ChannelServer
+        if self._server is None:
+            self._server = ChannelServer(self.call, key, ray.util.get_node_ip_address())
+        return self._server.address
 
     def set_peers(self, warehouses: list) -> None:
         self.peers = list(warehouses)
