@@ -40,6 +40,9 @@ What is timed, per mode (the same things a real step pays):
                the rows (gloo). Rank 0's clock at each opening delimits the steps; the workflow
                pays the same per step (on worker rank 0).
 
+The dock modes' clients call the warehouses over direct channels (``--transport direct``, the
+default) or Ray actor calls (``--transport ray``); each JSON line names the transport.
+
     python benchmarks/sample_flow.py                       # W = 2, 4, 8, 16; L = 1024; 64 rows/worker
     python benchmarks/sample_flow.py --workers 8 --seq-len 512 --rows-per-worker 32 --steps 5
 """
