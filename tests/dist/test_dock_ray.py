@@ -322,6 +322,10 @@ def test_one_warehouse_per_node_and_placement(dock, workers):
     flat = sorted(x for g in got for x in g)
     assert [r for r, _ in flat] == sorted(rows + more)
     assert all(v == ids(r, 1 + r % 3).tolist() for r, v in flat)
+    # the non-head warehouses reached the head's controller (commits, claims) over direct channels
+    head = dock.warehouse_nodes[0]
+    st = dock.stats()
+    assert all(w["head_channels"] >= 1 for w in st["warehouses"] if w["node_id"] != head), st["warehouses"]
 
 
 def test_concurrent_writer_and_reader_actors_share_one_picklable_handle(dock, workers):

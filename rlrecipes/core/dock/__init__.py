@@ -150,6 +150,7 @@ class TransferDock:
         if transport == "direct":
             key = new_key()
             channels = ray.get([w.open_channel.remote(key) for w in warehouses])
+            ray.get([w.connect_head.remote(channels[0], key) for w in warehouses[1:]])
         dock = RayDock(warehouses, nodes, placement, channels, key)
         dock._owner = True
         dock.reset(0)
