@@ -8,11 +8,17 @@ Ops, each repeated ``--calls`` times by the client in its own loop:
   claim    ``put(..., defer=True)`` of one column, then a ``get`` of another for the same rows
            (the write rides on the claim: "write my outputs, hand me my next inputs")
 
-One JSON line per op: ``{"op", "transport", "calls", "us_per_call", "cpu_us_per_call"}``; the CPU counts every
+One JSON line per op: ``{"op", "transport", "nodes", "calls", "us_per_call", "cpu_us_per_call",
+"client_channels", "head_channels"}`` (the direct channels open after the op); the CPU counts every
 process of the local Ray session (caller, warehouse, raylet, ...), the steadier figure on a shared
 host (see sample_flow.py).
 
-    python benchmarks/dock_call.py [--calls 1000] [--rows 32] [--width 8] [--transport direct|ray]
+``--nodes 2`` starts a local two-node Ray cluster (``ray.cluster_utils.Cluster``) and pins the client
+to the second node, whose warehouse holds the client's rows (``writer_node`` placement) but not the
+controller: each commit and claim then also crosses from that warehouse to the head's controller
+(a direct channel of its own with ``--transport direct``, a Ray call with ``ray``).
+
+    python benchmarks/dock_call.py [--calls 1000] [--rows 32] [--width 8] [--transport direct|ray] [--nodes 1|2]
 """
 from __future__ import annotations
 
@@ -42,6 +48,10 @@ class _Client:
         self.d.flush()
         self.claims = 0   # each claim is a new consumer (a consumer takes each row once)
 
+    def channels(self) -> int:
+        """Direct channels this client has open (0 with ``--transport ray``, or where none opened)."""
+        return sum(ch is not None for ch in self.d._channels.values())
+
     def loop(self, op: str, n: int) -> float:
         import ray
         d, rows, x = self.d, self.rows, self.x
@@ -69,6 +79,8 @@ def main(argv=None) -> None:
     ap.add_argument("--transport", default="direct", choices=["direct", "ray"],
                     help="how clients call the dock's warehouses (TransferDock.ray(transport=))")
     ap.add_argument("--ops", nargs="+", default=list(OPS), choices=OPS)
+    ap.add_argument("--nodes", type=int, default=1, choices=[1, 2],
+                    help="2: the client's warehouse is not the controller's (a local two-node cluster)")
     args = ap.parse_args(argv)
 
     import ray
@@ -76,23 +88,44 @@ def main(argv=None) -> None:
     from rlrecipes.core.dock import TransferDock
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
-             runtime_env={"env_vars": {"PYTHONPATH": root}})
-    dock = TransferDock.ray(transport=args.transport)
+    env = {"env_vars": {"PYTHONPATH": root}}
+    cluster, pin = None, {}
+    if args.nodes == 1:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
+                 runtime_env=env)
+    else:
+        from ray.cluster_utils import Cluster
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+        cluster.add_node(num_cpus=1, resources={"client_node": 1})
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, log_to_driver=False, configure_logging=False, runtime_env=env)
+        pin = {"resources": {"client_node": 0.01}}
+    nodes = None
+    if args.nodes > 1:   # the controller's warehouse first (warehouse 0 hosts it), the client's second
+        alive = [n for n in ray.nodes() if n["Alive"]]
+        nodes = sorted((n["NodeID"] for n in alive), key=lambda i: any(
+            n["NodeID"] == i and "client_node" in n["Resources"] for n in alive))
+    dock = TransferDock.ray(transport=args.transport, nodes=nodes,
+                            placement="writer_node" if args.nodes > 1 else "round_robin")
     try:
-        plain = ray.remote(num_cpus=0)(_Plain).remote()
-        client = ray.remote(num_cpus=0)(_Client).remote(dock, plain, args.rows, args.width)
+        plain = ray.remote(num_cpus=0)(_Plain).options(**pin).remote()
+        client = ray.remote(num_cpus=0)(_Client).options(**pin).remote(dock, plain, args.rows, args.width)
         for op in args.ops:
             ray.get(client.loop.remote(op, max(args.calls // 10, 1)))     # warm-up
             cpu0 = _session_cpu()
             dt = ray.get(client.loop.remote(op, args.calls))
             cpu = (_session_cpu() - cpu0) / args.calls
+            # open direct channels: the client's to warehouses, the warehouses' to the head's controller
+            head_channels = sum(w["head_channels"] for w in dock.stats()["warehouses"])
             print(json.dumps({"op": op, "transport": args.transport if op != "empty" else "ray",
-                              "calls": args.calls, "us_per_call": round(dt * 1e6),
-                              "cpu_us_per_call": round(cpu * 1e6)}), flush=True)
+                              "nodes": args.nodes, "calls": args.calls, "us_per_call": round(dt * 1e6),
+                              "cpu_us_per_call": round(cpu * 1e6), "client_channels": ray.get(client.channels.remote()),
+                              "head_channels": head_channels}), flush=True)
     finally:
         dock.shutdown()
         ray.shutdown()
+        if cluster is not None:
+            cluster.shutdown()
 
 
 if __name__ == "__main__":

@@ -28,11 +28,17 @@ def test_sample_flow_runs_every_mode():
 
 
 @pytest.mark.dist
-def test_dock_call_prices_every_op():
-    """benchmarks/dock_call.py: every op runs its calls (a claim per new consumer, so none waits)."""
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "dock_call.py"), "--calls", "20"],
-                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_dock_call_prices_every_op(nodes):
+    """benchmarks/dock_call.py: every op runs its calls (a claim per new consumer, so none waits),
+    on one node and with the client's warehouse on a second node (controller calls cross nodes)."""
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "dock_call.py"), "--calls", "20",
+                          "--nodes", str(nodes)], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = [json.loads(x) for x in out.stdout.splitlines() if x.startswith("{")]
     assert [d["op"] for d in lines] == ["empty", "control", "put", "claim"]
-    assert all(d["calls"] == 20 and d["us_per_call"] > 0 for d in lines)
+    assert all(d["calls"] == 20 and d["nodes"] == nodes and d["us_per_call"] > 0 for d in lines)
+    # the client opened a channel to each warehouse it called; on two nodes its warehouse also
+    # reached the head's controller over channels of its own (none fell back to Ray calls)
+    assert lines[-1]["client_channels"] == nodes
+    assert (lines[-1]["head_channels"] >= 1) == (nodes == 2)
