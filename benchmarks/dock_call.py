@@ -50,7 +50,7 @@ class _Client:
 
     def channels(self) -> int:
         """Direct channels this client has open (0 with ``--transport ray``, or where none opened)."""
-        return sum(ch is not None for ch in self.d._channels.values())
+        return self.d.channels_open
 
     def loop(self, op: str, n: int) -> float:
         import ray
@@ -89,7 +89,7 @@ def main(argv=None) -> None:
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {"env_vars": {"PYTHONPATH": root}}
-    cluster, pin = None, {}
+    cluster, pin, nodes = None, {}, None
     if args.nodes == 1:
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
                  runtime_env=env)
@@ -100,11 +100,9 @@ def main(argv=None) -> None:
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, log_to_driver=False, configure_logging=False, runtime_env=env)
         pin = {"resources": {"client_node": 0.01}}
-    nodes = None
-    if args.nodes > 1:   # the controller's warehouse first (warehouse 0 hosts it), the client's second
+        # the controller's warehouse first (warehouse 0 hosts it), the client's second
         alive = [n for n in ray.nodes() if n["Alive"]]
-        nodes = sorted((n["NodeID"] for n in alive), key=lambda i: any(
-            n["NodeID"] == i and "client_node" in n["Resources"] for n in alive))
+        nodes = [n["NodeID"] for n in sorted(alive, key=lambda n: "client_node" in n["Resources"])]
     dock = TransferDock.ray(transport=args.transport, nodes=nodes,
                             placement="writer_node" if args.nodes > 1 else "round_robin")
     try:

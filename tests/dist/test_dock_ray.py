@@ -5,10 +5,12 @@ concurrent writer / reader actors on different nodes.
 One cluster and one dock per module: actor start-up costs seconds on a busy 2-core machine."""
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import os
 import pickle
 import socket
+import time
 
 import pytest
 import torch
@@ -237,9 +239,25 @@ def test_clients_use_direct_channels_and_fall_back_to_ray_calls_where_none_opens
     with pytest.warns(RuntimeWarning, match="no direct channel to warehouse 0"):
         cut.put({"a": torch.arange(6.)}, rows)
         cut.flush()
-    assert cut._channels and all(c is None for c in cut._channels.values())
+    assert cut.channels_open == 0 and all(p.failed for p in cut._pools)
     assert cut.get("c", ["a"], None, timeout=5)["a"].tolist() == list(range(6))
     assert dock.with_transport("ray").get("d", ["a"], None, timeout=5)["a"].tolist() == list(range(6))
+
+
+def test_threads_sharing_a_client_do_not_queue_behind_each_others_claims(dock):
+    # A claim holds its connection until its rows are ready. Two threads of one client each get a
+    # channel of their own, so the write that a waiting claim needs is not queued behind the claim
+    # on the same connection (it would wait there until the claim timed out).
+    d = dock.with_placement("writer_node")    # the rows go to this node's warehouse, where the claim waits
+    d.reset(next(_steps))
+    with concurrent.futures.ThreadPoolExecutor(1) as ex:
+        claim = ex.submit(d.get, "c", ["a"], 2, timeout=20)
+        time.sleep(0.5)                        # the claim is waiting at the warehouse
+        rows = d.add_groups(1, 2)
+        d.put({"a": torch.tensor([1.0, 2.0])}, rows)
+        d.flush()
+        assert claim.result(timeout=60)["a"].tolist() == [1.0, 2.0]
+    assert d.channels_open >= 2
 
 
 def test_a_killed_warehouse_is_named_at_the_call_that_waits_on_it(shared_dock):

@@ -24,7 +24,7 @@ Two backends, one API (:class:`DockClient`):
   asyncio actor's on a small host (0.7 vs 1.3 ms measured here), and a blocked claim holds a thread.
   Clients (worker actors, each with the same picklable handle) ask the controller *which* rows and
   *where*, then write to / read from the warehouses directly -- by default over a direct
-  authenticated TCP connection per (client, warehouse) (``channel.py``: about 20 us of CPU a call
+  authenticated TCP connection per (client thread, warehouse) (``channel.py``: about 20 us of CPU a call
   where a Ray actor call costs about 1 ms), else through Ray actor calls. The driver never touches sample data. A get is one client round trip: the
   caller's node warehouse claims at the controller and answers with the rows it holds. A put is
   sent without waiting: the warehouse stores the rows and commits them (marks them ready) at the

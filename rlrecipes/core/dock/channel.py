@@ -1,5 +1,6 @@
 """A direct channel from a dock client to a warehouse: one authenticated TCP connection per
-(client, warehouse), with one server thread per connection in the warehouse's process.
+(client thread, warehouse) (:class:`ChannelPool`), with one server thread per connection in the
+warehouse's process.
 
 Why not only Ray calls: a Ray actor call from one worker to a threaded actor costs about 1 ms of CPU
 on a 2-core host (submission, the actor's task queue, its executor thread, the reply through the
@@ -30,6 +31,7 @@ import struct
 import threading
 import time
 import traceback
+import warnings
 
 from .errors import DockError
 
@@ -241,6 +243,41 @@ class Channel:
             self._close()
         except Exception:   # noqa: BLE001 -- interpreter shutdown
             pass
+
+
+class ChannelPool:
+    """Channels to one listener, one per calling thread, each opened on that thread's first
+    :meth:`get`. Per thread because a connection answers in order: a claim waiting on one thread's
+    connection must not hold up the write another thread sends to the same warehouse, which may be
+    the write that claim waits for. Where a connection cannot be opened (a firewall between nodes,
+    say), ``get`` answers None from then on, for every thread, after one RuntimeWarning, and the
+    caller makes Ray calls. ``to`` names the far end and ``then`` the calls that fall back, for the
+    warning."""
+
+    def __init__(self, address: tuple, key: bytes, to: str, then: str):
+        self.address = tuple(address)
+        self._key, self._to, self._then = key, to, then
+        self._tls = threading.local()
+        self._lock = threading.Lock()
+        self.opened = 0        # channels opened so far (threads that called get)
+        self.failed = False    # a connection could not be opened: Ray calls from now on
+
+    def get(self) -> Channel | None:
+        ch = getattr(self._tls, "channel", None)
+        if ch is not None or self.failed:
+            return ch
+        try:
+            ch = self._tls.channel = Channel(self.address, self._key)
+        except (ChannelClosed, OSError) as e:
+            with self._lock:
+                first, self.failed = not self.failed, True
+            if first:
+                warnings.warn(f"TransferDock: no direct channel to {self._to} at {self.address} ({e}); "
+                              f"{self._then} go through Ray actor calls", RuntimeWarning, stacklevel=4)
+            return None
+        with self._lock:
+            self.opened += 1
+        return ch
 
 
 class Reply:

@@ -4,11 +4,10 @@ there); the client talks to both, and the driver never touches sample data."""
 from __future__ import annotations
 
 import time
-import warnings
 
 import numpy as np
 
-from .channel import Channel, ChannelClosed, ChannelTimeout, Reply
+from .channel import ChannelPool, ChannelTimeout, Reply
 
 from .errors import DockError, DockTimeout, DEFAULT_TIMEOUT_S
 from .packing import Packed, columns_from_wire, slice_packed, concat_packed, unpack, wire_write
@@ -52,7 +51,9 @@ class RayDock(DockClient):
         self._deferred_drops: list[int] = []  # dropped rows held for the next call
         self._home: int | None = None       # this process's node's warehouse (resolved lazily)
         self._ahead = None                  # a reset sent ahead (reset_ahead): a copy has none
-        self._channels: dict[int, Channel | None] = {}   # warehouse -> open channel (None: Ray calls)
+        # per warehouse, this client's direct channels to it: one per calling thread (channel.py)
+        self._pools = [ChannelPool(a, self._key, f"warehouse {w}", "its calls")
+                       for w, a in enumerate(self._addresses)] if self._direct else None
         self.round_trips = 0
         self.wait_s = 0.0
 
@@ -76,22 +77,14 @@ class RayDock(DockClient):
             return Reply(ch, ch.send((method, args)))
         return self._warehouses[w].call.remote((method, args))
 
-    def _channel(self, w: int) -> Channel | None:
-        """This client's connection to warehouse ``w``, opened on first use. A warehouse that
-        cannot be reached directly (a firewall between nodes, say) is called through Ray, with one
-        warning per client."""
-        if not self._direct:
-            return None
-        ch = self._channels.get(w, False)
-        if ch is False:
-            try:
-                ch = Channel(self._addresses[w], self._key)
-            except (ChannelClosed, OSError) as e:
-                warnings.warn(f"TransferDock: no direct channel to warehouse {w} at {self._addresses[w]} "
-                              f"({e}); its calls go through Ray actor calls", RuntimeWarning, stacklevel=3)
-                ch = None
-            self._channels[w] = ch
-        return ch
+    def _channel(self, w: int):
+        """The calling thread's channel to warehouse ``w``, or None: Ray calls (see ChannelPool)."""
+        return self._pools[w].get() if self._direct else None
+
+    @property
+    def channels_open(self) -> int:
+        """Direct channels this client has opened to the warehouses (over all its threads)."""
+        return sum(p.opened for p in self._pools) if self._direct else 0
 
     @property
     def transport(self) -> str:

@@ -134,9 +134,7 @@ class _Warehouse:
         self.step = None
         self.lock = threading.Lock()
         self._server = None   # the direct-channel listener (open_channel)
-        self._head_at = None  # (address, key) of the head's listener (connect_head)
-        self._tls = threading.local()
-        self._head_channels = 0
+        self._head = None     # ChannelPool to the head's listener (connect_head)
 
     def call(self, request: tuple):
         """The one entry point of a Ray call: ``request = (method, args)``. Ray serializes every
@@ -170,7 +168,7 @@ class _Warehouse:
         head -- over this thread's direct channel when the dock has them, else a Ray call."""
         if self.ctl is not None:
             return getattr(self.ctl, method)(*args)
-        ch = self._head_channel()
+        ch = self._head.get() if self._head is not None else None
         if ch is not None:
             return ch.result(ch.send(("control", (method, *args))))
         import ray
@@ -181,25 +179,8 @@ class _Warehouse:
         per thread of this warehouse, opened on its first controller call. Per thread, because a
         claim blocks its connection until the rows are ready, and the commits that make them ready
         come from other threads."""
-        self._head_at = (tuple(address), key)
-
-    def _head_channel(self):
-        if self._head_at is None:
-            return None
-        ch = getattr(self._tls, "head", False)
-        if ch is False:
-            from .channel import Channel, ChannelClosed
-            try:
-                ch = Channel(*self._head_at)
-            except (ChannelClosed, OSError) as e:
-                import warnings
-                warnings.warn(f"TransferDock warehouse {self.index}: no direct channel to the head warehouse "
-                              f"at {self._head_at[0]} ({e}); controller calls go through Ray", RuntimeWarning)
-                ch = None
-            self._tls.head = ch
-            with self.lock:
-                self._head_channels += ch is not None
-        return ch
+        from .channel import ChannelPool
+        self._head = ChannelPool(address, key, "the head warehouse", f"warehouse {self.index}'s controller calls")
 
     def open_channel(self, key: bytes) -> tuple:
         """Listen for direct channels from clients (``channel.py``) on this node's address; answers
@@ -320,7 +301,7 @@ class _Warehouse:
         with self.lock:
             s = self.store.stats()
         s["index"] = self.index
-        s["head_channels"] = self._head_channels   # open direct channels to the head's controller
+        s["head_channels"] = self._head.opened if self._head is not None else 0   # to the head's controller
         if node:
             s["node_id"] = self.node_id()
         return s
