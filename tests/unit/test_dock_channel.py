@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import socket
 import threading
+import warnings
 
 import numpy as np
 import pytest
 
 from rlrecipes.core.dock import ChannelClosed, ChannelTimeout, DockError
-from rlrecipes.core.dock.channel import Channel, ChannelServer, Reply, new_key
+from rlrecipes.core.dock.channel import Channel, ChannelPool, ChannelServer, Reply, new_key
 
 
 class Handler:
@@ -96,3 +97,23 @@ def test_a_timeout_closes_the_channel_and_a_lost_server_is_named(served):
         ch2.result(ch2.send(("echo", 1)), timeout=10)
     t.join()
     lsock.close()
+
+
+def test_a_pool_gives_each_thread_its_own_channel_and_falls_back_with_one_warning(served):
+    h, key, srv = served
+    pool = ChannelPool(srv.address, key, "the server", "its calls")
+    mine = pool.get()
+    assert pool.get() is mine
+    other = []
+    t = threading.Thread(target=lambda: other.append(pool.get()))
+    t.start()
+    t.join()
+    assert other[0] is not None and other[0] is not mine and pool.opened == 2
+    assert other[0].result(other[0].send(("echo", 3))) == 3 and mine.result(mine.send(("echo", 4))) == 4
+    refused = ChannelPool(srv.address, new_key(), "the server", "its calls")     # a wrong key
+    with pytest.warns(RuntimeWarning, match="no direct channel to the server .*its calls go through Ray"):
+        assert refused.get() is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                                     # no second warning, no retry
+        assert refused.get() is None
+    assert refused.failed and refused.opened == 0 and h.calls == 2
