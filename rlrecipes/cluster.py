@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from . import device as dev
 
 
 class ClusterError(RuntimeError):
@@ -128,3 +129,31 @@ def placement_group(world: int, resource: str, cpus_per_worker: float = 1.0, tim
                            f"cluster has {cluster_resources(resource).describe()}")
     return pg
 
+
+
+def _runtime_probe(device_type: str) -> tuple[str, Optional[str]]:
+    import ray
+
+    return ray.util.get_node_ip_address(), dev.runtime_problem(device_type)
+
+
+def check_device_runtime(device_type: str) -> None:
+    """Refuse a run whose device runtime is missing, before any worker is placed: on every alive node
+    that advertises the device's Ray resource, a zero-CPU task checks that the Python environment
+    there can drive the device (torch_npu for NPUs, a CUDA build of torch for GPUs). A cluster that
+    advertises NPUs would otherwise place every worker, which then fails in setup with
+    ``module 'torch' has no attribute 'npu'``."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    if device_type == "cpu":
+        return
+    resource = dev.ray_resource(device_type)
+    nodes = [n["NodeID"] for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get(resource, 0) > 0]
+    probe = ray.remote(_runtime_probe)
+    found = ray.get([probe.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
+                     .remote(device_type) for node in nodes])
+    bad = sorted({(ip, why) for ip, why in found if why})
+    if bad:
+        where = ", ".join(ip for ip, _ in bad)
+        raise ClusterError(f"nothing was placed: on node(s) {where}, {bad[0][1]}")

@@ -83,6 +83,63 @@ def ray_resource(device_type: str | None = None) -> str:
     return RAY_RESOURCE[resolve(device_type)]
 
 
+def ray_actor_options(device_type: str | None = None) -> dict:
+    """Ray actor options that reserve one device of this type for the actor. Ray then sets the
+    visible-devices variable (``CUDA_VISIBLE_DEVICES`` / ``ASCEND_RT_VISIBLE_DEVICES``) of the
+    actor's process to that one device. GPUs are asked for with ``num_gpus``: Ray 2.60 refuses
+    ``resources={"GPU": n}`` ("Use the 'num_cpus' and 'num_gpus' keyword instead",
+    ``ray/_common/ray_option_utils.py``); NPUs are a custom resource, ``resources={"NPU": 1}``."""
+    dt = resolve(device_type)
+    if dt == "cuda":
+        return {"num_gpus": 1}
+    if dt == "npu":
+        return {"resources": {"NPU": 1}}
+    return {}
+
+
+def bound_device_index(device_type: str | None, assigned: list[str] | tuple[str, ...],
+                       environ: dict | None = None) -> int:
+    """The index, among this process's visible devices, of the device Ray assigned to it.
+
+    ``assigned``: Ray's accelerator ids for this actor (``get_accelerator_ids()[resource]``, physical
+    ids). Ray normally narrows the visible-devices variable to exactly those ids, so the device is
+    index 0; when a cluster keeps every device visible (Ray's ``RAY_EXPERIMENTAL_NOSET_*`` settings),
+    the physical id's position in the visible list (or the id itself, with no list) is the index.
+    No assignment (CPU, or a process started outside Ray): 0."""
+    dt = resolve(device_type)
+    env_name = VISIBLE_DEVICES_ENV[dt]
+    if env_name is None or not assigned:
+        return 0
+    if len(assigned) != 1:
+        raise RuntimeError(f"this worker was given {len(assigned)} {dt} devices ({', '.join(assigned)}); "
+                           "each worker drives exactly one")
+    want = str(assigned[0]).strip()
+    visible = (environ if environ is not None else os.environ).get(env_name)
+    if visible is None or not visible.strip():
+        return int(want)
+    ids = [v.strip() for v in visible.split(",") if v.strip()]
+    if want not in ids:
+        raise RuntimeError(f"{env_name}={visible!r} does not include device {want}, which Ray assigned to this "
+                           "worker; do not override the visible devices inside Ray workers")
+    return ids.index(want)
+
+
+def runtime_problem(device_type: str | None) -> str | None:
+    """Why this Python environment cannot drive ``device_type`` (the runtime is missing), with what
+    to install; None when it can. Checked without initialising a device, so it runs on any host."""
+    import importlib.util
+
+    dt = resolve(device_type)
+    if dt == "npu" and importlib.util.find_spec("torch_npu") is None:
+        return (f"resources.device=npu, but torch_npu is not installed in this Python environment "
+                f"(torch {torch.__version__}); install the torch_npu build that matches torch and CANN, "
+                "see docs/ascend.md (pip install -e '.[ascend]')")
+    if dt == "cuda" and torch.version.cuda is None:
+        return (f"resources.device=cuda, but torch {torch.__version__} is not a CUDA build; install a CUDA "
+                "build of torch (https://pytorch.org/get-started/locally/) before rlrecipes")
+    return None
+
+
 def device_count(device_type: str | None = None) -> int:
     dt = resolve(device_type)
     if dt == "npu":

@@ -153,7 +153,8 @@ def run_recipe(recipe: Recipe, plan: Plan, on_event: EventSink, out: Optional[Pa
     import ray
 
     from .. import device as dev
-    from ..cluster import ClusterError, check_resources, cluster_resources, connect, placement_group, start_hint
+    from ..cluster import (ClusterError, check_device_runtime, check_resources, cluster_resources, connect,
+                           start_hint)
     from ..core.dock import TransferDock
     from ..inputs import run_inputs
 
@@ -198,17 +199,16 @@ def run_recipe(recipe: Recipe, plan: Plan, on_event: EventSink, out: Optional[Pa
     on_cpu = resource == "CPU"
     check_resources(cluster_resources(resource), plan.nodes if not on_cpu else 1,
                     plan.devices_per_node if not on_cpu else 0, recipe.folder, cpus_needed=world * cpw)
+    check_device_runtime(device_type)
 
     writer = None
     workers: list = []
     docks: list = []
+    pg = None
     progress = None
     rows: list = []
     t0 = time.time()
     try:
-        pg = placement_group(world, resource, cpw)
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
         # one dock per step in flight: rollout may run max_staleness steps ahead of training.
         # One worker: the dock lives in its process (TransferDock.in_worker), as the controller and
         # the node warehouse would be its only peers; else Ray actors, where a blocked get holds a
@@ -219,16 +219,7 @@ def run_recipe(recipe: Recipe, plan: Plan, on_event: EventSink, out: Optional[Pa
                                    transport=recipe.resources.dock_transport)
                   for i in range(n_docks)])
         progress = ray.remote(_Progress).options(num_cpus=0).remote()
-        RayWorker = ray.remote(Worker)
-        env = {"env_vars": {"RLRECIPES_DEVICE": device_type, "OMP_NUM_THREADS": str(max(1, int(cpw))),
-                            "TOKENIZERS_PARALLELISM": "false"}}
-        for rank in range(world):
-            opts = dict(num_cpus=cpw, max_restarts=0, runtime_env=env,
-                        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank))
-            if not on_cpu:
-                opts["resources"] = {resource: 1}
-            workers.append(RayWorker.options(**opts).remote(rank, world, recipe.model_dump(mode="json"),
-                                                            str(run_dir.resolve()), docks, progress))
+        pg, workers = place_workers(recipe, world, device_type, run_dir, docks, progress)
         pids = ray.get([w.pid.remote() for w in workers])
         nodes = ray.get([w.node_id.remote() for w in workers])
         in_worker = not hasattr(docks[0], "warehouse_nodes")
@@ -275,6 +266,11 @@ def run_recipe(recipe: Recipe, plan: Plan, on_event: EventSink, out: Optional[Pa
                 d.shutdown()
             except Exception:
                 pass
+        if pg is not None:
+            try:
+                ray.util.remove_placement_group(pg)
+            except Exception:
+                pass
         if started_here:
             ray.shutdown()
     on_event(RunFinished(recipe.name, run_dir, rows, time.time() - t0))
@@ -282,6 +278,29 @@ def run_recipe(recipe: Recipe, plan: Plan, on_event: EventSink, out: Optional[Pa
     if bad:
         raise RunError(bad, code=1)
     return run_dir
+
+
+def place_workers(recipe: Recipe, world: int, device_type: str, run_dir: Path, docks: list, progress) -> tuple:
+    """One :class:`Worker` actor per device, in a placement group (one bundle per worker, packed onto
+    as few nodes as possible). Each actor reserves its device through ``device.ray_actor_options``,
+    so Ray narrows the actor's visible devices to that one and the worker binds index 0
+    (``Worker.binding``). Returns the placement group and the actors."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from .. import device as dev
+    from ..cluster import placement_group
+
+    cpw = recipe.resources.cpus_per_worker
+    pg = placement_group(world, dev.ray_resource(device_type), cpw)
+    env = {"env_vars": {"RLRECIPES_DEVICE": device_type, "OMP_NUM_THREADS": str(max(1, int(cpw))),
+                        "TOKENIZERS_PARALLELISM": "false"}}
+    remote = ray.remote(Worker)
+    config = recipe.model_dump(mode="json")
+    return pg, [remote.options(num_cpus=cpw, max_restarts=0, runtime_env=env, **dev.ray_actor_options(device_type),
+                           scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank))
+                .remote(rank, world, config, str(run_dir.resolve()), docks, progress)
+                for rank in range(world)]
 
 
 def _bad_run(recipe: Recipe, rows: list[dict]) -> Optional[str]:

@@ -63,6 +63,22 @@ class Worker:
 
         return ray.get_runtime_context().get_node_id()
 
+    def binding(self) -> dict:
+        """The device this worker drives: Ray reserved one for it (``device.ray_actor_options``) and
+        narrowed the visible devices to it, so its index in this process is 0 (``LOCAL_RANK``, which
+        vLLM's external launcher and vllm-ascend bind as ``{device}:{LOCAL_RANK}``), whatever its
+        rank on the node."""
+        import ray
+
+        device_type = dev.resolve(self.recipe.resources.device)
+        assigned: list = []
+        if ray.is_initialized() and device_type != "cpu":
+            assigned = list(ray.get_runtime_context().get_accelerator_ids().get(dev.ray_resource(device_type), []))
+        env = dev.VISIBLE_DEVICES_ENV[device_type]
+        return {"rank": self.rank, "device_type": device_type, "assigned": assigned,
+                "visible": os.environ.get(env) if env else None,
+                "local_rank": dev.bound_device_index(device_type, assigned)}
+
     def _timeout(self) -> timedelta:
         return timedelta(seconds=max(60.0, self.recipe.trainer.dock_timeout_s))
 
@@ -80,12 +96,12 @@ class Worker:
         # torch's DeviceMesh deprecation notice for flattened dims is not actionable for users
         warnings.filterwarnings("ignore", message="Slicing a flattened dim")
         r = self.recipe
-        local_rank = self.rank % r.resources.devices_per_node
+        binding = self.binding()
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
-                          WORLD_SIZE=str(self.world), LOCAL_RANK=str(local_rank))
-        device_type = dev.resolve(r.resources.device)
+                          WORLD_SIZE=str(self.world), LOCAL_RANK=str(binding["local_rank"]))
+        device_type = binding["device_type"]
         torch.set_num_threads(max(1, int(r.resources.cpus_per_worker)))
-        device = dev.torch_device(device_type, local_rank)
+        device = dev.torch_device(device_type, binding["local_rank"])
         dev.set_device(device)
         store = self._store or dist.TCPStore(master_addr, master_port, self.world, is_master=False,
                                              timeout=self._timeout())
