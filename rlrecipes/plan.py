@@ -25,7 +25,7 @@ from typing import Optional
 
 from .engines.registry import BACKENDS, capabilities
 from .plan_checks import (NODE_INDEPENDENT_RULES, RoleLayout, Violation, _engine_checks, _exact_reshard_bytes,
-                          _layout_violations, _model_checks, _ranks, _render_inference, _reshard_bytes,
+                          _engine_layout_violations, _layout_violations, _model_checks, _ranks, _render_inference, _reshard_bytes,
                           _role_layouts, _rollout_devices_that_fit, _where)
 from .plan_memory import DTYPE_BYTES, GiB, Memory, _kv_needed, _rollout_memory, _train_memory
 from .recipe import Recipe
@@ -176,6 +176,7 @@ def build_plan(recipe: Recipe, nodes: Optional[int] = None, devices_per_node: Op
         if role.role in caps:
             violations.extend(_layout_violations(role, dims, role.world, caps[role.role],
                                                  _where(role, world, fits, dpn) if disagg else None))
+            violations.extend(_engine_layout_violations(role, dims, caps[role.role], recipe.resources.device))
         if role.world % (role.tp * role.pp) == 0:
             role.dp = role.world // (role.tp * role.pp)
 

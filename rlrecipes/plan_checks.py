@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .engines.base import Capabilities
-from .engines.registry import BACKENDS, capabilities, problems
+from .engines.registry import BACKENDS, capabilities, layout_problems, problems
 from .models import ModelDims
 from .plan_memory import DTYPE_BYTES
 from .recipe import Recipe
@@ -103,6 +103,16 @@ def _layout_violations(role: RoleLayout, dims: ModelDims, world: int, caps: Capa
                            f"{name}: EP{role.ep} does not divide TP{role.tp} (engine {caps.name}); "
                            "use ep <= tp with tp % ep == 0"))
     return v
+
+
+def _engine_layout_violations(role: RoleLayout, dims: ModelDims, caps: Capabilities, device: str) -> list[Violation]:
+    """The engine's own layout rules (``Capabilities.layout_rules``), the same function the engine
+    runs when it is built: a layout ``plan`` passes is one the engine accepts."""
+    if role.world % (role.tp * role.pp):
+        return []  # reported by the generic rules
+    found = layout_problems(caps.name, role=role.role, dims=dims, tp=role.tp, pp=role.pp, ep=role.ep, etp=None,
+                            world=role.world, device=device, installed=False)
+    return [Violation(f"engine {caps.name} accepts the {role.role} layout", p) for p in found]
 
 
 def _reshard_bytes(dims: ModelDims, train: RoleLayout, rollout: RoleLayout, placement: str = "colocated") -> float:

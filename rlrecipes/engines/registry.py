@@ -82,6 +82,20 @@ def problems(name: str, role: str, device: str | None = None, *, installed: bool
     return out
 
 
+def layout_problems(name: str, *, role: str, dims, tp: int, pp: int, ep: int, etp: int | None, world: int,
+                    device: str, installed: bool = False) -> list[str]:
+    """The engine's own rules for one role's layout (``Capabilities.layout_rules``); empty when it
+    declares none. ``world``: the devices of the role's group; ``installed``: whether to judge with
+    what is installed here (``plan`` for another machine passes False)."""
+    rules = capabilities(name).layout_rules
+    if not rules:
+        return []
+    module, fn = rules.split(":")
+    return list(getattr(importlib.import_module(module), fn)(
+        role=role, dims=dims, tp=int(tp), pp=int(pp), ep=int(ep), etp=int(etp) if etp else None, world=int(world),
+        device=device, installed=installed))
+
+
 def _load(name: str, role: str) -> type:
     pkg = _package(name)
     path = getattr(pkg, "TRAIN" if role == "train" else "ROLLOUT", None)
@@ -102,4 +116,4 @@ def build_rollout_engine(name: str, spec: EngineSpec) -> RolloutEngine:
 
 
 __all__ = ["BACKENDS", "EngineError", "build_rollout_engine", "build_train_engine", "capabilities",
-           "missing_modules", "problems"]
+           "layout_problems", "missing_modules", "problems"]
