@@ -12,6 +12,7 @@ from .engines.registry import BACKENDS, capabilities, layout_problems, problems
 from .models import ModelDims
 from .plan_memory import DTYPE_BYTES
 from .recipe import Recipe
+from .recipe.roles import roles_of
 
 # disaggregated placement: a layout that cannot fill its device group whatever the node count (the
 # rollout group's size is fixed; the train group's is n x devices_per_node - rollout_devices)
@@ -235,10 +236,11 @@ def _role_layouts(recipe: Recipe, world: int) -> tuple[dict[str, RoleLayout], in
     T, R, violations = _split_devices(recipe, world)
     a = recipe.actor.layout
     roles = {"actor": RoleLayout("actor", a.tp, a.pp, a.ep, None, T, a.pp_layers)}
-    if recipe.ref.enabled:
+    built = roles_of(recipe, strict=False)  # the workers build exactly these
+    if built.ref:
         r = recipe.ref.layout or a
         roles["ref"] = RoleLayout("ref", r.tp, r.pp, r.ep, None, T, r.pp_layers)
-    if recipe.algorithm.name == "ppo":
+    if built.critic:
         c = recipe.critic.layout or a
         roles["critic"] = RoleLayout("critic", c.tp, c.pp, c.ep, None, T, c.pp_layers)
     ro = recipe.rollout.layout

@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from .. import device as dev
-from ..algos import make_kl_controller, mini_batches_per_rollout, resolve_skip_old_log_prob
+from ..algos import make_kl_controller
 from ..algos.spec import Stage, get_algorithm
 from ..core.resharder import Layout, Resharder, plan_reshard
 from ..core.tensor_cache import TensorCache
@@ -30,6 +30,7 @@ from ..engines.base import EngineSpec, RolloutEngine, TrainEngine
 from ..engines.registry import build_rollout_engine, build_train_engine
 from ..metrics import StageTimer
 from ..recipe import Recipe
+from ..recipe.roles import roles_of
 
 
 @dataclass
@@ -178,14 +179,15 @@ def build_engines(ctx: Context) -> None:
     ctx.actor = build_train_engine(r.actor.engine, _spec(
         ctx, "actor", a, lr=r.trainer.lr, weight_decay=r.actor.weight_decay, grad_clip=r.actor.grad_clip,
         recompute=r.actor.recompute, offload_optimizer=r.actor.offload_optimizer, options=replay))
-    ctx.use_ref = r.ref.enabled and (alg.use_kl_loss or alg.use_kl_in_reward)
+    built = roles_of(r)  # the rule plan uses too
+    ctx.use_ref = built.ref
     if ctx.use_ref:
         ctx.ref = build_train_engine(r.actor.engine, _spec(ctx, "ref", r.ref.layout or a))
-    if spec.needs_critic(alg):
+    if built.critic:
         ctx.critic = build_train_engine(r.actor.engine, _spec(ctx, "critic", r.critic.layout or a, lr=r.critic.lr,
                                                                grad_clip=r.actor.grad_clip))
-    ctx.n_mini = mini_batches_per_rollout(r.trainer.global_batch, r.trainer.mini_batch)
-    ctx.skip_old = resolve_skip_old_log_prob(alg.skip_old_log_prob, alg.ppo_epochs, ctx.n_mini)
+    ctx.n_mini = built.mini_batches
+    ctx.skip_old = not built.old_pass
     stages = spec.stages(alg, use_ref=ctx.use_ref, skip_old=ctx.skip_old)
     if ctx.role == "train":  # generation runs on the rollout workers; new weights cross the bridge
         stages = [replace(s, runner="publish", name="publish") if s.runner == "reshard" else s

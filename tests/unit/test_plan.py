@@ -212,3 +212,19 @@ def test_megatron_rules_fail_in_plan_before_anything_starts():
     p = build_plan(load_recipe("qwen3_moe_30b", overrides=["actor.layout.ep=8"]), 1)
     assert not p.ok and "EP8 does not divide DP4" in format_violations(p)
     assert build_plan(load_recipe("qwen3_moe_30b"), 1).ok
+
+
+def test_plan_shows_exactly_the_roles_the_workers_build():
+    """One rule (recipe.roles.roles_of) for plan and workers: no KL term -> no reference model."""
+    from rlrecipes.plan import build_plan
+    from rlrecipes.recipe import load_recipe
+    from rlrecipes.recipe.roles import roles_of
+
+    for overrides, ref in ((["algorithm.use_kl_loss=false", "algorithm.use_kl_in_reward=false"], False),
+                           (["algorithm.use_kl_loss=true"], True),
+                           (["algorithm.use_kl_loss=true", "ref.enabled=false"], False)):
+        r = load_recipe("qwen25_7b", smoke=True, overrides=overrides)
+        assert roles_of(r).ref is ref
+        assert ("ref" in build_plan(r).roles) is ref, overrides
+    ppo = load_recipe("qwen25_7b", smoke=True, overrides=["algorithm.name=ppo", "algorithm.adv_estimator=gae"])
+    assert roles_of(ppo).critic and "critic" in build_plan(ppo).roles
