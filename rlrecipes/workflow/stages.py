@@ -76,11 +76,12 @@ def rollout(ctx: Context, st: StepState) -> None:
     my_rows = [rows[g * n + j] for g in mine for j in range(n)]
     t0 = time.perf_counter()
     eng.wake()
+    # every rank calls generate, with no prompts too: vLLM's DP-attention ranks step together
+    s = r.rollout.sampling
+    params = SamplingParams(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
+                            top_k=s.top_k, eos_token_id=ctx.eos_id, pad_token_id=ctx.pad_id)
+    out = eng.generate(prompts, params, seed=seed_of(r.trainer.seed, st.step, st.round))
     if prompts:
-        s = r.rollout.sampling
-        params = SamplingParams(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
-                                top_k=s.top_k, eos_token_id=ctx.eos_id, pad_token_id=ctx.pad_id)
-        out = eng.generate(prompts, params, seed=seed_of(r.trainer.seed, st.step, st.round))
         if eng.is_data_leader:
             cols = {"prompt_ids": prompts, "response_ids": out.responses,
                     "prompt_index": torch.tensor([prompt_idx[g] for g in mine for _ in range(n)]),
@@ -347,7 +348,7 @@ def _update_batches(ctx: Context, st: StepState) -> tuple[list[SeqBatch], list[t
         counts = local_counts(actor, batches)  # zeros on a peer that is not its DP rank's leader
         lead = float(actor.is_data_leader)
         mine = torch.cat([torch.tensor([lead, float(counts[:, [0, 2]].sum())], dtype=torch.float64),
-                          counts.reshape(-1)])  # [leader, load, counts]
+                          counts.reshape(-1).double()])  # [leader, load, counts]
         every = torch.stack(all_gather(mine))
         loads = every[every[:, 0] > 0, 1]  # one per DP rank
         if float(loads.max()) <= (1 + r.trainer.rebalance_tolerance) * float(loads.mean()):

