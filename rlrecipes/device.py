@@ -315,13 +315,47 @@ def device_name(device: torch.device) -> str:
 
 
 def prepare_megatron(device: torch.device) -> None:
-    """Make megatron-core usable on ``device``: on Ascend MindSpeed's adaptor patches it (imported
-    after torch, before megatron builds anything); CUDA needs nothing; elsewhere it cannot compute."""
+    """Make megatron-core usable on ``device``: on Ascend MindSpeed's adaptor patches it (see
+    :func:`_import_mindspeed` for the order); CUDA needs nothing; elsewhere it cannot compute."""
     if device.type == "npu":
-        import mindspeed.megatron_adaptor  # noqa: F401
+        _import_mindspeed()
     elif device.type != "cuda":
         raise RuntimeError(f"megatron-core computes on CUDA or NPU, not {device.type}; use the native engine "
                            "(actor.engine: native)")
+
+
+def _import_mindspeed() -> None:
+    """MindSpeed's adaptor, in the order its source requires (docs/upstream_contracts.md, MindSpeed):
+
+    1. before any ``megatron`` import: megatron binds ``HAVE_TE``, its norm class and its jit fuser
+       at import time, and MindSpeed patches them first (``megatron_adaptor.py``);
+    2. after torch_npu (MindSpeed's device layer needs it), and after the rollout engine is built:
+       the workflow builds vLLM (vllm-ascend) before the train engine, so vLLM compiled its model
+       with the real ``torch.compile``;
+    3. with ``sys.argv`` cut to the program name: MindSpeed parses ``sys.argv`` into every
+       ``TransformerConfig``, and a Ray worker's argv is not MindSpeed's;
+    4. ``torch.compile`` restored afterwards: MindSpeed replaces it process-wide with a pass-through
+       (megatron binds its jit fuser once, at the import below, so it keeps MindSpeed's).
+    MindSpeed's process-wide ``all_reduce`` wrapper reduces a float64 tensor as a float32 copy and
+    leaves the caller's unreduced, so collectives shared with a megatron worker use int64 / float32."""
+    import sys
+
+    if "mindspeed.megatron_adaptor" in sys.modules:
+        return
+    early = sorted(m for m in sys.modules if m == "megatron" or m.startswith("megatron."))
+    if early:
+        raise RuntimeError(f"{early[0]} was imported before MindSpeed's adaptor; MindSpeed must patch megatron "
+                           "before its first import (docs/upstream_contracts.md)")
+    import torch_npu  # noqa: F401
+
+    compile_, argv = torch.compile, sys.argv
+    sys.argv = argv[:1]
+    try:
+        import mindspeed.megatron_adaptor  # noqa: F401
+        import megatron.core  # noqa: F401
+        import megatron.core.jit  # noqa: F401  (binds jit_fuser while MindSpeed's pass-through is in place)
+    finally:
+        sys.argv, torch.compile = argv, compile_
 
 
 def compute_bytes(device_type: str, requested: str = "auto") -> int:

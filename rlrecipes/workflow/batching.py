@@ -159,11 +159,14 @@ def subset(data: dict, idx: list[int]) -> dict:
 
 
 def local_counts(engine: TrainEngine, batches: Sequence[SeqBatch]) -> torch.Tensor:
-    """``[len(batches), 3]`` float64: each batch's (response tokens, sequences, prompt tokens) on this
-    rank; zeros on a model-parallel peer that is not its data leader (it holds a copy)."""
+    """``[len(batches), 3]`` int64: each batch's (response tokens, sequences, prompt tokens) on this
+    rank; zeros on a model-parallel peer that is not its data leader (it holds a copy). Integers, not
+    float64: MindSpeed's adaptor (imported in a megatron worker on Ascend) wraps ``all_reduce`` so
+    that a float64 tensor is reduced as a float32 copy and the caller's tensor keeps its local
+    values (docs/upstream_contracts.md)."""
     lead = engine.is_data_leader
     return torch.tensor([[b.response_tokens(), len(b), b.prompt_tokens()] if lead else [0, 0, 0]
-                         for b in batches], dtype=torch.float64).reshape(len(batches), 3)
+                         for b in batches], dtype=torch.int64).reshape(len(batches), 3)
 
 
 def global_counts(engine: TrainEngine, batches: Sequence[SeqBatch]) -> list[tuple[float, float, float]]:

@@ -172,3 +172,52 @@ def test_shards_export_checkpoint_and_offload_round_trip(cuda_model_parallel, tm
     assert all(torch.equal(v, before[k]) for k, v in eng.local_shards().items())
     m = eng.train_step(batch, pg_loss)
     assert m["actor/skipped_step"] == 0.0
+
+
+def test_fp16_scales_the_loss_and_unscales_the_gradients(cuda_model_parallel, tmp_path, random_seq_batch, pg_loss):
+    """fp16: the schedule multiplies the loss by the optimizer's dynamic loss scale
+    (``config.grad_scale_func``) and the optimizer divides it out: the reported gradient norm is the
+    fp32 engine's, not 2**16 times it."""
+    from rlrecipes.engines.megatron.layout import FP16_INITIAL_LOSS_SCALE
+    from rlrecipes.engines.megatron.train import MegatronTrainEngine
+    from rlrecipes.engines.native.loader import build_model
+    from rlrecipes.models import SMOKE
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    src, dims = build_model(SMOKE["qwen2"], seed=10)
+    src.save_pretrained(tmp_path / "src", safe_serialization=True)
+    batch = random_seq_batch(dims.vocab_size)
+    norms = {}
+    for dtype in ("fp32", "fp16"):
+        eng = MegatronTrainEngine(str(tmp_path / "src"), device="cuda", dtype=dtype, lr=1e-4, micro_batch_size=4)
+        cfg = eng._module().config
+        assert cfg.grad_scale_func == eng.optimizer.scale_loss
+        if dtype == "fp16":
+            assert float(eng.optimizer.get_loss_scale()) == FP16_INITIAL_LOSS_SCALE
+        m = eng.train_step(batch, pg_loss)
+        assert m["actor/skipped_step"] == 0.0
+        norms[dtype] = m["actor/grad_norm"]
+        del eng
+    assert abs(norms["fp16"] - norms["fp32"]) < 0.05 * norms["fp32"], norms
+
+
+def test_offloaded_optimizer_keeps_adam_state_on_the_host(cuda_model_parallel, tmp_path, random_seq_batch, pg_loss):
+    """offload_optimizer: megatron's HybridDeviceOptimizer with every parameter on the host
+    (optimizer_offload_fraction=1.0): a step runs and changes the weights, the Adam state is on CPU."""
+    from rlrecipes.engines.megatron.train import MegatronTrainEngine
+    from rlrecipes.engines.native.loader import build_model
+    from rlrecipes.models import SMOKE
+
+    src, dims = build_model(SMOKE["qwen2"], seed=11)
+    src.save_pretrained(tmp_path / "src", safe_serialization=True)
+    eng = MegatronTrainEngine(str(tmp_path / "src"), device="cuda", dtype="bf16", lr=1e-3, micro_batch_size=4,
+                              offload_optimizer=True)
+    before = {k: v.clone() for k, v in eng.local_shards().items()}
+    m = eng.train_step(random_seq_batch(dims.vocab_size), pg_loss)
+    assert m["actor/skipped_step"] == 0.0
+    assert any(not torch.equal(v, before[k]) for k, v in eng.local_shards().items())
+    from rlrecipes.engines.megatron.state import optimizers
+
+    states = [t for o in optimizers(eng.optimizer) for st in getattr(o.optimizer, "state", {}).values()
+              for t in (st.values() if isinstance(st, dict) else []) if torch.is_tensor(t)]
+    assert all(t.device.type == "cpu" for t in states)

@@ -66,6 +66,8 @@ def test_config_translation_per_family():
     assert moe["moe_router_score_function"] == "softmax" and moe["moe_router_pre_softmax"] is False
     assert moe["kv_channels"] == SMOKE["qwen3_moe"].head_dim
     assert ds["kv_lora_rank"] == 32 and ds["qk_pos_emb_head_dim"] == 8 and ds["moe_layer_freq"] == [0, 1, 1]
+    # MLA: the local spec builds q/kv norms only with qk_layernorm; the attention output per head is a value head
+    assert ds["qk_layernorm"] is True and ds["kv_channels"] == SMOKE["deepseek_v3"].v_head_dim
     assert ds["moe_router_score_function"] == "sigmoid" and ds["moe_router_enable_expert_bias"]
     assert ds["moe_shared_expert_intermediate_size"] == SMOKE["deepseek_v3"].moe_intermediate_size
 
@@ -154,8 +156,120 @@ def test_layouts_megatron_cannot_split_are_named():
 
 
 def test_pipeline_layout_places_embedding_and_loss():
-    from rlrecipes.engines.megatron.train import pipeline_layout
+    from rlrecipes.engines.megatron.layout import pipeline_layout
 
     lay = pipeline_layout([7, 7, 8, 8, 8, 8, 8, 7])
     assert lay[0] == ["embedding"] + ["decoder"] * 7 and lay[-1] == ["decoder"] * 7 + ["loss"]
     assert sum(row.count("decoder") for row in lay) == 61
+
+
+# ------------------------------------------------------------------------------------- layout.py
+def _planned_actor(name: str, nodes=None):
+    """(dims, HF config dict, megatron Ranks) of a shipped recipe's actor as ``plan`` lays it out."""
+    from rlrecipes.engines.megatron.shard import Ranks
+    from rlrecipes.models import hf_config
+    from rlrecipes.plan import build_plan
+    from rlrecipes.recipe.loading import load_recipe
+
+    recipe = load_recipe(name)
+    a = build_plan(recipe, nodes).roles["actor"]
+    dims = recipe.model.dims()
+    hf = hf_config(dims).to_dict()
+    return recipe, dims, hf, Ranks(tp=a.tp, pp_layers=tuple(a.pp_layers or ()) if a.pp > 1 else (), ep=a.ep, etp=a.tp)
+
+
+RECIPES = [("qwen25_7b", None), ("qwen3_moe_30b", None), ("deepseek_r1_671b", 48)]
+
+
+@pytest.mark.parametrize("name,nodes", RECIPES)
+def test_engine_config_for_the_shipped_recipes(name, nodes):
+    """The TransformerConfig keywords the engine builds for each recipe's planned actor layout: sequence
+    parallelism with TP > 1 (MoE training requires it), the pipeline layout of the plan's layer split,
+    variable sequence lengths with the all-to-all dispatcher across stages, recompute, DeepSeek's
+    dense first layers and MLA norms. The megatron tier constructs the real configs from them."""
+    from rlrecipes.engines.megatron.layout import engine_config_kwargs, layout_problems
+
+    recipe, dims, hf, r = _planned_actor(name, nodes)
+    kw = engine_config_kwargs(dims, hf, r, torch.bfloat16, recompute=recipe.actor.recompute)
+    assert kw["tensor_model_parallel_size"] == r.tp > 1 and kw["sequence_parallel"] is True
+    assert kw["bf16"] and not kw["fp16"] and kw["params_dtype"] == torch.bfloat16
+    assert kw["recompute_granularity"] == "full" and kw["recompute_method"] == "uniform"
+    if r.pp > 1:
+        lay = kw["pipeline_model_parallel_layout"]
+        assert [row.count("decoder") for row in lay] == list(r.pp_layers)
+        assert kw["variable_seq_lengths"] and kw["moe_token_dispatcher_type"] == "alltoall"
+        assert kw["pipeline_dtype"] == torch.bfloat16
+    if dims.is_moe:
+        assert kw["moe_layer_freq"] == [0] * dims.first_k_dense + [1] * (dims.num_layers - dims.first_k_dense)
+    if dims.is_mla:
+        assert kw["qk_layernorm"] and kw["kv_channels"] == dims.v_head_dim and dims.first_k_dense == 3
+    # no refusal on the devices the recipes run on
+    for device, te, ms in (("npu", False, True), ("cuda", True, False)):
+        assert layout_problems(dims, tp=r.tp, pp=r.pp, ep=r.ep, etp=r.etp, device=device, have_te=te,
+                               have_mindspeed=ms, pp_layers=r.pp_layers or None,
+                               offload_optimizer=recipe.actor.offload_optimizer, megatron_core="0.16.1") == []
+    # a reference engine (not training) gets no recompute
+    assert "recompute_granularity" not in engine_config_kwargs(dims, hf, r, torch.bfloat16, recompute=True,
+                                                               training=False)
+
+
+def test_layout_problems_name_the_reason_and_the_fix():
+    from rlrecipes.engines.megatron.layout import layout_problems
+
+    q2, moe = SMOKE["qwen2"], SMOKE["qwen3_moe"]
+    ok = dict(tp=2, pp=1, ep=1, device="cuda", have_te=False, have_mindspeed=False)
+    assert layout_problems(q2, **ok) == []
+    assert any("CUDA or NPU, not cpu" in p and "actor.engine: native" in p
+               for p in layout_problems(q2, **dict(ok, device="cpu")))
+    assert any("needs MindSpeed" in p for p in layout_problems(q2, **dict(ok, device="npu")))
+    assert layout_problems(q2, **dict(ok, device="npu", have_mindspeed=True)) == []
+    assert any("query groups" in p and "TP4" in p for p in layout_problems(q2, **dict(ok, tp=4)))
+    assert any("8 experts do not divide by EP3" in p for p in layout_problems(moe, **dict(ok, ep=3)))
+    assert any("more stages than" in p for p in layout_problems(q2, **dict(ok, pp=5)))
+    # MLA builds with megatron's local attention through the engine's adapter: no TE / MindSpeed needed
+    assert layout_problems(SMOKE["deepseek_v3"], **ok) == []
+    # the host optimizer on megatron-core < 0.19 without TE fails in OptimizerConfig (TE version check)
+    off = dict(ok, offload_optimizer=True)
+    assert any("offload_optimizer" in p and "transformer-engine" in p
+               for p in layout_problems(q2, **dict(off, megatron_core="0.16.1")))
+    assert layout_problems(q2, **dict(off, megatron_core="0.19.1")) == []
+    assert layout_problems(q2, **dict(off, megatron_core="0.16.1", have_te=True)) == []
+
+
+def test_optimizer_config_offloads_everything_and_scales_fp16():
+    from rlrecipes.engines.megatron.layout import FP16_INITIAL_LOSS_SCALE, optimizer_config_kwargs
+
+    base = dict(lr=1e-6, weight_decay=0.01, grad_clip=1.0)
+    kw = optimizer_config_kwargs(**base, dtype=torch.bfloat16, offload=False)
+    assert kw["use_distributed_optimizer"] and kw["bf16"] and "optimizer_cpu_offload" not in kw
+    kw = optimizer_config_kwargs(**base, dtype=torch.bfloat16, offload=True)
+    assert kw["optimizer_cpu_offload"] and kw["optimizer_offload_fraction"] == 1.0
+    assert kw["use_precision_aware_optimizer"] and kw["decoupled_weight_decay"]
+    assert kw["main_params_dtype"] == kw["main_grads_dtype"] == torch.float32
+    kw = optimizer_config_kwargs(**base, dtype=torch.float16, offload=False)
+    assert kw["fp16"] and kw["loss_scale"] is None and kw["initial_loss_scale"] == FP16_INITIAL_LOSS_SCALE
+
+
+def test_rows_are_right_aligned_and_padded_to_a_multiple_of_tp(random_seq_batch):
+    """The engine's megatron rows: every sample from column 0, padding after it, the length a
+    multiple of TP under sequence parallelism; the response logit index picks the column before
+    each response token."""
+    from rlrecipes.engines.megatron.layout import padded_length, response_logit_index, right_align
+    from rlrecipes.engines.native.batching import micro_batches
+
+    assert [padded_length(n, 1) for n in (5, 6)] == [5, 6]
+    assert [padded_length(n, 4) for n in (5, 8, 9)] == [8, 8, 12]
+    batch = random_seq_batch(50, n=5)
+    (mb,) = micro_batches(batch, 8, pad_id=0, collective=False)
+    T = mb["input_ids"].shape[1]
+    R = mb["response_mask"].shape[1]
+    ids, lead = right_align(mb["input_ids"], mb["attention_mask"], padded_length(T, 4), pad_id=0)
+    assert ids.shape == (5, padded_length(T, 4)) and ids.shape[1] % 4 == 0
+    idx = response_logit_index(lead, T - R, R)
+    for i, (p, r) in enumerate(zip(batch.prompts, batch.responses)):
+        n = p.numel() + r.numel()
+        assert torch.equal(ids[i, :n], torch.cat([p, r])) and not ids[i, n:].any()
+        # the logits at idx[i, j] predict the token one column later: response token j
+        assert torch.equal(ids[i, idx[i, :r.numel()] + 1], r)
+    with pytest.raises(ValueError, match="shorter"):
+        right_align(mb["input_ids"], mb["attention_mask"], T - 1, pad_id=0)

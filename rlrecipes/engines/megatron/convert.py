@@ -70,9 +70,13 @@ def transformer_config(dims: ModelDims, *, rope_theta: float = 1e6, rms_norm_eps
               gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
               bias_activation_fusion=False, attention_dropout=0.0, hidden_dropout=0.0)
     if dims.is_mla:
+        # qk_layernorm: megatron's local MLA spec builds q_layernorm / kv_layernorm (HF q_a_layernorm,
+        # kv_a_layernorm) only with it, IdentityOp otherwise; kv_channels = v_head_dim: the attention
+        # output per head is a value head (megatron's local DotProductAttention sizes it so)
         kw.update(q_lora_rank=dims.q_lora_rank or None, kv_lora_rank=dims.kv_lora_rank,
                   qk_head_dim=dims.qk_nope_head_dim, qk_pos_emb_head_dim=dims.qk_rope_head_dim,
-                  v_head_dim=dims.v_head_dim, rotary_base=rope_theta)
+                  v_head_dim=dims.v_head_dim, rotary_base=rope_theta, qk_layernorm=True,
+                  kv_channels=dims.v_head_dim)
         scaling = hf.get("rope_scaling") or hf.get("rope_parameters") or {}  # transformers v4 / v5
         if scaling.get("type", scaling.get("rope_type")) == "yarn":
             kw.update(rope_type="yarn", rotary_scaling_factor=scaling["factor"],
@@ -88,7 +92,7 @@ def transformer_config(dims: ModelDims, *, rope_theta: float = 1e6, rms_norm_eps
         kw.update(num_moe_experts=dims.num_experts, moe_ffn_hidden_size=dims.moe_intermediate_size,
                   moe_router_topk=dims.experts_per_token, moe_grouped_gemm=False,
                   moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=0.0,
-                  moe_layer_freq=[0] * dims.first_k_dense + [1] * (dims.num_layers - dims.first_k_dense))
+                  moe_layer_freq=moe_layer_pattern(dims))
         if dims.num_shared_experts:
             kw["moe_shared_expert_intermediate_size"] = dims.num_shared_experts * dims.moe_intermediate_size
         if dims.family == "deepseek_v3":
@@ -117,10 +121,19 @@ def gpt_model_kwargs(dims: ModelDims, *, rope_theta: float = 1e6) -> dict:
                 share_embeddings_and_output_weights=dims.tie_embeddings)
 
 
-def layer_spec_kwargs(dims: ModelDims) -> dict:
-    """Keyword arguments of ``get_gpt_layer_local_spec`` (no TransformerEngine) for the family."""
-    return dict(num_experts=dims.num_experts or None, moe_grouped_gemm=False,
-                qk_layernorm=dims.family == "qwen3_moe", multi_latent_attention=dims.is_mla)
+def block_spec_kwargs() -> dict:
+    """Keyword arguments of megatron's ``get_gpt_decoder_block_spec`` besides the config and the stage:
+    megatron-core's own modules (no TransformerEngine), RMSNorm (without it megatron picks apex's
+    ``FusedLayerNorm`` where apex imports, which only does LayerNorm). The block spec places dense and
+    MoE layers by ``moe_layer_freq`` and keeps the stage's layers only."""
+    return dict(use_transformer_engine=False, normalization="RMSNorm")
+
+
+def moe_layer_pattern(dims: ModelDims) -> list[int]:
+    """megatron's ``moe_layer_freq`` list: 0 for a dense layer (HF ``first_k_dense_replace``), 1 for MoE."""
+    if not dims.is_moe:
+        return [0] * dims.num_layers
+    return [0] * dims.first_k_dense + [1] * (dims.num_layers - dims.first_k_dense)
 
 
 # --------------------------------------------------------------------------------------------- q/k/v

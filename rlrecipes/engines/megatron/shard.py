@@ -14,7 +14,9 @@ locally from ``0``, layers numbered per stage. :func:`megatron_to_hf` undoes it 
 * experts: EP rank ``k`` holds experts ``[k E/ep, (k+1) E/ep)``; expert-TP splits each expert's
   ``gate`` / ``up`` rows and ``down`` columns over the expert-TP group;
 * tied embeddings with PP > 1: the last stage holds its own ``output_layer`` copy of the embedding
-  (megatron keeps the two in sync through its embedding group).
+  (megatron keeps the two in sync through its embedding group);
+* MLA's down projections (``q_a_proj``, ``kv_a_proj_with_mqa``) are whole on every TP rank (the
+  engine's spec makes them megatron's duplicated ``Linear``, see model.py), as in the HF table.
 
 The resharder (``rlrecipes.core.resharder``) sees HF names and contiguous slices in *its* layout
 (:func:`resharder_shards`): TP slices are megatron's; an expert block is whole experts of EP block
@@ -94,8 +96,8 @@ def local_dims(dims: ModelDims, r: Ranks):
     return _LocalDims(dims, r)
 
 
-def check_layout(dims: ModelDims, r: Ranks) -> None:
-    """The layout's sizes divide the model as megatron needs (a clear error, before any build)."""
+def layout_errors(dims: ModelDims, r: Ranks) -> list[str]:
+    """Why megatron cannot split the model over the layout's sizes (empty when it can)."""
     why = []
     if not dims.is_mla and dims.num_kv_heads % r.tp:
         why.append(f"{dims.num_kv_heads} query groups (KV heads) do not divide by TP{r.tp}")
@@ -109,6 +111,12 @@ def check_layout(dims: ModelDims, r: Ranks) -> None:
         why.append(f"MLP size {dims.intermediate_size} does not divide by TP{r.tp}")
     if r.pp_layers and (sum(r.pp_layers) != dims.num_layers or min(r.pp_layers) < 1):
         why.append(f"pp_layers {list(r.pp_layers)} do not split {dims.num_layers} layers")
+    return why
+
+
+def check_layout(dims: ModelDims, r: Ranks) -> None:
+    """The layout's sizes divide the model as megatron needs (a clear error, before any build)."""
+    why = layout_errors(dims, r)
     if why:
         raise ValueError("megatron layout: " + "; ".join(why))
 

@@ -5,13 +5,15 @@ Layouts: TP, PP (any per-stage layer split, through megatron's ``pipeline_model_
 EP and expert-TP (megatron's default, expert-TP = TP; ``options["expert_tensor_parallel"]`` sets
 another). Each rank reads only its own slices of the HF weights (``shard.py``: grouped q/k/v per
 query group, ``[gate; up]`` per TP rank, the vocabulary padded to a multiple of TP, experts by EP
-rank numbered locally). Micro-batches are padded rows (left-padded prompt, right-padded response)
-with an explicit causal + key-padding mask, as megatron's local attention takes; log-probs come
-from fp32 log-softmax over the vocabulary-parallel logits on the last stage and are broadcast to
-every stage, so each rank of the model-parallel group returns them.
+rank numbered locally). Micro-batches are right-aligned rows (each sample's prompt then response from
+column 0, padding after it; ``layout.right_align``) under megatron's causal mask alone, padded to a
+multiple of TP for sequence parallelism (on whenever TP > 1; ``layout.py``); log-probs come from
+fp32 log-softmax over the vocabulary-parallel logits on the last stage and are broadcast to every
+stage, so each rank of the model-parallel group returns them.
 """
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 from collections import defaultdict
@@ -33,6 +35,8 @@ from ..native import batching
 from ..native.loader import build_empty, build_model, source_folder
 from ..native.train import resolve_device
 from . import shard, state
+from .layout import (ddp_config_kwargs, layout_problems, leading_padding, mla_core_attention, optimizer_config_kwargs,  # noqa: F401
+                     padded_length, parallel_kwargs, pipeline_layout, response_logit_index, right_align)
 from .model import build_gpt, load_megatron_state
 
 
@@ -52,27 +56,6 @@ def _init_parallel(tp: int, pp: int, ep: int, etp: int, seed: int) -> None:
                              f"process; this engine wants TP{tp} PP{pp} EP{ep} ETP{etp} (megatron holds one layout "
                              "per process: give ref/critic the actor's layout)")
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
-
-
-def pipeline_layout(pp_layers) -> list[list[str]]:
-    """megatron's ``pipeline_model_parallel_layout`` for a per-stage layer split (any split, uneven
-    included): the embedding on the first stage, the loss on the last."""
-    out = [["decoder"] * int(n) for n in pp_layers]
-    out[0].insert(0, "embedding")
-    out[-1].append("loss")
-    return out
-
-
-def parallel_kwargs(r: shard.Ranks, dtype: torch.dtype) -> dict[str, Any]:
-    """``TransformerConfig`` fields of a layout. With PP, micro-batches of different lengths cross
-    the stages (``variable_seq_lengths``: megatron sends each tensor's shape first), which megatron
-    allows with the all-to-all token dispatcher only (set for dense models too, where it is unused)."""
-    kw: dict[str, Any] = dict(tensor_model_parallel_size=r.tp, pipeline_model_parallel_size=r.pp,
-                              expert_model_parallel_size=r.ep, expert_tensor_parallel_size=r.etp)
-    if r.pp > 1:
-        kw.update(pipeline_dtype=dtype, variable_seq_lengths=True, moe_token_dispatcher_type="alltoall",
-                  pipeline_model_parallel_layout=pipeline_layout(r.pp_layers))
-    return kw
 
 
 def _source(model):
@@ -106,6 +89,15 @@ class MegatronTrainEngine(base.TrainEngine):
         pp_layers = tuple(int(n) for n in pp_layers) if pp_layers else tuple(split_layers(self.dims.num_layers, pp))
         if len(pp_layers) != pp:
             raise ValueError(f"pp_layers {list(pp_layers)} has {len(pp_layers)} stages for PP{pp}")
+        from importlib.metadata import version
+
+        problems = layout_problems(self.dims, tp=tp, pp=pp, ep=ep, etp=etp, device=self.device.type,
+                                   have_te=importlib.util.find_spec("transformer_engine") is not None,
+                                   have_mindspeed=importlib.util.find_spec("mindspeed") is not None,
+                                   pp_layers=pp_layers, offload_optimizer=offload_optimizer and role != "ref",
+                                   megatron_core=version("megatron-core"))
+        if problems:  # the rules plan checked (layout.plan_rules): only reached when plan was skipped
+            raise ValueError("; ".join(problems))
         shard.check_layout(self.dims, shard.Ranks(tp=tp, pp_layers=pp_layers, ep=ep, etp=etp))
         world = dist.get_world_size()
         if world % (tp * pp) or (world // pp) % (ep * etp):
@@ -121,12 +113,11 @@ class MegatronTrainEngine(base.TrainEngine):
         self.layout = Layout(tp, pp, ep, world // (tp * pp), pp_layers if pp > 1 else None)
         self.role, self.trainable = role, role != "ref"
         self.compute_dtype = devmod.train_dtype(self.device, dtype)
-        extra = parallel_kwargs(self.ranks, self.compute_dtype)
-        if recompute:
-            extra.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-        self.model = build_gpt(self.dims, hf_config=self.hf_config, params_dtype=self.compute_dtype,
+        have_te = importlib.util.find_spec("transformer_engine") is not None
+        self.model = build_gpt(self.dims, hf_config=self.hf_config, ranks=self.ranks, dtype=self.compute_dtype,
+                               recompute=recompute, training=self.trainable,
                                pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
-                               vocab_size=shard.padded_vocab(self.dims.vocab_size, tp), **extra).to(self.device)
+                               core_attention=mla_core_attention(self.device.type, have_te)).to(self.device)
         load_megatron_state(self.model, shard.megatron_shard(read, self.dims, self.ranks))
         del read
         self.micro_batch_size, self.pad_token_id = int(micro_batch_size), int(pad_token_id)
@@ -151,40 +142,45 @@ class MegatronTrainEngine(base.TrainEngine):
 
     # ------------------------------------------------------------------ setup
     def _build_optimizer(self, lr, weight_decay, grad_clip, offload) -> None:
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
+                                               finalize_model_grads)
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         cfg = self.model.config
-        self.model = DistributedDataParallel(
-            config=cfg, ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True),
-            module=self.model)
-        bf16 = self.compute_dtype == torch.bfloat16
-        opt = OptimizerConfig(optimizer="adam", lr=lr, weight_decay=weight_decay, clip_grad=grad_clip, bf16=bf16,
-                              fp16=self.compute_dtype == torch.float16, params_dtype=self.compute_dtype,
-                              use_distributed_optimizer=True, optimizer_cpu_offload=offload,
-                              adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8)
+        self.model = DistributedDataParallel(config=cfg, module=self.model,
+                                             ddp_config=DistributedDataParallelConfig(**ddp_config_kwargs()))
+        opt = OptimizerConfig(**optimizer_config_kwargs(lr=lr, weight_decay=weight_decay, grad_clip=grad_clip,
+                                                        dtype=self.compute_dtype, offload=offload))
         self.optimizer = get_megatron_optimizer(opt, [self.model])
-        from megatron.core.distributed import finalize_model_grads
-
         cfg.finalize_model_grads_func = finalize_model_grads
+        # the schedule multiplies each micro-batch's loss by this before backward (fp16: the dynamic
+        # loss scale, which the optimizer step divides out of the gradients; 1 otherwise), as
+        # Megatron-LM's training loop wires it
+        cfg.grad_scale_func = self.optimizer.scale_loss
 
     # ------------------------------------------------------------------ batches
+    def _length(self, mb: Mapping[str, Any]) -> int:
+        """The columns megatron gets for ``mb``: its width, a multiple of TP under sequence parallelism."""
+        return padded_length(int(mb["input_ids"].shape[1]), self.ranks.tp)
+
     def _device_batch(self, mb: Mapping[str, Any]) -> dict:
-        """Padded rows -> megatron inputs: ids, positions, a [b, 1, T, T] mask (True = masked)."""
-        ids = mb["input_ids"].to(self.device)
-        keep = mb["attention_mask"].to(self.device).bool()
-        T = ids.shape[1]
-        causal = torch.ones(T, T, dtype=torch.bool, device=self.device).tril()
-        mask = ~(causal[None] & keep[:, None, :])[:, None]  # [b, 1, T, T]
-        pos = (keep.long().cumsum(-1) - 1).clamp(min=0)
-        return {"ids": ids, "pos": pos, "mask": mask}
+        """Padded rows -> megatron inputs: right-aligned ids ``[b, T']`` (``layout.right_align``: the
+        causal mask alone is then exact, so no mask is passed) and positions."""
+        ids, _ = right_align(mb["input_ids"], mb["attention_mask"], self._length(mb), self.pad_token_id)
+        ids = ids.to(self.device)
+        pos = torch.arange(ids.shape[1], device=self.device).expand_as(ids)
+        return {"ids": ids, "pos": pos}
 
     def _logprobs(self, logits: torch.Tensor, mb: Mapping[str, Any], with_entropy: bool):
         """Log-probs (+ entropy) of the response tokens from this TP rank's vocabulary shard of the
-        logits (the padding ids past the real vocabulary are left out)."""
+        right-aligned logits ``[b, T', vocab / tp]`` (the padding ids past the real vocabulary are
+        left out)."""
         R = mb["response_mask"].shape[1]
+        P = mb["input_ids"].shape[1] - R
         ids = mb["input_ids"].to(logits.device)[:, -R:]
-        logits = logits[:, -R - 1:-1]
+        lead = leading_padding(mb["attention_mask"].to(logits.device))  # [b]: how far each row moved left
+        idx = response_logit_index(lead, P, R)  # [b, R]
+        logits = logits.gather(1, idx[..., None].expand(-1, -1, logits.shape[-1]))  # [b, R, vocab / tp]
         a, b, _ = shard.vocab_range(self.dims.vocab_size, self.ranks)
         if self.ranks.tp == 1:
             return logprobs_and_entropy(logits[..., :b], ids, with_entropy=with_entropy)
@@ -204,10 +200,10 @@ class MegatronTrainEngine(base.TrainEngine):
         def forward_step(_data_iterator, model):
             mb = next(it)
             d = self._device_batch(mb)
-            out = model(d["ids"], d["pos"], attention_mask=d["mask"])
+            out = model(d["ids"], d["pos"], attention_mask=None)  # megatron's causal mask
             return out, partial(step_fn, mb)
 
-        T = max(int(mb["input_ids"].shape[1]) for mb in mbs)
+        T = max(self._length(mb) for mb in mbs)
         return get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(mbs),
                                            model=[self.model], num_microbatches=len(mbs), seq_length=T,
                                            micro_batch_size=self.micro_batch_size, forward_only=forward_only,

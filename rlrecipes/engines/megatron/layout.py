@@ -1,0 +1,243 @@
+"""What the megatron engine asks of megatron-core for a layout, in plain Python (no megatron import).
+
+One function builds every ``TransformerConfig`` / ``MLATransformerConfig`` keyword the engine uses
+(:func:`engine_config_kwargs`), one the ``OptimizerConfig`` keywords (:func:`optimizer_config_kwargs`),
+and :func:`layout_problems` says, before anything is placed, what of a layout megatron-core would
+refuse on a device; ``plan`` calls it, tests build the real configs from the same keywords.
+
+Decisions (the upstream lines behind each are in docs/upstream_contracts.md):
+
+* **sequence parallelism whenever TP > 1**, dense or MoE. megatron's MoE layer raises in training
+  with TP > 1 without it (``moe_layer.py``), and MLA's q / kv norms are only reduced right with it
+  (their inputs are sequence-sharded, ``finalize_model_grads`` sums their gradients over TP). The
+  embedding scatters the sequence, the output layer gathers it back, so the logits the engine
+  reads stay ``[b, s, vocab / tp]``. Sequences are padded to a multiple of TP (:func:`padded_length`).
+* **rows are right-aligned** (:func:`right_align`): each sample starts at column 0, padding follows
+  it, so the causal mask alone is the right mask: megatron's local attention, TransformerEngine's
+  and MindSpeed's fused attention (which apply their own causal mask) give the same log-probs.
+* **optimizer offload**: megatron's ``HybridDeviceOptimizer`` with every parameter on the host
+  (``optimizer_offload_fraction=1.0``; megatron's default 0.0 offloads nothing) and the
+  precision-aware optimizer path it reuses (Megatron-LM's own argument check requires it).
+* **fp16**: megatron's dynamic loss scaler, starting at 2**16 (megatron's default 2**32 makes the
+  first ~16 steps overflow and skip, most of a short RL run); the engine wires
+  ``config.grad_scale_func = optimizer.scale_loss`` so the schedule scales the loss.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional
+
+import torch
+
+from ...models import ModelDims
+from .convert import rope_theta, transformer_config
+from .shard import Ranks, layout_errors
+
+#: fp16's first loss scale (megatron's DynamicGradScaler then halves on overflow, doubles every
+#: ``loss_scale_window`` clean steps)
+FP16_INITIAL_LOSS_SCALE = 2.0 ** 16
+
+
+def pipeline_layout(pp_layers) -> list[list[str]]:
+    """megatron's ``pipeline_model_parallel_layout`` for a per-stage layer split (any split, uneven
+    included): the embedding on the first stage, the loss on the last."""
+    out = [["decoder"] * int(n) for n in pp_layers]
+    out[0].insert(0, "embedding")
+    out[-1].append("loss")
+    return out
+
+
+def sequence_parallel(tp: int) -> bool:
+    """Whether the engine runs megatron's sequence parallelism: whenever TP > 1 (module docstring)."""
+    return int(tp) > 1
+
+
+def dtype_kwargs(dtype: torch.dtype) -> dict[str, Any]:
+    return dict(params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16)
+
+
+def parallel_kwargs(r: Ranks, dtype: torch.dtype) -> dict[str, Any]:
+    """``TransformerConfig`` fields of a layout. With PP, micro-batches of different lengths cross
+    the stages (``variable_seq_lengths``: megatron sends each tensor's shape first), which megatron
+    allows with the all-to-all token dispatcher only (set for dense models too, where it is unused)."""
+    kw: dict[str, Any] = dict(tensor_model_parallel_size=r.tp, pipeline_model_parallel_size=r.pp,
+                              expert_model_parallel_size=r.ep, expert_tensor_parallel_size=r.etp,
+                              sequence_parallel=sequence_parallel(r.tp))
+    if r.pp > 1:
+        kw.update(pipeline_dtype=dtype, variable_seq_lengths=True, moe_token_dispatcher_type="alltoall",
+                  pipeline_model_parallel_layout=pipeline_layout(r.pp_layers))
+    return kw
+
+
+def engine_config_kwargs(dims: ModelDims, hf_config: Optional[Mapping], r: Ranks, dtype: torch.dtype, *,
+                         recompute: bool = False, training: bool = True) -> dict[str, Any]:
+    """Every keyword of the ``TransformerConfig`` (``MLATransformerConfig`` when ``dims.is_mla``) the
+    engine builds: the architecture (:func:`convert.transformer_config`), the layout
+    (:func:`parallel_kwargs`), the dtype and, for a training engine with ``recompute``, full uniform
+    recomputation of every layer. ``hf_config``: the HF ``config.json`` dict (RoPE, norm epsilon,
+    routing details)."""
+    hf = dict(hf_config or {})
+    kw = transformer_config(dims, rope_theta=rope_theta(hf), rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+                            hf_config=hf)
+    kw.update(dtype_kwargs(dtype))
+    kw.update(parallel_kwargs(r, dtype))
+    if recompute and training:
+        kw.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    return kw
+
+
+def optimizer_config_kwargs(*, lr: float, weight_decay: float, grad_clip: float, dtype: torch.dtype,
+                            offload: bool) -> dict[str, Any]:
+    """``OptimizerConfig`` keywords: Adam over megatron's distributed optimizer; ``offload``: every
+    parameter's Adam step on the host (``HybridDeviceOptimizer``, which megatron builds only for
+    ``decoupled_weight_decay`` = AdamW, its default; the precision-aware path with fp32 main
+    parameters and gradients, megatron's defaults); fp16: the dynamic loss scaler."""
+    kw: dict[str, Any] = dict(optimizer="adam", lr=lr, weight_decay=weight_decay, clip_grad=grad_clip,
+                              adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8, use_distributed_optimizer=True,
+                              **dtype_kwargs(dtype))
+    if offload:
+        kw.update(optimizer_cpu_offload=True, optimizer_offload_fraction=1.0, use_precision_aware_optimizer=True,
+                  main_params_dtype=torch.float32, main_grads_dtype=torch.float32, decoupled_weight_decay=True)
+    if dtype == torch.float16:
+        kw.update(loss_scale=None, initial_loss_scale=FP16_INITIAL_LOSS_SCALE, min_loss_scale=1.0,
+                  loss_scale_window=1000, hysteresis=2)
+    return kw
+
+
+def ddp_config_kwargs() -> dict[str, Any]:
+    """``DistributedDataParallelConfig`` keywords: fp32 gradient buffer, distributed optimizer."""
+    return dict(grad_reduce_in_fp32=True, use_distributed_optimizer=True)
+
+
+# ------------------------------------------------------------------------------------- rows
+def padded_length(length: int, tp: int) -> int:
+    """The micro-batch length megatron gets: ``length`` rounded up to a multiple of TP under
+    sequence parallelism (megatron splits the sequence evenly over TP), unchanged otherwise."""
+    m = int(tp) if sequence_parallel(tp) else 1
+    return -(-int(length) // m) * m
+
+
+def leading_padding(keep: torch.Tensor) -> torch.Tensor:
+    """``[b]``: the padding columns before each row's first real token (``keep [b, T]``, 1 = real)."""
+    return (~keep.bool()).long().cumprod(-1).sum(-1)
+
+
+def right_align(ids: torch.Tensor, keep: torch.Tensor, length: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded rows -> right-aligned rows of ``length`` columns.
+
+    ``ids, keep [b, T]`` (``keep``: 1 for a real token; the engine's micro-batches are a left-padded
+    prompt then a right-padded response). Row ``i`` moves left by its count of leading padding
+    ``lead[i]`` so its first token sits at column 0; everything after the row's tokens is
+    ``pad_id``. Returns ``(ids [b, length], lead [b])``. With the causal mask no real token ever
+    sees a padding token, whatever attention kernel applies it."""
+    b, T = ids.shape
+    if length < T:
+        raise ValueError(f"right_align: length {length} is shorter than the rows ({T})")
+    keep = keep.bool()
+    lead = leading_padding(keep)  # [b]
+    src = torch.arange(length, device=ids.device)[None, :] + lead[:, None]  # [b, length]
+    inside = src < T
+    src = src.clamp(max=T - 1)
+    real = inside & keep.gather(1, src)
+    out = torch.where(real, ids.gather(1, src), torch.full_like(src, int(pad_id)))
+    return out, lead
+
+
+def response_logit_index(lead: torch.Tensor, prompt_width: int, response_width: int) -> torch.Tensor:
+    """``[b, R]`` columns of the right-aligned logits that predict each response token: response token
+    ``j`` of row ``i`` sat at column ``P + j`` of the left-padded row and moved ``lead[i]`` left; the
+    logits one column before it predict it."""
+    j = torch.arange(response_width, device=lead.device)
+    return (prompt_width - 1 - lead)[:, None] + j[None, :]
+
+
+# ------------------------------------------------------------------------------------- checks
+def mla_core_attention(device: str, have_te: bool) -> str:
+    """Which core attention MLA layers get: ``"te"`` (TransformerEngine's fused attention, CUDA with
+    TE installed) or ``"local"`` (megatron's ``DotProductAttention`` through the engine's adapter,
+    which takes MLA's separate q/k and v head sizes; O(s^2) memory per head, everywhere else)."""
+    return "te" if device == "cuda" and have_te else "local"
+
+
+def layout_problems(dims: ModelDims, *, tp: int, pp: int, ep: int, etp: Optional[int] = None, device: str,
+                    have_te: bool, have_mindspeed: bool, pp_layers=None, offload_optimizer: bool = False,
+                    megatron_core: Optional[str] = None) -> list[str]:
+    """Sentences naming what megatron-core (as this engine drives it) cannot do with this model and
+    layout on ``device``, each with its fix; empty when it can. Pure: ``plan`` calls it with what
+    the cluster has (``have_te``: ``transformer_engine`` importable; ``have_mindspeed``: MindSpeed;
+    ``megatron_core``: the installed version string, when known)."""
+    out: list[str] = []
+    etp = int(etp or tp)
+    if device not in ("cuda", "npu"):
+        out.append(f"megatron-core computes on CUDA or NPU, not {device}; use the native engine (actor.engine: native)")
+    if device == "npu" and not have_mindspeed:
+        out.append("megatron-core on Ascend needs MindSpeed (it adapts megatron to torch_npu); install it from "
+                   "source (docs/ascend.md) or use actor.engine: native")
+    r = Ranks(tp=int(tp), pp_layers=tuple(int(n) for n in pp_layers) if pp_layers else (), ep=int(ep), etp=etp)
+    out += [f"megatron layout TP{tp} PP{pp} EP{ep} ETP{etp}: {why}; choose sizes that divide it" for why in
+            layout_errors(dims, r)]
+    if pp > dims.num_layers:
+        out.append(f"PP{pp} has more stages than the model's {dims.num_layers} layers; lower actor.layout.pp")
+    if offload_optimizer and not have_te and not (device == "npu" and have_mindspeed) and \
+            megatron_core is not None and _version(megatron_core) < (0, 19):
+        # on NPU, MindSpeed's pre-patches answer importlib.metadata.version("transformer-engine") with
+        # "2.2.0" and register dummy transformer_engine modules, so is_te_min_version answers there
+        out.append(f"actor.offload_optimizer on megatron-core {megatron_core} needs TransformerEngine installed: its "
+                   "OptimizerConfig compares TE's version when the precision-aware optimizer (which the host "
+                   "optimizer requires) is on, and fails without TE before 0.19; install transformer-engine, use megatron-core >= 0.19 "
+                   "(Python >= 3.12), or set actor.offload_optimizer: false (resharding.swap_optimizer still moves "
+                   "the Adam state to the host while the rollout runs)")
+    return out
+
+
+#: the megatron-core a device's stack installs when ``plan`` runs where it is not installed: the
+#: ``ascend`` extra's (MindSpeed core_r0.16.0 -> 0.16.x); CUDA's depends on the Python version
+STACK_MEGATRON_CORE = {"npu": "0.16.1"}
+
+
+def plan_rules(*, role: str, dims: ModelDims, tp: int, pp: int, ep: int, etp: Optional[int], world: int,
+               device: str, installed: bool, recipe=None) -> list[str]:
+    """``Capabilities.layout_rules``: :func:`layout_problems` for one train role of a recipe, judged
+    with what is installed here (``installed``) or with the device's supported stack (``plan`` for
+    another machine: MindSpeed on NPU; TransformerEngine is never assumed)."""
+    import importlib.util
+    from importlib.metadata import PackageNotFoundError, version
+
+    def have(module: str) -> bool:
+        try:
+            return importlib.util.find_spec(module) is not None
+        except (ModuleNotFoundError, ValueError):
+            return False
+
+    try:
+        mcore: Optional[str] = version("megatron-core")
+    except PackageNotFoundError:
+        mcore = STACK_MEGATRON_CORE.get(device)
+    lay = getattr(recipe, role, None) if recipe is not None else None
+    lay = getattr(lay, "layout", None) or (recipe.actor.layout if recipe is not None else None)
+    pp_layers = getattr(lay, "pp_layers", None)
+    offload = bool(recipe.actor.offload_optimizer) if recipe is not None and role == "actor" else False
+    return layout_problems(dims, tp=tp, pp=pp, ep=ep, etp=etp, device=device, have_te=have("transformer_engine"),
+                           have_mindspeed=have("mindspeed") if installed else True, pp_layers=pp_layers,
+                           offload_optimizer=offload, megatron_core=mcore)
+
+
+def _version(text: str) -> tuple[int, ...]:
+    parts = []
+    for p in str(text).split(".")[:3]:
+        digits = "".join(ch for ch in p if ch.isdigit())
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts)
+
+
+def mindspeed_args(dims: ModelDims) -> dict[str, Any]:
+    """MindSpeed feature arguments for the model: none. MindSpeed reads its arguments from
+    ``sys.argv`` when ``mindspeed.megatron_adaptor`` is first imported (``args_utils.get_mindspeed_args``)
+    and ``mindspeed.megatron_adaptor.repatch(dict)`` re-applies its patches with changed ones. Its MLA
+    feature (``--multi-head-latent-attention``) replaces megatron's ``MultiLatentAttention.__init__``
+    (core_r0.16.0 / core_r0.17.0; a no-op in core_r0.18.0) with one whose YaRN RoPE takes the
+    original context length from ``config.max_position_embeddings``, a field megatron-core's config
+    does not have; the engine's own MLA adapter (model.py) makes that patch unnecessary, so it is
+    left off."""
+    return {}
