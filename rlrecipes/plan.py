@@ -176,7 +176,7 @@ def build_plan(recipe: Recipe, nodes: Optional[int] = None, devices_per_node: Op
         if role.role in caps:
             violations.extend(_layout_violations(role, dims, role.world, caps[role.role],
                                                  _where(role, world, fits, dpn) if disagg else None))
-            violations.extend(_engine_layout_violations(role, dims, caps[role.role], recipe.resources.device))
+            violations.extend(_engine_layout_violations(role, dims, caps[role.role], recipe))
         if role.world % (role.tp * role.pp) == 0:
             role.dp = role.world // (role.tp * role.pp)
 

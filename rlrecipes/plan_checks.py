@@ -106,13 +106,13 @@ def _layout_violations(role: RoleLayout, dims: ModelDims, world: int, caps: Capa
     return v
 
 
-def _engine_layout_violations(role: RoleLayout, dims: ModelDims, caps: Capabilities, device: str) -> list[Violation]:
+def _engine_layout_violations(role: RoleLayout, dims: ModelDims, caps: Capabilities, recipe: Recipe) -> list[Violation]:
     """The engine's own layout rules (``Capabilities.layout_rules``), the same function the engine
     runs when it is built: a layout ``plan`` passes is one the engine accepts."""
     if role.world % (role.tp * role.pp):
         return []  # reported by the generic rules
     found = layout_problems(caps.name, role=role.role, dims=dims, tp=role.tp, pp=role.pp, ep=role.ep, etp=None,
-                            world=role.world, device=device, installed=False)
+                            world=role.world, device=recipe.resources.device, installed=False, recipe=recipe)
     return [Violation(f"engine {caps.name} accepts the {role.role} layout", p) for p in found]
 
 
@@ -152,12 +152,13 @@ def _exact_reshard_bytes(dims: ModelDims, train: RoleLayout, rollout: RoleLayout
 def _render_inference(recipe: Recipe, dims: ModelDims, violations: list) -> Optional[dict]:
     """vllm-ascend settings for the pinned (or installed) version; an impossible combination is a violation."""
     from .engines.vllm.settings import InferenceConfigError, installed_vllm_ascend_version, render
+    from .models import get_family
 
     version = recipe.rollout.inference.vllm_ascend_version or installed_vllm_ascend_version()
     if version is None:
         return None
     try:
-        r = render(recipe.rollout.inference, version, is_mla=dims.is_mla)
+        r = render(recipe.rollout.inference, version, is_mla=dims.is_mla, model_type=get_family(dims.family).model_type)
     except InferenceConfigError as e:
         violations.append(Violation("inference settings supported by vllm-ascend", str(e)))
         return None

@@ -74,7 +74,7 @@ class Capabilities:
     """``(device, MLA latent sizes kv_lora_rank + qk_rope_head_dim its kernels take)`` (vLLM CPU: 576)."""
     layout_rules: str = ""
     """``"module:function"`` of a pure function (no heavy imports) with the engine's own layout rules:
-    ``fn(*, role, dims, tp, pp, ep, etp, world, device, installed) -> list[str]``, one sentence per
+    ``fn(*, role, dims, tp, pp, ep, etp, world, device, installed, recipe) -> list[str]``, one sentence per
     problem, each with the fix. ``plan`` calls it for every role the engine serves, and the engine
     runs the same function when it is built, so a layout ``plan`` passes is one the engine accepts."""
     implemented: bool = True

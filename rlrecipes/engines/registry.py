@@ -83,17 +83,18 @@ def problems(name: str, role: str, device: str | None = None, *, installed: bool
 
 
 def layout_problems(name: str, *, role: str, dims, tp: int, pp: int, ep: int, etp: int | None, world: int,
-                    device: str, installed: bool = False) -> list[str]:
+                    device: str, installed: bool = False, recipe=None) -> list[str]:
     """The engine's own rules for one role's layout (``Capabilities.layout_rules``); empty when it
     declares none. ``world``: the devices of the role's group; ``installed``: whether to judge with
-    what is installed here (``plan`` for another machine passes False)."""
+    what is installed here (``plan`` for another machine passes False); ``recipe``: the recipe, for
+    the role's other settings an engine's rules read (offload, inference settings)."""
     rules = capabilities(name).layout_rules
     if not rules:
         return []
     module, fn = rules.split(":")
     return list(getattr(importlib.import_module(module), fn)(
         role=role, dims=dims, tp=int(tp), pp=int(pp), ep=int(ep), etp=int(etp) if etp else None, world=int(world),
-        device=device, installed=installed))
+        device=device, installed=installed, recipe=recipe))
 
 
 def _load(name: str, role: str) -> type:

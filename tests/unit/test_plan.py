@@ -86,9 +86,9 @@ def test_native_engine_keeps_ref_on_actor_layout():
 
 def test_vllm_ascend_settings_checked_in_plan():
     p = build_plan(load_recipe("deepseek_r1_671b"), 16)
-    assert p.ok and p.inference["vllm_ascend"] == "0.9.1"
-    assert p.inference["additional_config"]["torchair_graph_config"]["enable_kv_nz"] is True
-    bad = build_plan(load_recipe("deepseek_r1_671b", overrides=["rollout.inference.vllm_ascend_version=0.12.0"]), 16)
+    assert p.ok and p.inference["vllm_ascend"] == "0.23.0"
+    assert p.inference["additional_config"]["multistream_overlap_shared_expert"] is True
+    bad = build_plan(load_recipe("deepseek_r1_671b", overrides=["rollout.inference.vllm_ascend_version=0.26.0"]), 16)
     assert [v.rule for v in bad.violations] == ["inference settings supported by vllm-ascend"]
     assert bad.nearest_valid_nodes == [] and "no node count fixes these" in format_violations(bad)
 
