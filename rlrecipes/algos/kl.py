@@ -15,6 +15,7 @@ reward before the advantage (``use_kl_in_reward``, PPO) with a fixed or adaptive
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -108,6 +109,16 @@ def apply_kl_penalty(
 KL_CONTROLLERS = Registry("kl_controller", "algorithm.kl_controller")
 
 
+class KLController(Protocol):
+    """The KL coefficient the losses use this step (``value``) and its update from the measured KL."""
+
+    value: float
+
+    def update(self, current_kl: float, n_steps: int) -> float:
+        """Adapt ``value`` after a step that measured ``current_kl`` over ``n_steps`` samples."""
+        ...
+
+
 @dataclass
 class FixedKLController:
     """Constant KL coefficient (``kl_controller: fixed``)."""
@@ -156,6 +167,6 @@ def _adaptive(kl_coef: float, kl_target: float | None = None, kl_horizon: float 
 
 
 def make_kl_controller(kind: str, kl_coef: float, kl_target: float | None = None,
-                       kl_horizon: float | None = None) -> FixedKLController | AdaptiveKLController:
+                       kl_horizon: float | None = None) -> KLController:
     """Build the controller named by ``algorithm.kl_controller`` through :data:`KL_CONTROLLERS`."""
     return KL_CONTROLLERS.get(kind)(kl_coef, kl_target, kl_horizon)

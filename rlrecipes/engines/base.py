@@ -57,7 +57,19 @@ class Capabilities:
     separate_ref_layout: bool = False
     """The reference model / critic may use a layout other than the actor's."""
     critic: bool = True
-    """The engine trains a value model too (PPO's critic)."""
+    """The engine trains a value model too (PPO's critic); its package then names the class in
+    ``CRITIC`` (see ``engines/registry.py``)."""
+    routing_replay: bool = False
+    """MoE routing replay (``algorithm.routing_replay``): the rollout engine records every token's
+    experts and the train engine routes each token to them."""
+    memory_model: str = "pipeline"
+    """Which of ``plan``'s per-device train memory models describes the engine
+    (``rlrecipes.plan.memory.TRAIN_MEMORY_MODELS``): ``"fsdp"`` (the whole model per rank, fp32
+    master weights, gradients and Adam state sharded over DP) or ``"pipeline"`` (the worst pipeline
+    stage: compute-dtype weights, an fp32 DDP gradient buffer, a distributed optimizer)."""
+    small_model_bytes: int = 0
+    """``fsdp`` memory model: a model of at most this many fp32 parameter bytes is replicated over DP
+    (full precision) or kept gathered through a call (FSDP), as the engine does; 0: none is."""
     devices: tuple[str, ...] = ("cpu", "cuda", "npu")
     """Device types the backend runs on."""
     dtypes: tuple[str, ...] = ("auto", "bf16", "fp16", "fp32")
@@ -77,6 +89,11 @@ class Capabilities:
     ``fn(*, role, dims, tp, pp, ep, etp, world, device, installed, recipe) -> list[str]``, one sentence per
     problem, each with the fix. ``plan`` calls it for every role the engine serves, and the engine
     runs the same function when it is built, so a layout ``plan`` passes is one the engine accepts."""
+    inference_settings: str = ""
+    """``"module:function"`` of a pure function that renders ``rollout.inference`` for the target
+    platform: ``fn(*, inference, dims) -> (dict | None, list[str])``, what ``plan`` prints (None:
+    nothing to render here) and one sentence per setting the target cannot serve, each with the fix.
+    Empty: the engine renders nothing."""
     implemented: bool = True
     """False while a backend is declared but not complete: ``plan`` reports it and ``run`` refuses."""
     status: str = ""
@@ -165,9 +182,23 @@ class EngineSpec:
     max_tokens_per_micro_batch: Optional[int] = None
     """Token budget per micro-batch for engines that pack sequences (None: use micro_batch_size)."""
     recompute: bool = False
+    """Train engines: recompute each layer's activations in backward (``actor.recompute``)."""
     offload_optimizer: bool = False
-    options: dict = field(default_factory=dict)
-    """Backend-specific settings (e.g. the rollout's inference settings)."""
+    """Train engines: keep the optimizer state in host memory between steps (``actor.offload_optimizer``)."""
+    pad_token_id: int = 0
+    """Token id written at padded positions (masked out; the tokenizer's pad id, else its EOS)."""
+    routing_replay: bool = False
+    """MoE routing replay (``algorithm.routing_replay``): a rollout engine records every token's
+    experts, the actor's train engine routes each token to them (``Capabilities.routing_replay``)."""
+    expert_tensor_parallel: Optional[int] = None
+    """Train engines that split experts over TP as well (``Capabilities.expert_tensor_parallel``):
+    the expert-TP size; None: the engine's default (TP)."""
+    inference: Any = None
+    """Rollout engines: the recipe's ``rollout.inference`` settings, for engines that render them
+    (``Capabilities.inference_settings``); None: the engine's defaults."""
+    max_model_len: Optional[int] = None
+    """Rollout engines: the longest sequence (prompt + response) served; None: the engine's default
+    (vLLM: the model's context length)."""
 
 
 class _Parallel(abc.ABC):
@@ -186,10 +217,10 @@ class _Parallel(abc.ABC):
     def is_data_leader(self) -> bool:
         """True on the one rank of each DP group that reads/writes the dock for the group."""
 
+    @abc.abstractmethod
     def model_parallel_group(self) -> tuple[Any, int]:
         """``(process group, global rank of the data leader)`` of the ranks that must see the same
-        batch (TP x PP peers), or ``(None, this rank)`` when the group is this rank alone."""
-        return None, int(os.environ.get("RANK", "0"))
+        batch (TP x PP peers), or ``(None, this rank's global rank)`` when the group is this rank alone."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -199,6 +230,12 @@ class TrainEngine(_Parallel):
     """A trainable (actor, critic) or frozen (ref) model in the TRAIN layout."""
 
     capabilities: ClassVar[Capabilities]
+
+    @classmethod
+    @abc.abstractmethod
+    def create(cls, spec: EngineSpec) -> "TrainEngine":
+        """The engine for ``spec.role`` (``actor``, ``ref``, or ``critic`` for the class a package
+        names in ``CRITIC``) on this worker; the registry builds engines only through this."""
 
     @abc.abstractmethod
     def forward(self, batch: SeqBatch, *, with_entropy: bool = False
@@ -260,6 +297,11 @@ class RolloutEngine(_Parallel):
     """Generates responses in the ROLLOUT layout; its weights arrive from the resharder."""
 
     capabilities: ClassVar[Capabilities]
+
+    @classmethod
+    @abc.abstractmethod
+    def create(cls, spec: EngineSpec) -> "RolloutEngine":
+        """The rollout engine for ``spec`` on this worker; the registry builds engines only through this."""
 
     @property
     @abc.abstractmethod

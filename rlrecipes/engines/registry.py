@@ -4,7 +4,11 @@ Each backend package (``engines/<name>/__init__.py``) declares, without importin
 dependencies:
 
 * ``CAPABILITIES`` — a :class:`~rlrecipes.engines.base.Capabilities`;
-* ``TRAIN`` / ``ROLLOUT`` — ``"module:Class"`` of its train / rollout engine, or None.
+* ``TRAIN`` / ``ROLLOUT`` — ``"module:Class"`` of its train / rollout engine, or None;
+* ``CRITIC`` — ``"module:Class"`` of the train engine it builds for the ``critic`` role (PPO's
+  value model), or None when it trains no critic (``Capabilities.critic`` says the same to ``plan``).
+
+Every engine is built by its class's ``create(spec)`` (``engines/base.py``), the critic too.
 
 ``problems(name, role, device)`` is what ``plan`` reports before anything is placed: an unknown
 name, a backend that is declared but not complete, a role or device it does not serve, or a
@@ -17,6 +21,7 @@ import difflib
 import importlib
 import importlib.util
 from types import ModuleType
+from typing import Callable, Optional
 
 from .base import Capabilities, EngineSpec, RolloutEngine, TrainEngine
 
@@ -41,6 +46,17 @@ def _package(name: str) -> ModuleType:
 
 def capabilities(name: str) -> Capabilities:
     return _package(name).CAPABILITIES
+
+
+def engines_that(predicate: Callable[[Capabilities], bool]) -> list[str]:
+    """Names of the complete backends whose capabilities satisfy ``predicate`` (for messages that
+    name the engines that would do: ``plan`` never hard-codes an engine name)."""
+    return [name for name in BACKENDS if capabilities(name).implemented and predicate(capabilities(name))]
+
+
+def _hook(spec: str) -> Callable:
+    module, fn = spec.split(":")
+    return getattr(importlib.import_module(module), fn)
 
 
 def missing_modules(name: str, device: str) -> list[str]:
@@ -91,30 +107,46 @@ def layout_problems(name: str, *, role: str, dims, tp: int, pp: int, ep: int, et
     rules = capabilities(name).layout_rules
     if not rules:
         return []
-    module, fn = rules.split(":")
-    return list(getattr(importlib.import_module(module), fn)(
+    return list(_hook(rules)(
         role=role, dims=dims, tp=int(tp), pp=int(pp), ep=int(ep), etp=int(etp) if etp else None, world=int(world),
         device=device, installed=installed, recipe=recipe))
 
 
-def _load(name: str, role: str) -> type:
+def inference_settings(name: str, *, inference, dims) -> tuple[Optional[dict], list[str]]:
+    """The engine's rendering of ``rollout.inference`` (``Capabilities.inference_settings``) and the
+    settings its target cannot serve; ``(None, [])`` when it declares no renderer."""
+    hook = capabilities(name).inference_settings
+    if not hook:
+        return None, []
+    rendered, found = _hook(hook)(inference=inference, dims=dims)
+    return rendered, list(found)
+
+
+_CLASS_OF = {"train": "TRAIN", "critic": "CRITIC", "rollout": "ROLLOUT"}
+
+
+def engine_class(name: str, role: str) -> type:
+    """The class backend ``name`` builds for ``role``: ``"train"`` (actor, ref), ``"critic"`` or
+    ``"rollout"``. Raises :class:`EngineError` naming what is missing."""
     pkg = _package(name)
-    path = getattr(pkg, "TRAIN" if role == "train" else "ROLLOUT", None)
-    found = problems(name, role, None, installed=False)
+    path = getattr(pkg, _CLASS_OF[role], None)
+    found = problems(name, "rollout" if role == "rollout" else "train", None, installed=False)
     if path is None or found:
-        raise EngineError("; ".join(found) or f"engine {name!r} has no {role} engine")
+        what = "trains no critic (value model)" if role == "critic" else f"has no {role} engine"
+        raise EngineError("; ".join(found) or f"engine {name!r} {what}")
     module, cls = path.split(":")
     return getattr(importlib.import_module(module), cls)
 
 
 def build_train_engine(name: str, spec: EngineSpec) -> TrainEngine:
-    """The backend's train engine for ``spec.role`` (actor, ref or critic)."""
-    return _load(name, "train").create(spec)
+    """The backend's train engine for ``spec.role``: its ``TRAIN`` class for actor and ref, its
+    ``CRITIC`` class for the critic."""
+    return engine_class(name, "critic" if spec.role == "critic" else "train").create(spec)
 
 
 def build_rollout_engine(name: str, spec: EngineSpec) -> RolloutEngine:
-    return _load(name, "rollout").create(spec)
+    return engine_class(name, "rollout").create(spec)
 
 
-__all__ = ["BACKENDS", "EngineError", "build_rollout_engine", "build_train_engine", "capabilities",
-           "layout_problems", "missing_modules", "problems"]
+__all__ = ["BACKENDS", "EngineError", "build_rollout_engine", "build_train_engine", "capabilities", "engine_class",
+           "engines_that", "inference_settings", "layout_problems", "missing_modules", "problems"]

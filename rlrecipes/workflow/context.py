@@ -15,7 +15,7 @@ the Resharder's ``cross_alltoallv`` moves each new policy version.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -156,6 +156,7 @@ def load_data(ctx: Context) -> None:
 
 
 def _spec(ctx: Context, role: str, layout, **kw) -> EngineSpec:
+    """The :class:`EngineSpec` of one role from the resolved recipe; ``kw`` sets the role's own fields."""
     r = ctx.recipe
     # a folder wins over smoke dimensions: `--smoke model.path=<folder>` runs the smoke task on those weights
     return EngineSpec(model=r.model.path or r.model.dims(), role=role,
@@ -163,22 +164,29 @@ def _spec(ctx: Context, role: str, layout, **kw) -> EngineSpec:
                       device=ctx.device, dtype=r.model.dtype, seed=r.trainer.seed,
                       micro_batch_size=r.trainer.micro_batch,
                       max_tokens_per_micro_batch=r.trainer.max_tokens_per_micro_batch,
-                      options={"pad_token_id": ctx.pad_id, **kw.pop("options", {})}, **kw)
+                      pad_token_id=ctx.pad_id, **kw)
+
+
+def select_stages(recipe: Recipe, role: str, *, use_ref: bool, skip_old: bool) -> list[Stage]:
+    """The algorithm's stages this worker runs: all of them colocated; under disaggregated placement
+    the rollout workers' and the train workers' (``Stage.runs_on``)."""
+    alg = recipe.algorithm
+    return [s for s in get_algorithm(alg.name).stages(alg, use_ref=use_ref, skip_old=skip_old) if s.runs_for(role)]
 
 
 def build_engines(ctx: Context) -> None:
     r, alg = ctx.recipe, ctx.recipe.algorithm
     spec = get_algorithm(alg.name)
     a = r.actor.layout
-    replay = {"routing_replay": True} if alg.routing_replay else {}
     if ctx.role != "train":
         ctx.rollout = build_rollout_engine(r.rollout.engine, _spec(
-            ctx, "rollout", r.rollout.layout, options={"inference": r.rollout.inference, **replay}))
+            ctx, "rollout", r.rollout.layout, inference=r.rollout.inference, routing_replay=alg.routing_replay))
     if ctx.role == "rollout":
+        ctx.stages = select_stages(r, ctx.role, use_ref=False, skip_old=True)
         return
     ctx.actor = build_train_engine(r.actor.engine, _spec(
         ctx, "actor", a, lr=r.trainer.lr, weight_decay=r.actor.weight_decay, grad_clip=r.actor.grad_clip,
-        recompute=r.actor.recompute, offload_optimizer=r.actor.offload_optimizer, options=replay))
+        recompute=r.actor.recompute, offload_optimizer=r.actor.offload_optimizer, routing_replay=alg.routing_replay))
     built = roles_of(r)  # the rule plan uses too
     ctx.use_ref = built.ref
     if ctx.use_ref:
@@ -188,11 +196,7 @@ def build_engines(ctx: Context) -> None:
                                                                grad_clip=r.actor.grad_clip))
     ctx.n_mini = built.mini_batches
     ctx.skip_old = not built.old_pass
-    stages = spec.stages(alg, use_ref=ctx.use_ref, skip_old=ctx.skip_old)
-    if ctx.role == "train":  # generation runs on the rollout workers; new weights cross the bridge
-        stages = [replace(s, runner="publish", name="publish") if s.runner == "reshard" else s
-                  for s in stages if s.runner != "rollout"]
-    ctx.stages = stages
+    ctx.stages = select_stages(r, ctx.role, use_ref=ctx.use_ref, skip_old=ctx.skip_old)
     ctx.kl_ctl = make_kl_controller(alg.kl_controller, alg.kl_coef, alg.kl_target, alg.kl_horizon)
 
 

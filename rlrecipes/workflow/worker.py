@@ -23,7 +23,7 @@ from ..recipe import Recipe
 from . import checkpoint
 from .context import Context, build_engines, build_resharder, load_data
 from .loop import rollout_step, train_step
-from .stages import publish_or_receive, reshard
+from .stages import receive_weights, reshard_weights, send_weights
 
 
 class StageFailure(RuntimeError):
@@ -133,9 +133,9 @@ class Worker:
         self.rows = checkpoint.covered_rows(Path(resume_from)) if resume_from and ctx.leader else []
         ctx.version = start_step
         if role == "both":
-            reshard(ctx)  # rollout weights = actor weights before the first rollout
+            reshard_weights(ctx)  # rollout weights = actor weights before the first rollout
         else:
-            publish_or_receive(ctx)  # the first version crosses the bridge
+            (send_weights if role == "train" else receive_weights)(ctx)  # the first version crosses the bridge
         if role == "rollout":
             return {"rank": self.rank, "role": role, "device": str(device), "start_step": start_step}
         return {"rank": self.rank, "device": str(device), "start_step": start_step,

@@ -19,9 +19,12 @@ def _loss(logp, _ent, mb):
     return -(torch.where(m.bool(), logp, 0.0)).sum() / m.sum().clamp(min=1), {}
 
 
+class SeparateHost(NativeTrainEngine):
+    host_is_device = False  # on CPU host memory is device memory: take the parking path anyway
+
+
 def _train(one_rank_group, steps=2, **kw):
-    eng = NativeTrainEngine(smoke_dims("qwen2"), layout=(1, 1), seed=0, lr=1e-2, micro_batch_size=2, **kw)
-    eng._park_on_host_device = True  # on CPU host memory is device memory: exercise the path anyway
+    eng = SeparateHost(smoke_dims("qwen2"), layout=(1, 1), seed=0, lr=1e-2, micro_batch_size=2, **kw)
     metrics = [eng.train_step(_batch(eng.dims.vocab_size, s), _loss) for s in range(steps)]
     return eng, metrics
 

@@ -100,13 +100,16 @@ def test_sleep_wake_and_load_shards():
 def test_train_engine_single_rank_offload_roundtrip():
     from rlrecipes.engines.native.train import NativeTrainEngine
 
-    eng = NativeTrainEngine(SMOKE["qwen2"], layout=(1, 1), device="cpu", lr=1e-3)
+    class SeparateHost(NativeTrainEngine):  # on CPU host memory is device memory: take the offload path anyway
+        host_is_device = False
+
+    eng = SeparateHost(SMOKE["qwen2"], layout=(1, 1), device="cpu", lr=1e-3)
     ids = torch.randint(1, 32, (2, 9))
     mb = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "response_mask": torch.ones(2, 4)}
     m = eng.train_micro_batches([mb], lambda lp, ent, b: (-lp.mean() + 0 * ent.mean(), {}), with_entropy=True)
     assert m["actor/skipped_step"] == 0.0 and m["actor/grad_norm"] > 0
     before = eng.full_state_dict()
-    eng.offload(force=True)
+    eng.offload()
     assert all(p.untyped_storage().nbytes() == 0 for p in eng.model.parameters())
     eng.onload()
     for k, v in eng.full_state_dict().items():
@@ -396,11 +399,10 @@ def test_dp1_engine_is_the_plain_module_and_trains_like_fsdp(random_seq_batch, p
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
-def test_forward_leaves_train_mode_as_it_was_and_value_engine_moved():
+def test_forward_leaves_train_mode_as_it_was():
     from rlrecipes.engines.base import SeqBatch
-    from rlrecipes.engines.native import train, value
+    from rlrecipes.engines.native import train
 
-    assert train.NativeValueEngine is value.NativeValueEngine  # the old import path still works
     actor = train.NativeTrainEngine(SMOKE["qwen2"], lr=1e-3)
     ref = train.NativeTrainEngine(SMOKE["qwen2"], role="ref")
     batch = SeqBatch(_prompts(), [torch.tensor([1, 2]), torch.tensor([3]), torch.tensor([4, 5, 6])])

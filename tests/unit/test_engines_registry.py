@@ -65,3 +65,65 @@ def test_nodes_and_devices_per_node_scale_the_batch_alike_and_resolve_is_stable(
     assert resolved.trainer.global_batch == by_nodes.global_batch and resolved.resources.nodes == 2
     again = build_plan(resolved)
     assert again.global_batch == by_nodes.global_batch and not again.changes
+
+
+def test_every_backend_declares_its_classes_and_the_critic_agrees_with_capabilities():
+    import importlib
+
+    from rlrecipes.engines import base
+
+    for name, path in BACKENDS.items():
+        pkg, caps = importlib.import_module(path), capabilities(name)
+        assert hasattr(pkg, "TRAIN") and hasattr(pkg, "CRITIC") and hasattr(pkg, "ROLLOUT"), name
+        assert (pkg.CRITIC is not None) == (caps.critic and "train" in caps.roles), name
+        assert (pkg.TRAIN is not None) == ("train" in caps.roles)
+        assert (pkg.ROLLOUT is not None) == ("rollout" in caps.roles)
+    # create(spec) is part of both interfaces: a backend without it cannot be instantiated
+    assert "create" in base.TrainEngine.__abstractmethods__ and "create" in base.RolloutEngine.__abstractmethods__
+    assert "model_parallel_group" in base.TrainEngine.__abstractmethods__
+
+
+def test_the_critic_class_comes_from_the_registry_and_megatron_has_none():
+    from rlrecipes.engines.registry import engine_class
+
+    critic, actor = engine_class("native", "critic"), engine_class("native", "train")
+    assert critic.__name__ == "NativeValueEngine" and issubclass(critic, actor) and critic.serves == ("critic",)
+    with pytest.raises(EngineError, match="trains no critic"):
+        engine_class("megatron", "critic")
+
+
+def test_engine_spec_is_typed():
+    import dataclasses
+
+    from rlrecipes.engines.base import EngineSpec
+
+    fields = {f.name for f in dataclasses.fields(EngineSpec)}
+    assert "options" not in fields
+    assert {"pad_token_id", "routing_replay", "expert_tensor_parallel", "inference", "max_model_len"} <= fields
+
+
+def test_plan_reads_engines_only_through_base_and_registry_and_names_none():
+    """The planner takes every engine rule and memory model from the declared capabilities."""
+    import ast
+    import re
+    from pathlib import Path
+
+    import rlrecipes.plan
+
+    for f in Path(rlrecipes.plan.__file__).parent.glob("*.py"):
+        tree = ast.parse(f.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and "engines" in node.module:
+                assert node.module.rsplit(".", 1)[-1] in ("base", "registry"), f"{f.name} imports {node.module}"
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                assert not re.fullmatch(r"native|megatron|vllm", node.value), f"{f.name} names engine {node.value!r}"
+
+
+def test_engine_suggestions_come_from_capabilities():
+    from rlrecipes.engines.registry import engines_that
+
+    assert engines_that(lambda c: c.critic and "train" in c.roles) == ["native"]
+    assert engines_that(lambda c: c.pipeline_parallel) == ["megatron"]
+    assert engines_that(lambda c: c.routing_replay) == ["native"]
+    p = build_plan(load_recipe("qwen25_7b", overrides=["algorithm.name=ppo", "algorithm.adv_estimator=gae"]), 1)
+    assert "use actor.engine: native for PPO" in str(p.violations)

@@ -14,12 +14,12 @@ ROOT = Path(rlrecipes.__file__).parent
 LAYERS = {
     "cli": 5, "__main__": 5,
     "workflow": 4,
-    "plan": 3, "plan_memory": 3, "plan_checks": 3, "cluster": 3, "baseline": 3, "inputs": 3,
+    "plan": 3, "cluster": 3, "baseline": 3, "inputs": 3,
     "recipe": 2,
     "engines": 1, "core": 1, "algos": 1, "models": 1, "rewards": 1, "data": 1, "metrics": 1, "loggers": 1,
     "device": 0, "__init__": 0,
 }
-# same-layer imports that are still not allowed (DESIGN.md section 2)
+# same-layer imports that are still not allowed (docs/architecture.md, "Layers")
 FORBIDDEN = {
     "core": {"engines", "models", "algos", "rewards", "data", "workflow"},
     "algos": {"engines", "core", "models", "rewards", "data"},

@@ -89,7 +89,7 @@ def test_vllm_ascend_settings_checked_in_plan():
     assert p.ok and p.inference["vllm_ascend"] == "0.23.0"
     assert p.inference["additional_config"]["multistream_overlap_shared_expert"] is True
     bad = build_plan(load_recipe("deepseek_r1_671b", overrides=["rollout.inference.vllm_ascend_version=0.26.0"]), 16)
-    assert [v.rule for v in bad.violations] == ["inference settings supported by vllm-ascend"]
+    assert [v.rule for v in bad.violations] == ["inference settings supported by the rollout engine"]
     assert bad.nearest_valid_nodes == [] and "no node count fixes these" in format_violations(bad)
 
 

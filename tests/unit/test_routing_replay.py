@@ -47,8 +47,13 @@ def test_training_forward_uses_exactly_the_rollout_experts(family):
     T = mb["input_ids"].shape[1]
     want = mb["routed_experts"]  # [b, T, layers, k]
 
+    # the experts each router's output ends with, after the replay hook (registered later, so it runs after)
+    seen = [torch.empty(0) for _ in train.routing.routers]
+    for i, r in enumerate(train.routing.routers):
+        r.register_forward_hook(lambda _m, _a, out, i=i: seen.__setitem__(i, out[2].detach()))
+
     def used():
-        return torch.stack([u.reshape(2, T, -1) for u in train.routing.used], dim=2)  # [b, T, layers, k]
+        return torch.stack([u.reshape(2, T, -1) for u in seen], dim=2)  # [b, T, layers, k]
 
     free = {k: v for k, v in mb.items() if k != "routed_experts"}
     train._forward(free)

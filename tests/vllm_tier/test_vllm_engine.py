@@ -37,7 +37,7 @@ def hf_logprobs(model, prompt, response):
 @pytest.fixture(scope="module")
 def qwen2_engine():
     eng = build_rollout_engine("vllm", EngineSpec(model=SMOKE["qwen2"], role="rollout", dtype="fp32", seed=0,
-                                                  options={"max_model_len": 64}))
+                                                  max_model_len=64))
     yield eng
 
 
@@ -145,7 +145,7 @@ from rlrecipes.engines.registry import build_rollout_engine
 from rlrecipes.models import SMOKE, hf_config
 dims = SMOKE["qwen3_moe"]
 eng = build_rollout_engine("vllm", EngineSpec(model=dims, role="rollout", dtype="fp32", seed=0,
-                                              options={"max_model_len": 64}))
+                                              max_model_len=64))
 torch.manual_seed(1)
 hf = AutoModelForCausalLM.from_config(hf_config(dims)).eval()
 eng.update_weights([list(hf.state_dict().items())])
@@ -257,7 +257,7 @@ from rlrecipes.core.resharder import Layout, shard_for
 from rlrecipes.models.sharding import param_specs
 tp, ep = 1, 2
 eng = build_rollout_engine("vllm", EngineSpec(model=dims, role="rollout", tp=tp, ep=ep, dtype="fp32", seed=0,
-                                              options={"max_model_len": 64}))
+                                              max_model_len=64))
 layout = Layout(tp=tp, ep=ep, dp=world // tp)  # the resharder's ROLLOUT layout
 mine = [(s.name, shard_for(s, sd[s.name], layout, rank).clone()) for s in param_specs(sd)]
 if os.environ.get("NO_EXPERT_OFFSET"):  # negative control: feed local experts under local ids
@@ -280,7 +280,7 @@ print("RESULT", json.dumps({"rank": rank, "local_experts": [t.shape[0] for n, t 
 REFERENCE = COMMON + """
 import sys
 eng = build_rollout_engine("vllm", EngineSpec(model=dims, role="rollout", dtype="fp32", seed=0,
-                                              options={"max_model_len": 64}))
+                                              max_model_len=64))
 eng.update_weights([list(sd.items())])
 worst, same = 0.0, True
 for rec in json.loads(sys.stdin.read()):

@@ -17,7 +17,8 @@ from ..base import Capabilities
 
 CAPABILITIES = Capabilities(
     name="megatron", roles=frozenset({"train"}), pipeline_parallel=True, expert_parallel=True,
-    expert_tensor_parallel=True, separate_ref_layout=False, critic=False, devices=("cuda", "npu"),
+    expert_tensor_parallel=True, separate_ref_layout=False, critic=False, memory_model="pipeline",
+    devices=("cuda", "npu"),
     dtypes=("auto", "bf16", "fp16", "fp32"), requires=("megatron.core",),
     requires_by_device=(("npu", ("mindspeed", "torch_npu")),),
     install="pip install -e '.[megatron]' (CUDA) or '.[ascend]' plus MindSpeed from source (docs/ascend.md)",
@@ -27,4 +28,5 @@ CAPABILITIES = Capabilities(
            "gradients checked on CPU with TP2 SP / EP2 (megatron's modules over gloo), TP1 PP1 EP1 steps "
            "on CUDA: docs/megatron.md")
 TRAIN = "rlrecipes.engines.megatron.train:MegatronTrainEngine"
+CRITIC = None
 ROLLOUT = None

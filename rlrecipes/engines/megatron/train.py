@@ -2,7 +2,7 @@
 megatron DDP with the distributed optimizer (CUDA; on Ascend after ``mindspeed.megatron_adaptor``).
 
 Layouts: TP, PP (any per-stage layer split, through megatron's ``pipeline_model_parallel_layout``),
-EP and expert-TP (megatron's default, expert-TP = TP; ``options["expert_tensor_parallel"]`` sets
+EP and expert-TP (megatron's default, expert-TP = TP; ``EngineSpec.expert_tensor_parallel`` sets
 another). Each rank reads only its own slices of the HF weights (``shard.py``: grouped q/k/v per
 query group, ``[gate; up]`` per TP rank, the vocabulary padded to a multiple of TP, experts by EP
 rank numbered locally). Micro-batches are right-aligned rows (each sample's prompt then response from
@@ -134,9 +134,9 @@ class MegatronTrainEngine(base.TrainEngine):
         if spec.role == "critic":
             raise ValueError("the megatron engine has no critic (value head) in this release; use the native engine")
         return cls(spec.model, role=spec.role, layout=(spec.tp, spec.ep), pp=spec.pp, pp_layers=spec.pp_layers,
-                   etp=spec.options.get("expert_tensor_parallel"), device=spec.device, lr=spec.lr,
+                   etp=spec.expert_tensor_parallel, device=spec.device, lr=spec.lr,
                    weight_decay=spec.weight_decay, grad_clip=spec.grad_clip, seed=spec.seed, dtype=spec.dtype,
-                   micro_batch_size=spec.micro_batch_size, pad_token_id=spec.options.get("pad_token_id", 0),
+                   micro_batch_size=spec.micro_batch_size, pad_token_id=spec.pad_token_id,
                    recompute=spec.recompute if spec.role != "ref" else False,
                    offload_optimizer=spec.offload_optimizer)
 

@@ -7,16 +7,18 @@ from __future__ import annotations
 
 from ..base import Capabilities
 
-CAPABILITIES = Capabilities(
-    name="native", roles=frozenset({"train", "rollout"}), pipeline_parallel=False, expert_parallel=True,
-    ep_within_tp=True, expert_tensor_parallel=False, separate_ref_layout=False, devices=("cpu", "cuda", "npu"),
-    dtypes=("auto", "bf16", "fp16", "fp32"), requires=("transformers",), install="pip install -e .")
 SMALL_MODEL_BYTES = 256 << 20
 """A model whose parameters take at most this many bytes (at the master dtype) is *small*: at DP > 1
 it is replicated (one all-reduce of all gradients per step) instead of FSDP-sharded when it trains
 in full precision, and under FSDP each unit stays gathered for a whole forward / train call. Its
 collectives, not its memory, are what cost: the qwen25_7b smoke at DP2 spent a fifth of its step in
-FSDP all-gathers and reduce-scatters. ``plan`` applies the same rule (:func:`small_model`)."""
+FSDP all-gathers and reduce-scatters. ``plan`` applies the same rule (``Capabilities.small_model_bytes``)."""
+
+CAPABILITIES = Capabilities(
+    name="native", roles=frozenset({"train", "rollout"}), pipeline_parallel=False, expert_parallel=True,
+    ep_within_tp=True, expert_tensor_parallel=False, separate_ref_layout=False, critic=True, routing_replay=True,
+    memory_model="fsdp", small_model_bytes=SMALL_MODEL_BYTES, devices=("cpu", "cuda", "npu"),
+    dtypes=("auto", "bf16", "fp16", "fp32"), requires=("transformers",), install="pip install -e .")
 
 
 def small_model(param_bytes: float, limit: int = SMALL_MODEL_BYTES) -> bool:
@@ -24,4 +26,5 @@ def small_model(param_bytes: float, limit: int = SMALL_MODEL_BYTES) -> bool:
 
 
 TRAIN = "rlrecipes.engines.native.train:NativeTrainEngine"
+CRITIC = "rlrecipes.engines.native.value:NativeValueEngine"
 ROLLOUT = "rlrecipes.engines.native.rollout:NativeRolloutEngine"

@@ -43,6 +43,13 @@ class MeshRanks:
     def is_data_leader(self) -> bool:
         return self.mesh.tp_rank == 0
 
+    def model_parallel_group(self):
+        """The TP group and its first global rank (TP peers see the same batch); ``(None, rank)`` at TP1."""
+        if self.mesh.tp == 1:
+            return None, dist.get_rank()
+        group = self.mesh.tp_mesh.get_group()
+        return group, dist.get_global_rank(group, 0)
+
 
 def _lengths(rows: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.tensor([int(t.numel()) for t in rows], dtype=torch.long)  # [n]

@@ -169,7 +169,7 @@ class NativeRolloutEngine(MeshRanks, base.RolloutEngine):
     @classmethod
     def create(cls, spec: base.EngineSpec) -> "NativeRolloutEngine":
         eng = cls(spec.model, layout=(spec.tp, spec.ep), device=spec.device, seed=spec.seed, dtype=spec.dtype)
-        if (spec.options or {}).get("routing_replay"):
+        if spec.routing_replay:
             eng.record_routing()
         return eng
 

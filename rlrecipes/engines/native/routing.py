@@ -51,7 +51,6 @@ class RoutingHooks:
         self.mode: Optional[str] = None
         self.records: list[list[torch.Tensor]] = [[] for _ in self.routers]
         self.replay: Optional[torch.Tensor] = None  # [tokens, layers, k]
-        self.used: list[torch.Tensor] = [torch.empty(0) for _ in self.routers]  # last indices used (tests)
         self._handles = [r.register_forward_hook(self._hook(i)) for i, r in enumerate(self.routers)]
 
     @property
@@ -72,7 +71,6 @@ class RoutingHooks:
                 idx = torch.where(keep, idx, want)
                 weights = torch.where(keep, weights, gate_weights(mod, logits, idx).to(weights.dtype))
                 out = (logits, weights, idx)
-            self.used[layer] = idx.detach()
             return out
 
         return hook

@@ -17,8 +17,13 @@ from rlrecipes.core.swap import SwappedStorages
 
 class EngineState:
     """Checkpoints and host offload of a native train engine (see the module docstring); the
-    engine's ``__init__`` sets ``_offloaded``, ``_opt_parked``, ``offload_optimizer`` and
-    ``_park_on_host_device``."""
+    engine's ``__init__`` sets ``_offloaded``, ``_opt_parked`` and ``offload_optimizer``."""
+
+    @property
+    def host_is_device(self) -> bool:
+        """True where host memory is the device's own (CPU): moving tensors to the host frees
+        nothing there, so :meth:`offload` and the optimizer parking do nothing."""
+        return not devmod.is_accelerator(self.device.type)
 
     # ----------------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict:
@@ -74,14 +79,14 @@ class EngineState:
         self.optimizer.zero_grad(set_to_none=True)
 
     # ----------------------------------------------------------------------------- memory
-    def offload(self, *, force: bool = False) -> None:
+    def offload(self) -> None:
         """Move params, grads and optimizer state to host memory, freeing device memory.
 
         Storage level (:class:`rlrecipes.core.swap.SwappedStorages`): every view (FSDP2 shards, DTensor locals,
-        optimizer references) stays valid and ``onload()`` restores it in place. On CPU this is a
-        no-op (host is the device) unless ``force=True`` (tests use it to exercise the path).
+        optimizer references) stays valid and ``onload()`` restores it in place. A no-op where the
+        host is the device (:attr:`host_is_device`).
         """
-        if self._offloaded is not None or (not devmod.is_accelerator(self.device.type) and not force):
+        if self._offloaded is not None or self.host_is_device:
             return
         tensors = []
         for p in self.model.parameters():
@@ -96,7 +101,7 @@ class EngineState:
         (storage-level swap, see :class:`SwappedStorages`); device memory holds it only during ``step``."""
         if not self.offload_optimizer or self._opt_parked is not None or self.optimizer is None:
             return
-        if not devmod.is_accelerator(self.device.type) and not self._park_on_host_device:
+        if self.host_is_device:
             return
         state = [v for st in self.optimizer.state.values() for v in st.values()
                  if torch.is_tensor(v) and v.device.type == self.device.type and v.dim() > 0]

@@ -1,6 +1,7 @@
 """Native train engine: an HF causal LM sharded with DTensor TP, EP-inside-TP and FSDP2 (FSDP2 only
 where it is needed: DP > 1 or mixed precision; at DP1 fp32 the model is the plain HF module). The PPO
-critic, :class:`~rlrecipes.engines.native.value.NativeValueEngine`, lives in ``value.py``.
+critic, :class:`~rlrecipes.engines.native.value.NativeValueEngine`, subclasses it in ``value.py``;
+the registry builds it for the critic role (the package's ``CRITIC``), and this module never imports it.
 
 Batches (one *micro-batch* is a mapping):
 
@@ -103,6 +104,8 @@ class NativeTrainEngine(EngineState, MeshRanks, base.TrainEngine):
 
     metric_prefix = "actor"
     capabilities = CAPABILITIES
+    serves: tuple[str, ...] = ("actor", "ref")
+    """The roles :meth:`create` builds with this class."""
 
     def __init__(self, model: ModelSource, *, role: str = "actor", layout: tuple[int, int] = (1, 1),
                  device: torch.device | str | None = None, lr: float = 1e-6, weight_decay: float = 0.0,
@@ -111,8 +114,9 @@ class NativeTrainEngine(EngineState, MeshRanks, base.TrainEngine):
                  attn_implementation: str = "sdpa", micro_batch_size: int = 4, pad_token_id: int = 0,
                  max_tokens_per_micro_batch: int | None = None, recompute: bool = False,
                  offload_optimizer: bool = False, small_model_bytes: int = SMALL_MODEL_BYTES):
-        if role not in ("actor", "ref", "critic"):
-            raise ValueError(f"role={role!r}: expected 'actor', 'ref' or 'critic'")
+        if role not in self.serves:
+            raise ValueError(f"role={role!r}: {type(self).__name__} builds {' or '.join(map(repr, self.serves))}"
+                             + (" (the critic is NativeValueEngine)" if role == "critic" else ""))
         layout = tuple(layout)
         tp, ep = int(layout[0]), int(layout[1]) if len(layout) > 1 else 1
         self.role, self.device, self.seed = role, resolve_device(device), seed
@@ -173,29 +177,26 @@ class NativeTrainEngine(EngineState, MeshRanks, base.TrainEngine):
         self._varlen_attention = attn_implementation.startswith("flash")
         self.offload_optimizer = bool(offload_optimizer)
         self._opt_parked: SwappedStorages | None = None
-        self._park_on_host_device = False  # tests: exercise the parking path where host is the device
         self._tp_partial: list[torch.Tensor] | None = None  # q/k-norm weights whose grads sum over TP
         self._fsdp_units = [m for m in self.model.modules() if m is not self.model and hasattr(m, "reshard")] \
             if self.fsdp and small else []
 
     @classmethod
     def create(cls, spec: base.EngineSpec) -> "NativeTrainEngine":
-        """The engine for ``spec.role`` (``critic`` builds :class:`NativeValueEngine`)."""
+        """The engine for ``spec.role``: this class builds the actor and the reference model,
+        :class:`~rlrecipes.engines.native.value.NativeValueEngine` (the package's ``CRITIC``) the critic."""
         if spec.pp != 1:
             raise ValueError(f"{spec.role}: the native engine has no pipeline parallelism (PP{spec.pp})")
-        if spec.role == "critic":
-            from .value import NativeValueEngine as klass
-        else:
-            klass = cls
-        eng = klass(spec.model, role=spec.role, layout=(spec.tp, spec.ep), device=spec.device, lr=spec.lr,
-                    weight_decay=spec.weight_decay, grad_clip=spec.grad_clip, seed=spec.seed, dtype=spec.dtype,
-                    micro_batch_size=spec.micro_batch_size, pad_token_id=spec.options.get("pad_token_id", 0),
-                    max_tokens_per_micro_batch=spec.max_tokens_per_micro_batch,
-                    recompute=spec.recompute if spec.role != "ref" else False,
-                    offload_optimizer=spec.offload_optimizer,
-                    **({"small_model_bytes": int(spec.options["small_model_bytes"])}
-                       if "small_model_bytes" in spec.options else {}))
-        if spec.options.get("routing_replay") and spec.role == "actor":
+        if spec.role not in cls.serves:
+            raise ValueError(f"{cls.__name__} builds the {' / '.join(cls.serves)} role, not {spec.role!r} "
+                             "(the registry builds each role from the class its package names)")
+        eng = cls(spec.model, role=spec.role, layout=(spec.tp, spec.ep), device=spec.device, lr=spec.lr,
+                  weight_decay=spec.weight_decay, grad_clip=spec.grad_clip, seed=spec.seed, dtype=spec.dtype,
+                  micro_batch_size=spec.micro_batch_size, pad_token_id=spec.pad_token_id,
+                  max_tokens_per_micro_batch=spec.max_tokens_per_micro_batch,
+                  recompute=spec.recompute if spec.role != "ref" else False,
+                  offload_optimizer=spec.offload_optimizer)
+        if spec.routing_replay and spec.role == "actor":
             eng.replay_routing()
         return eng
 
@@ -206,12 +207,6 @@ class NativeTrainEngine(EngineState, MeshRanks, base.TrainEngine):
         self.routing = attach(self.model)
 
     # ----------------------------------------------------------------------------- layout
-    def model_parallel_group(self):
-        if self.mesh.tp == 1:
-            return None, dist.get_rank()
-        group = self.mesh.tp_mesh.get_group()
-        return group, dist.get_global_rank(group, 0)
-
     def param_specs(self) -> list:
         from rlrecipes.models import param_specs
 
@@ -462,14 +457,6 @@ class NativeTrainEngine(EngineState, MeshRanks, base.TrainEngine):
         dist.barrier()
         return Path(folder)
 
-
-def __getattr__(name: str):
-    # NativeValueEngine lives in value.py (it imports this module); kept importable from here
-    if name == "NativeValueEngine":
-        from .value import NativeValueEngine
-
-        return NativeValueEngine
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = ["NativeTrainEngine", "resolve_device", "response_len_of"]

@@ -1,6 +1,6 @@
 """Native PPO critic: the actor's engine (:class:`~rlrecipes.engines.native.train.NativeTrainEngine`)
-with a ``Linear(hidden, 1)`` value head in the ``lm_head`` slot. ``NativeTrainEngine.create`` builds it
-for ``role="critic"``; ``rlrecipes.engines.native.train.NativeValueEngine`` still resolves to it."""
+with a ``Linear(hidden, 1)`` value head in the ``lm_head`` slot. The registry builds it for
+``role="critic"`` through its inherited ``create`` (the native package names it in ``CRITIC``)."""
 from __future__ import annotations
 
 from typing import Any, Mapping
@@ -21,6 +21,7 @@ class NativeValueEngine(NativeTrainEngine):
     """
 
     metric_prefix = "critic"
+    serves = ("critic",)
 
     def __init__(self, model: ModelSource, **kwargs):
         kwargs.setdefault("role", "critic")

@@ -17,6 +17,8 @@ CAPABILITIES = Capabilities(
     install="bash scripts/setup_vllm_cpu.sh on CPU (its own venv .venv-vllm), pip install -e '.[cuda]' on CUDA, "
             "'.[ascend]' on Ascend (docs/ascend.md)",
     min_head_dim_by_device=(("cpu", 32),), mla_latent_sizes_by_device=(("cpu", (576,)),),
-    layout_rules="rlrecipes.engines.vllm.args:layout_rules")
+    layout_rules="rlrecipes.engines.vllm.args:layout_rules",
+    inference_settings="rlrecipes.engines.vllm.settings:plan_settings")
 TRAIN = None
+CRITIC = None
 ROLLOUT = "rlrecipes.engines.vllm.rollout:VllmRolloutEngine"

@@ -290,9 +290,8 @@ class VllmRolloutEngine(base.RolloutEngine):
 
     @classmethod
     def create(cls, spec: base.EngineSpec) -> "VllmRolloutEngine":
-        opts = spec.options or {}
         return cls(spec.model, tp=spec.tp, ep=spec.ep, device=spec.device, seed=spec.seed, dtype=spec.dtype,
-                   inference=opts.get("inference"), max_model_len=opts.get("max_model_len"))
+                   inference=spec.inference, max_model_len=spec.max_model_len)
 
     # ------------------------------------------------------------------ layout
     @property

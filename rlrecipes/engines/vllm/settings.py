@@ -191,3 +191,19 @@ def _render_aclgraph_era(settings, version, ver, nz, out) -> None:
         out.additional_config["weight_nz_mode"] = 0
     else:
         out.env["VLLM_ASCEND_ENABLE_NZ"] = "0"
+
+
+def plan_settings(*, inference, dims) -> tuple[Optional[dict], list[str]]:
+    """``Capabilities.inference_settings`` of the vLLM engine: what ``plan`` prints for
+    ``rollout.inference`` on the pinned (or installed) vllm-ascend release, and the settings that
+    release cannot serve. ``(None, [])`` when neither a pin nor vllm-ascend is there to render for."""
+    from rlrecipes.models import get_family
+
+    version = inference.vllm_ascend_version or installed_vllm_ascend_version()
+    if version is None:
+        return None, []
+    try:
+        r = render(inference, version, is_mla=dims.is_mla, model_type=get_family(dims.family).model_type)
+    except InferenceConfigError as e:
+        return None, [str(e)]
+    return {"vllm_ascend": version, "additional_config": r.additional_config, "engine_kwargs": r.engine_kwargs}, []

@@ -1,25 +1,34 @@
-"""The rules ``rlrecipes plan`` checks before any process starts: each role's layout against the
-model, the world and its engine's capabilities; the model and engine checks; how devices split
-between train and rollout; the reshard traffic estimates. ``plan.py`` assembles the plan from
-these and ``plan_memory.py``'s memory models."""
+"""The rules ``rlrecipes plan`` checks before any process starts, and the types they speak in.
+
+Each role's layout against the model, its device group and its engine's declared
+:class:`~rlrecipes.engines.base.Capabilities`; the model, engine and algorithm checks; how the
+devices split between the train and rollout groups. Nothing here names an engine: what an engine
+can do comes from its capabilities and hooks, read through ``engines.registry``. Which roles exist
+comes from :func:`rlrecipes.recipe.roles.roles_of`, the rule the workers build by.
+
+:mod:`.build` assembles the plan from these rules and :mod:`.memory`'s models;
+:mod:`.placement` gives the workflow the device groups, checked by the same
+:func:`divisibility_violations` as the plan.
+"""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
-from .engines.base import Capabilities
-from .engines.registry import BACKENDS, capabilities, layout_problems, problems
-from .models import ModelDims
-from .plan_memory import DTYPE_BYTES
-from .recipe import Recipe
-from .recipe.roles import roles_of
+from ..engines.base import Capabilities
+from ..engines.registry import BACKENDS, capabilities, engines_that, inference_settings, layout_problems, problems
+from ..models import ModelDims
+from ..recipe import Recipe
+from ..recipe.roles import roles_of
 
 # disaggregated placement: a layout that cannot fill its device group whatever the node count (the
 # rollout group's size is fixed; the train group's is n x devices_per_node - rollout_devices)
 ROLLOUT_SPLIT_RULE = "rollout TP*PP divides resources.rollout_devices"
 TRAIN_SPLIT_RULE = "train TP*PP divides world - resources.rollout_devices at some node count"
+INFERENCE_RULE = "inference settings supported by the rollout engine"
 # Rules no node count can fix: the nearest-valid-node search is skipped when only these fail.
-NODE_INDEPENDENT_RULES = {"inference settings supported by vllm-ascend", "rollout PP = 1",
+NODE_INDEPENDENT_RULES = {INFERENCE_RULE, "rollout PP = 1",
                           "engine keeps ref/critic on the actor layout", "engine serves the role here",
                           "engine has pipeline parallelism", "engine has expert parallelism",
                           "engine keeps EP inside the TP group", "GRPO needs a group per prompt",
@@ -29,6 +38,8 @@ NODE_INDEPENDENT_RULES = {"inference settings supported by vllm-ascend", "rollou
 
 @dataclass
 class RoleLayout:
+    """One role's layout and the devices it spans (``world``); ``dp`` is set once TP x PP divides them."""
+
     role: str
     tp: int
     pp: int
@@ -54,24 +65,54 @@ class Violation:
         return f"{self.rule}: {self.detail}"
 
 
-def _ranks(a: int, b: int) -> str:
+class PlanError(RuntimeError):
+    """Raised by `run` when the plan has violations (the message lists all of them). Exit code 1, as
+    `plan` itself exits on violations; bad input (a recipe or override error) exits 2 in both."""
+
+    code = 1
+
+
+def ranks_text(a: int, b: int) -> str:
+    """Global ranks ``[a, b)`` as text: ``"a-(b-1)"``, or ``"a"`` for one rank."""
     return f"{a}-{b - 1}" if b - a > 1 else str(a)
 
 
+def _engine_list(names: list[str], key: str, sep: str = ": ") -> str:
+    """``"actor.engine: a or b"`` (the registered engines that would do), or ``"another engine"``."""
+    return f"{key}{sep}{' or '.join(names)}" if names else "another engine"
+
+
 # ---------------------------------------------------------------------------------------------
-def _layout_violations(role: RoleLayout, dims: ModelDims, world: int, caps: Capabilities,
-                       where: Optional[tuple[str, str]] = None) -> list[Violation]:
-    """``where`` = (rule, the role's device set and the fix) under disaggregated placement; the
-    default names the whole world."""
-    v: list[Violation] = []
-    name = role.role
-    if world % (role.tp * role.pp):
-        v.append(Violation(where[0] if where else "TP*PP divides the world",
-                           f"{name}: TP{role.tp} x PP{role.pp} = {role.tp * role.pp} does not divide "
-                           f"{where[1] if where else f'{world} devices'}"))
-    dp = world // (role.tp * role.pp) if world % (role.tp * role.pp) == 0 else None
-    if dp is not None and (dp * role.tp) % role.ep:
-        v.append(Violation("EP divides DP*TP", f"{name}: EP{role.ep} does not divide DP{dp} x TP{role.tp} = {dp * role.tp}"))
+# one role's layout
+# ---------------------------------------------------------------------------------------------
+def divisibility_violations(role: RoleLayout, where: Optional[tuple[str, str]] = None) -> list[Violation]:
+    """TP x PP divides the role's devices, and EP divides DP x TP. ``where`` = (rule, the role's
+    device set and the fix) under disaggregated placement (:func:`where`); the default names the
+    role's device count. Shared by :func:`layout_violations` and ``placement_groups``."""
+    k = role.tp * role.pp
+    if role.world % k:
+        return [Violation(where[0] if where else "TP*PP divides the world",
+                          f"{role.role}: TP{role.tp} x PP{role.pp} = {k} does not divide "
+                          f"{where[1] if where else f'{role.world} devices'}")]
+    dp = role.world // k
+    if (dp * role.tp) % role.ep:
+        return [Violation("EP divides DP*TP",
+                          f"{role.role}: EP{role.ep} does not divide DP{dp} x TP{role.tp} = {dp * role.tp}")]
+    return []
+
+
+def dp_of(role: RoleLayout) -> Optional[int]:
+    """The role's DP size when TP x PP divides its devices, else None."""
+    k = role.tp * role.pp
+    return role.world // k if role.world % k == 0 else None
+
+
+def layout_violations(role: RoleLayout, dims: ModelDims, caps: Capabilities,
+                      where: Optional[tuple[str, str]] = None) -> list[Violation]:
+    """Every generic rule for one role: the divisions, the model's heads / experts / layers, and
+    what the engine's capabilities allow (PP, EP, EP inside TP, expert-TP)."""
+    v = divisibility_violations(role, where)
+    name, dp = role.role, dp_of(role)
     if dims.num_heads % role.tp:
         v.append(Violation("attention heads divide by TP", f"{name}: {dims.num_heads} heads, TP{role.tp}"))
     if not dims.is_mla and dims.num_kv_heads % role.tp:
@@ -86,13 +127,15 @@ def _layout_violations(role: RoleLayout, dims: ModelDims, world: int, caps: Capa
                                f"{name}: pp_layers has {len(role.pp_layers)} entries for PP{role.pp}"))
         if sum(role.pp_layers) != dims.num_layers:
             v.append(Violation("layer split sums to the layer count",
-                               f"{name}: pp_layers {role.pp_layers} sums to {sum(role.pp_layers)}, model has {dims.num_layers} layers"))
+                               f"{name}: pp_layers {role.pp_layers} sums to {sum(role.pp_layers)}, model has "
+                               f"{dims.num_layers} layers"))
     elif role.pp > dims.num_layers:
         v.append(Violation("PP at most the layer count", f"{name}: PP{role.pp} > {dims.num_layers} layers"))
     if not caps.pipeline_parallel and name != "rollout" and role.pp != 1:
+        with_pp = engines_that(lambda c: c.pipeline_parallel and "train" in c.roles)
         v.append(Violation("engine has pipeline parallelism",
                            f"{name}: PP{role.pp} with engine {caps.name}, which has none; use pp: 1 or an engine "
-                           "with pipeline parallelism (actor.engine: megatron)"))
+                           f"with pipeline parallelism ({_engine_list(with_pp, 'actor.engine')})"))
     if not caps.expert_parallel and role.ep != 1:
         v.append(Violation("engine has expert parallelism", f"{name}: EP{role.ep} with engine {caps.name}; use ep: 1"))
     if caps.expert_tensor_parallel and name != "rollout" and role.ep > 1 and dp is not None and dp % role.ep:
@@ -106,70 +149,25 @@ def _layout_violations(role: RoleLayout, dims: ModelDims, world: int, caps: Capa
     return v
 
 
-def _engine_layout_violations(role: RoleLayout, dims: ModelDims, caps: Capabilities, recipe: Recipe) -> list[Violation]:
+def engine_layout_violations(role: RoleLayout, dims: ModelDims, caps: Capabilities, recipe: Recipe) -> list[Violation]:
     """The engine's own layout rules (``Capabilities.layout_rules``), the same function the engine
     runs when it is built: a layout ``plan`` passes is one the engine accepts."""
-    if role.world % (role.tp * role.pp):
+    if dp_of(role) is None:
         return []  # reported by the generic rules
     found = layout_problems(caps.name, role=role.role, dims=dims, tp=role.tp, pp=role.pp, ep=role.ep, etp=None,
                             world=role.world, device=recipe.resources.device, installed=False, recipe=recipe)
     return [Violation(f"engine {caps.name} accepts the {role.role} layout", p) for p in found]
 
 
-def _reshard_bytes(dims: ModelDims, train: RoleLayout, rollout: RoleLayout, placement: str = "colocated") -> float:
-    """Bytes one device receives per step: its rollout shard minus what its train shard already holds
-    (disaggregated: the whole rollout shard, the rollout device holds no train shard).
-
-    Assumes nested, aligned shards (TP/EP sizes divide each other), the layout the resharder plans.
-    """
-    total, experts = dims.total_params(), dims.expert_params()
-    dense = total - experts
-    need = dense / rollout.tp + experts / rollout.ep
-    if placement == "disaggregated":
-        return need * DTYPE_BYTES
-    held = dense / train.pp / max(train.tp, rollout.tp) + experts / train.pp / max(train.ep, rollout.ep)
-    return max(0.0, need - held) * DTYPE_BYTES
-
-
-def _exact_reshard_bytes(dims: ModelDims, train: RoleLayout, rollout: RoleLayout,
-                         placement: str = "colocated") -> tuple[float, str, float]:
-    """Max bytes any device receives, from the resharder's own plan (aggregated by parameter class),
-    the method, and (disaggregated) the most bytes a train device sends."""
-    from .core.resharder import Layout, ReshardError
-    from .models.sharding import reshard_bytes_summary
-
-    try:
-        s = reshard_bytes_summary(
-            Layout(train.tp, train.pp, train.ep, train.dp, tuple(train.pp_layers) if train.pp_layers else None),
-            Layout(rollout.tp, 1, rollout.ep, rollout.dp), dims, train.pp_layers, dtype_bytes=DTYPE_BYTES,
-            placement=placement)
-    except ReshardError:
-        recv = _reshard_bytes(dims, train, rollout, placement)
-        return recv, "estimate", recv * rollout.world / train.world if placement == "disaggregated" else 0.0
-    return float(s["max_min_recv_bytes"]), "resharder plan", float(s.get("max_send_bytes", 0.0))
-
-
-def _render_inference(recipe: Recipe, dims: ModelDims, violations: list) -> Optional[dict]:
-    """vllm-ascend settings for the pinned (or installed) version; an impossible combination is a violation."""
-    from .engines.vllm.settings import InferenceConfigError, installed_vllm_ascend_version, render
-    from .models import get_family
-
-    version = recipe.rollout.inference.vllm_ascend_version or installed_vllm_ascend_version()
-    if version is None:
-        return None
-    try:
-        r = render(recipe.rollout.inference, version, is_mla=dims.is_mla, model_type=get_family(dims.family).model_type)
-    except InferenceConfigError as e:
-        violations.append(Violation("inference settings supported by vllm-ascend", str(e)))
-        return None
-    return {"vllm_ascend": version, "additional_config": r.additional_config, "engine_kwargs": r.engine_kwargs}
-
-
-def _model_checks(recipe: Recipe, dims: ModelDims) -> list[Violation]:
+# ---------------------------------------------------------------------------------------------
+# engines, model, algorithm
+# ---------------------------------------------------------------------------------------------
+def model_checks(recipe: Recipe, dims: ModelDims) -> list[Violation]:
     """Model features an engine's kernels cannot take on this device (e.g. vLLM CPU head sizes)."""
     out: list[Violation] = []
     device = recipe.resources.device
-    for key, name in (("actor.engine", recipe.actor.engine), ("rollout.engine", recipe.rollout.engine)):
+    for key, name, kind in (("actor.engine", recipe.actor.engine, "train"),
+                            ("rollout.engine", recipe.rollout.engine, "rollout")):
         if name not in BACKENDS:
             continue
         caps = capabilities(name)
@@ -177,10 +175,12 @@ def _model_checks(recipe: Recipe, dims: ModelDims) -> list[Violation]:
             latent = dims.kv_lora_rank + dims.qk_rope_head_dim
             for dev, sizes in caps.mla_latent_sizes_by_device:
                 if dev == device and latent not in sizes:
+                    others = engines_that(lambda c: kind in c.roles and device in c.devices
+                                      and latent in dict(c.mla_latent_sizes_by_device).get(device, (latent,)))
                     out.append(Violation("engine runs this model here",
                                          f"{key}={name} on {device}: its MLA kernels take a latent (kv_lora_rank + "
                                          f"qk_rope_head_dim) of {'/'.join(map(str, sizes))} only, this model's is "
-                                         f"{latent}; use {key.split('.')[0]}.engine=native on {device}"))
+                                         f"{latent}; use {_engine_list(others, key, '=')} on {device}"))
             continue
         for dev, low in caps.min_head_dim_by_device:
             if dev == device and dims.head_dim < low:
@@ -191,7 +191,7 @@ def _model_checks(recipe: Recipe, dims: ModelDims) -> list[Violation]:
     return out
 
 
-def _engine_checks(recipe: Recipe, engines: dict[str, str]) -> tuple[list[Violation], list[str]]:
+def engine_checks(recipe: Recipe, engines: dict[str, str]) -> tuple[list[Violation], list[str]]:
     """Engines that cannot serve a role are violations; engines not installed here are listed apart."""
     violations, missing = [], []
     device = recipe.resources.device
@@ -214,7 +214,57 @@ def _engine_checks(recipe: Recipe, engines: dict[str, str]) -> tuple[list[Violat
     return violations, missing
 
 
-def _split_devices(recipe: Recipe, world: int) -> tuple[int, int, list[Violation]]:
+def capability_checks(recipe: Recipe, dims: ModelDims, roles: dict[str, RoleLayout],
+                      caps: dict[str, Capabilities]) -> list[Violation]:
+    """What the recipe asks of its engines beyond layouts: routing replay, a critic, a reference
+    or critic layout other than the actor's, a rollout without pipeline stages."""
+    v: list[Violation] = []
+    if recipe.algorithm.routing_replay:
+        why = []
+        if not dims.is_moe:
+            why.append(f"the model ({dims.family}) has no experts to route")
+        able = engines_that(lambda c: c.routing_replay)
+        for key, name in (("actor.engine", recipe.actor.engine), ("rollout.engine", recipe.rollout.engine)):
+            if name in BACKENDS and not capabilities(name).routing_replay:
+                why.append(f"{key}={name} does not record/replay routing in this release"
+                           + (f" (the {' and '.join(able)} engines do)" if able else ""))
+        v += [Violation("routing replay has what it needs", f"algorithm.routing_replay: {w}") for w in why]
+    train = caps.get("actor")
+    if train is not None and "critic" in roles and not train.critic:
+        critics = engines_that(lambda c: c.critic and "train" in c.roles)
+        v.append(Violation("engine trains a critic",
+                           f"algorithm.name={recipe.algorithm.name} trains a critic, which engine {train.name} does "
+                           f"not (actor.engine); use {_engine_list(critics, 'actor.engine')} for PPO, or a "
+                           f"critic-free algorithm (grpo, dapo)"))
+    a = recipe.actor.layout
+    if train is not None and not train.separate_ref_layout:
+        for role in ("ref", "critic"):
+            lay = getattr(recipe, role).layout
+            if role in roles and lay is not None and (lay.tp, lay.pp, lay.ep) != (a.tp, a.pp, a.ep):
+                v.append(Violation("engine keeps ref/critic on the actor layout",
+                                   f"{role}.layout TP{lay.tp} PP{lay.pp} EP{lay.ep} differs from the actor's "
+                                   f"TP{a.tp} PP{a.pp} EP{a.ep} (engine {train.name}); set {role}.layout: null"))
+    ro = recipe.rollout.layout
+    if ro.pp != 1:
+        v.append(Violation("rollout PP = 1", f"rollout.layout.pp is {ro.pp}; the rollout runs without pipeline stages"))
+    return v
+
+
+def rollout_inference(recipe: Recipe, dims: ModelDims) -> tuple[Optional[dict], list[Violation]]:
+    """The rollout engine's rendering of ``rollout.inference`` (``Capabilities.inference_settings``:
+    for vLLM, the vllm-ascend settings of the pinned or installed release), and the settings it
+    cannot serve as violations. ``(None, [])`` when the engine renders nothing."""
+    name = recipe.rollout.engine
+    if name not in BACKENDS or not capabilities(name).inference_settings:
+        return None, []
+    rendered, found = inference_settings(name, inference=recipe.rollout.inference, dims=dims)
+    return rendered, [Violation(INFERENCE_RULE, p) for p in found]
+
+
+# ---------------------------------------------------------------------------------------------
+# devices and roles
+# ---------------------------------------------------------------------------------------------
+def split_devices(recipe: Recipe, world: int) -> tuple[int, int, list[Violation]]:
     """(train devices, rollout devices, violations) of the placement on ``world`` devices."""
     res = recipe.resources
     if res.placement != "disaggregated":
@@ -231,10 +281,10 @@ def _split_devices(recipe: Recipe, world: int) -> tuple[int, int, list[Violation
     return world - R, R, []
 
 
-def _role_layouts(recipe: Recipe, world: int) -> tuple[dict[str, RoleLayout], int, int, list[Violation]]:
+def role_layouts(recipe: Recipe, world: int) -> tuple[dict[str, RoleLayout], int, int, list[Violation]]:
     """Every role's layout with the device count it spans (DP not yet set), the two device counts,
-    and the placement's own violations."""
-    T, R, violations = _split_devices(recipe, world)
+    and the placement's own violations. The roles are :func:`~rlrecipes.recipe.roles.roles_of`'s."""
+    T, R, violations = split_devices(recipe, world)
     a = recipe.actor.layout
     roles = {"actor": RoleLayout("actor", a.tp, a.pp, a.ep, None, T, a.pp_layers)}
     built = roles_of(recipe, strict=False)  # the workers build exactly these
@@ -249,18 +299,16 @@ def _role_layouts(recipe: Recipe, world: int) -> tuple[dict[str, RoleLayout], in
     return roles, T, R, violations
 
 
-def _rollout_devices_that_fit(world: int, roles: dict[str, RoleLayout]) -> list[int]:
+def rollout_devices_that_fit(world: int, roles: dict[str, RoleLayout]) -> list[int]:
     """Values of resources.rollout_devices in [1, world) with which every role's TP x PP divides its group."""
     train = [r.tp * r.pp for r in roles.values() if r.role != "rollout"]
     roll = roles["rollout"].tp * roles["rollout"].pp
     return [R for R in range(1, world) if R % roll == 0 and all((world - R) % k == 0 for k in train)]
 
 
-def _where(role: RoleLayout, world: int, fits: list[int], devices_per_node: int) -> tuple[str, str]:
+def where(role: RoleLayout, world: int, fits: list[int], devices_per_node: int) -> tuple[str, str]:
     """(rule, the device set of a disaggregated role and the fix) for the TP*PP rule. The rule is
     node-independent when no node count can fix it (the nearest-node search is then skipped)."""
-    import math
-
     k = role.tp * role.pp
     T, R = (role.world, world - role.world) if role.role != "rollout" else (world - role.world, role.world)
     near = sorted(fits, key=lambda x: (abs(x - R), x))[:2]
@@ -272,3 +320,9 @@ def _where(role: RoleLayout, world: int, fits: list[int], devices_per_node: int)
     rule = "TP*PP divides the world" if R % math.gcd(devices_per_node, k) == 0 else TRAIN_SPLIT_RULE
     return rule, (f"the {T} training devices (world {world} - resources.rollout_devices={R}); {fix}, "
                   f"or a {role.role}.layout whose TP x PP divides {T}")
+
+
+__all__ = ["INFERENCE_RULE", "NODE_INDEPENDENT_RULES", "PlanError", "ROLLOUT_SPLIT_RULE", "RoleLayout",
+           "TRAIN_SPLIT_RULE", "Violation", "capability_checks", "divisibility_violations", "dp_of",
+           "engine_checks", "engine_layout_violations", "layout_violations", "model_checks", "ranks_text",
+           "role_layouts", "rollout_devices_that_fit", "rollout_inference", "split_devices", "where"]

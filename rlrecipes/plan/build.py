@@ -1,12 +1,11 @@
-"""Parallel layouts for N nodes: validation, per-device memory and reshard-volume estimates.
+"""``build_plan(recipe, nodes)``: the plan of a recipe on N nodes, every rule checked at once.
 
-``build_plan(recipe, nodes)`` derives the DP size of every role from the world size, checks
-every layout rule at once, and estimates per-device memory (weights, gradients, optimizer state,
-activations, rollout weights and KV cache) and the weight bytes each device receives when the
-trained weights are resharded into the rollout layout. Nothing here starts a process, so an
-impossible layout fails in ``rlrecipes plan`` before anything is launched. The layout rules and
-reshard estimates are in :mod:`rlrecipes.plan_checks`, the per-engine memory models in
-:mod:`rlrecipes.plan_memory`.
+It derives the DP size of every role from the world size, checks every layout rule
+(:mod:`.checks`), estimates per-device memory (:mod:`.memory`: weights, gradients, optimizer
+state, activations, rollout weights and KV cache) and the weight bytes each device receives when
+the trained weights are resharded into the rollout layout (:mod:`.reshard`). Nothing here starts a
+process, so an impossible layout fails in ``rlrecipes plan`` before anything is launched.
+:func:`resolve` writes the plan's batch and node count back into the recipe that runs.
 
 Scaling policy: the recipe pins a layout at ``resources.nodes``. On another node count the
 TP/PP/EP sizes stay and DP scales; the global batch scales with the actor DP size so every DP
@@ -16,19 +15,20 @@ Placement: ``colocated`` (default) puts every role on all ``world`` devices. ``d
 (``resources.placement``) gives the rollout the last ``resources.rollout_devices`` ranks and the
 train roles (actor, ref, critic) the first ``world - rollout_devices``; each group's DP comes from
 its own device count, and the rollout count stays fixed when the node count changes.
-:func:`placement_groups` gives the workflow the two groups' ranks and layouts.
+:func:`~.placement.placement_groups` gives the workflow the two groups' ranks and layouts.
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-from .engines.registry import BACKENDS, capabilities
-from .plan_checks import (NODE_INDEPENDENT_RULES, RoleLayout, Violation, _engine_checks, _exact_reshard_bytes,
-                          _engine_layout_violations, _layout_violations, _model_checks, _ranks, _render_inference, _reshard_bytes,
-                          _role_layouts, _rollout_devices_that_fit, _where)
-from .plan_memory import DTYPE_BYTES, GiB, Memory, _kv_needed, _rollout_memory, _train_memory
-from .recipe import Recipe
+from ..engines.registry import BACKENDS, capabilities
+from ..recipe import Recipe
+from .checks import (NODE_INDEPENDENT_RULES, PlanError, RoleLayout, Violation, capability_checks, dp_of,
+                     engine_checks, engine_layout_violations, layout_violations, model_checks, ranks_text,
+                     role_layouts, rollout_devices_that_fit, rollout_inference, where)
+from .memory import DTYPE_BYTES, GiB, Memory, kv_needed, rollout_memory, train_memory
+from .reshard import exact_reshard_bytes, reshard_bytes
 
 
 @dataclass
@@ -84,8 +84,8 @@ class Plan:
             return []
         train_roles = [r for r in self.roles if r != "rollout"]
         T, R = self.train_devices, self.rollout_devices
-        lines = [f"placement: disaggregated -- train group: {T} devices (ranks {_ranks(0, T)}; "
-                 f"{', '.join(train_roles)}) · rollout group: {R} devices (ranks {_ranks(T, T + R)})",
+        lines = [f"placement: disaggregated -- train group: {T} devices (ranks {ranks_text(0, T)}; "
+                 f"{', '.join(train_roles)}) · rollout group: {R} devices (ranks {ranks_text(T, T + R)})",
                  "memory: the train group holds no rollout weights or KV cache, the rollout group no gradients or "
                  "optimizer state; nothing is swapped out",
                  f"reshard across groups per step: {self.reshard_bytes_per_device / GiB:.2f} GiB received by each "
@@ -124,6 +124,11 @@ class Plan:
 
 def build_plan(recipe: Recipe, nodes: Optional[int] = None, devices_per_node: Optional[int] = None,
                keep_batch: bool = False, _search: bool = True) -> Plan:
+    """The plan of ``recipe`` on ``nodes`` x ``devices_per_node`` devices (default: the recipe's).
+
+    ``keep_batch``: hold the global batch instead of scaling it with the actor DP. ``_search``
+    (internal): the exact reshard bytes and the nearest valid node counts; the search itself plans
+    without them."""
     res = recipe.resources
     nodes = nodes or res.nodes
     dpn = devices_per_node or res.devices_per_node
@@ -131,54 +136,30 @@ def build_plan(recipe: Recipe, nodes: Optional[int] = None, devices_per_node: Op
     dims = recipe.model.dims()
 
     a = recipe.actor.layout
-    ro = recipe.rollout.layout
     disagg = res.placement == "disaggregated"
-    roles, train_world, rollout_world, split_violations = _role_layouts(recipe, world)
+    roles, train_world, rollout_world, split_violations = role_layouts(recipe, world)
 
     engines = {role: (recipe.rollout.engine if role == "rollout" else recipe.actor.engine) for role in roles}
-    violations, missing_here = _engine_checks(recipe, engines)
+    violations, missing_here = engine_checks(recipe, engines)
     violations += split_violations
     if disagg and recipe.resharding.strategy != "auto":
         violations.append(Violation("reshard strategy fits the placement",
                                     f"resharding.strategy={recipe.resharding.strategy} reshards on one set of devices; "
                                     "with resources.placement=disaggregated the weights cross from the train group "
                                     "to the rollout group: set resharding.strategy=auto (cross_alltoallv)"))
-    violations += _model_checks(recipe, dims)
-    if recipe.algorithm.routing_replay:
-        why = []
-        if not dims.is_moe:
-            why.append(f"the model ({dims.family}) has no experts to route")
-        for key, name in (("actor.engine", recipe.actor.engine), ("rollout.engine", recipe.rollout.engine)):
-            if name != "native":
-                why.append(f"{key}={name} does not record/replay routing in this release (the native engines do)")
-        violations += [Violation("routing replay has what it needs", f"algorithm.routing_replay: {w}") for w in why]
+    violations += model_checks(recipe, dims)
     caps = {role: capabilities(name) for role, name in engines.items() if name in BACKENDS}
     train_caps = caps.get("actor")
-    if train_caps is not None and "critic" in roles and not train_caps.critic:
-        violations.append(Violation("engine trains a critic",
-                                    f"algorithm.name={recipe.algorithm.name} trains a critic, which engine "
-                                    f"{train_caps.name} does not (actor.engine); use actor.engine: native for PPO, "
-                                    f"or a critic-free algorithm (grpo, dapo)"))
-    if train_caps is not None and not train_caps.separate_ref_layout:
-        for role in ("ref", "critic"):
-            lay = getattr(recipe, role).layout
-            if role in roles and lay is not None and (lay.tp, lay.pp, lay.ep) != (a.tp, a.pp, a.ep):
-                violations.append(Violation("engine keeps ref/critic on the actor layout",
-                                            f"{role}.layout TP{lay.tp} PP{lay.pp} EP{lay.ep} differs from the actor's "
-                                            f"TP{a.tp} PP{a.pp} EP{a.ep} (engine {train_caps.name}); "
-                                            f"set {role}.layout: null"))
-    if ro.pp != 1:
-        violations.append(Violation("rollout PP = 1", f"rollout.layout.pp is {ro.pp}; the rollout runs without pipeline stages"))
-    fits = _rollout_devices_that_fit(world, roles) if disagg else []
+    violations += capability_checks(recipe, dims, roles, caps)
+    fits = rollout_devices_that_fit(world, roles) if disagg else []
     for role in roles.values():
         if role.world < 1:  # no training device left (reported above)
             continue
         if role.role in caps:
-            violations.extend(_layout_violations(role, dims, role.world, caps[role.role],
-                                                 _where(role, world, fits, dpn) if disagg else None))
-            violations.extend(_engine_layout_violations(role, dims, caps[role.role], recipe))
-        if role.world % (role.tp * role.pp) == 0:
-            role.dp = role.world // (role.tp * role.pp)
+            violations.extend(layout_violations(role, dims, caps[role.role],
+                                                where(role, world, fits, dpn) if disagg else None))
+            violations.extend(engine_layout_violations(role, dims, caps[role.role], recipe))
+        role.dp = dp_of(role)
 
     # batch scaling
     gb, mb = recipe.trainer.global_batch, recipe.trainer.mini_batch
@@ -220,17 +201,17 @@ def build_plan(recipe: Recipe, nodes: Optional[int] = None, devices_per_node: Op
                 changes=changes, model_params=dims.total_params(), engines=engines, missing_here=missing_here,
                 placement=res.placement, train_devices=train_world, rollout_devices=rollout_world)
     if actor.dp is not None and train_caps is not None:
-        plan.train_memory = _train_memory(dims, actor, recipe, actor.dp)
+        plan.train_memory = train_memory(dims, actor, recipe, actor.dp, train_caps)
         if plan.train_memory.total > device_bytes:
             violations.append(Violation("training memory fits the device",
                                         f"actor needs {plan.train_memory.total / GiB:.1f} GiB per device "
                                         f"> {res.device_memory_gb:g} GiB (raise TP/PP/EP, or set actor.offload_optimizer)"))
     rollout = roles["rollout"]
     if rollout.dp is not None:
-        plan.rollout_memory = _rollout_memory(dims, rollout, recipe, device_bytes)
+        plan.rollout_memory = rollout_memory(dims, rollout, recipe, device_bytes)
         budget = device_bytes * recipe.rollout.inference.gpu_memory_utilization
         instances = max(1, rollout.world // (rollout.tp * max(1, rollout.ep // rollout.tp)))
-        need_kv = _kv_needed(dims, rollout, recipe, gb * n / instances)
+        need_kv = kv_needed(dims, rollout, recipe, gb * n / instances)
         if plan.rollout_memory.weights > budget:
             violations.append(Violation("rollout weights fit the device",
                                         f"rollout weights {plan.rollout_memory.weights / GiB:.1f} GiB > "
@@ -240,106 +221,19 @@ def build_plan(recipe: Recipe, nodes: Optional[int] = None, devices_per_node: Op
             violations.append(Violation("KV cache fits the device",
                                         f"only {plan.rollout_memory.kv_cache / GiB:.1f} GiB left for the KV cache"))
         if actor.dp is not None:
-            plan.reshard_bytes_per_device = _reshard_bytes(dims, actor, rollout, res.placement)
+            plan.reshard_bytes_per_device = reshard_bytes(dims, actor, rollout, res.placement)
             if disagg:  # the rollout group's bytes spread over the train devices
                 plan.reshard_send_bytes_per_device = plan.reshard_bytes_per_device * rollout.world / actor.world
             plan.reshard_full_bytes = dims.total_params() * DTYPE_BYTES
-    if recipe.rollout.engine == "vllm":
-        plan.inference = _render_inference(recipe, dims, violations)
+    plan.inference, found = rollout_inference(recipe, dims)
+    violations += found
     plan.violations = violations
     if _search and not violations:
         plan.reshard_bytes_per_device, plan.reshard_method, plan.reshard_send_bytes_per_device = \
-            _exact_reshard_bytes(dims, actor, rollout, res.placement)
+            exact_reshard_bytes(dims, actor, rollout, res.placement)
     if _search and any(v.rule not in NODE_INDEPENDENT_RULES for v in violations):
         plan.nearest_valid_nodes = nearest_valid_nodes(recipe, nodes, dpn, keep_batch)
     return plan
-
-
-@dataclass(frozen=True)
-class PlacementGroups:
-    """Which global ranks run what, and the layouts they run (from :func:`placement_groups`).
-
-    Attributes:
-        placement: ``"colocated"`` or ``"disaggregated"``.
-        world: devices (global ranks) of the run.
-        train_ranks: global ranks of the train group (actor, ref, critic); ``range(0, T)``.
-        rollout_ranks: global ranks of the rollout; ``range(T, world)`` when disaggregated,
-            the same ``range(0, world)`` as ``train_ranks`` when colocated.
-        roles: ``actor``, [``ref``], [``critic``], ``rollout`` -> :class:`RoleLayout` with ``dp``
-            and ``world`` (the size of the role's group) filled in. A train role's rank ``i``
-            in its layout is global rank ``i``; the rollout's layout rank ``j`` is global rank
-            ``rollout_ranks[j]``.
-    """
-
-    placement: str
-    world: int
-    train_ranks: range
-    rollout_ranks: range
-    roles: dict
-
-    @property
-    def disaggregated(self) -> bool:
-        return self.placement == "disaggregated"
-
-    def group_of(self, rank: int) -> str:
-        """``"train"``, ``"rollout"`` or (colocated) ``"both"`` for a global rank."""
-        if not 0 <= rank < self.world:
-            raise ValueError(f"rank {rank} outside the {self.world} devices of the run")
-        if not self.disaggregated:
-            return "both"
-        return "train" if rank in self.train_ranks else "rollout"
-
-    def reshard_layouts(self):
-        """The resharder's (train, rollout) :class:`~rlrecipes.core.resharder.Layout` pair (actor -> rollout)."""
-        from .core.resharder import Layout
-
-        a, r = self.roles["actor"], self.roles["rollout"]
-        return (Layout(a.tp, a.pp, a.ep, a.dp, tuple(a.pp_layers) if a.pp_layers else None),
-                Layout(r.tp, 1, r.ep, r.dp))
-
-    def reshard_plan(self, specs, dtype_bytes: int = 2):
-        """The resharder's plan for these groups (``placement`` passed through): hand it to
-        ``Resharder(plan, "auto", bucket_mb=..., group=<a group over all world ranks>)`` and call
-        ``reshard`` on every rank (train ranks with their shards, rollout ranks with ``{}``)."""
-        from .core.resharder import plan_reshard
-
-        train, rollout = self.reshard_layouts()
-        return plan_reshard(train, rollout, specs, dtype_bytes, placement=self.placement)
-
-
-def placement_groups(recipe: Recipe, world: Optional[int] = None) -> PlacementGroups:
-    """The device groups of ``recipe`` on ``world`` devices (default: resources.nodes x devices_per_node).
-
-    Colocated: one group, every role on ``range(world)``. Disaggregated: train roles on
-    ``range(world - rollout_devices)``, the rollout on the last ``rollout_devices`` ranks; each
-    role's DP from its own group. Raises :class:`PlanError` (naming the key and the fix) when the
-    split or a layout's TP x PP x EP does not fit its group; the engine, memory and batch rules are
-    ``build_plan``'s.
-    """
-    res = recipe.resources
-    world = world if world is not None else res.nodes * res.devices_per_node
-    roles, T, R, violations = _role_layouts(recipe, world)
-    disagg = res.placement == "disaggregated"
-    fits = _rollout_devices_that_fit(world, roles) if disagg else []
-    for role in roles.values():
-        if role.world < 1:
-            continue
-        k = role.tp * role.pp
-        if role.world % k:
-            rule, where = _where(role, world, fits, res.devices_per_node) if disagg else \
-                ("TP*PP divides the world", f"{role.world} devices")
-            violations.append(Violation(rule, f"{role.role}: TP{role.tp} x PP{role.pp} = {k} does not divide {where}"))
-            continue
-        role.dp = role.world // k
-        if (role.dp * role.tp) % role.ep:
-            violations.append(Violation("EP divides DP*TP", f"{role.role}: EP{role.ep} does not divide DP{role.dp} x "
-                                                            f"TP{role.tp} = {role.dp * role.tp}"))
-    if violations:
-        raise PlanError(f"{recipe.name} on {world} devices ({res.placement}): "
-                        + "; ".join(str(v) for v in violations))
-    train_ranks = range(T)
-    rollout_ranks = range(T, world) if disagg else range(world)
-    return PlacementGroups(res.placement, world, train_ranks, rollout_ranks, roles)
 
 
 def nearest_valid_nodes(recipe: Recipe, nodes: int, devices_per_node: int, keep_batch: bool = False,
@@ -350,13 +244,6 @@ def nearest_valid_nodes(recipe: Recipe, nodes: int, devices_per_node: int, keep_
     above = next((n for n in range(nodes + 1, max(limit, 4 * nodes))
                   if build_plan(recipe, n, devices_per_node, keep_batch, _search=False).ok), None)
     return [n for n in (below, above) if n is not None]
-
-
-class PlanError(RuntimeError):
-    """Raised by `run` when the plan has violations (the message lists all of them). Exit code 1, as
-    `plan` itself exits on violations; bad input (a recipe or override error) exits 2 in both."""
-
-    code = 1
 
 
 def format_violations(plan: Plan) -> str:
@@ -392,3 +279,6 @@ def refuse_missing_engines(plan: Plan) -> None:
         err = PlanError("cannot run here:\n" + "\n".join(f"  - {m}" for m in plan.missing_here))
         err.code = 2  # this machine lacks an engine (install it); the layout itself is valid
         raise err
+
+
+__all__ = ["Plan", "build_plan", "format_violations", "nearest_valid_nodes", "refuse_missing_engines", "resolve"]

@@ -1,24 +1,30 @@
-"""Per-device memory models of ``rlrecipes plan``: the bytes one device holds, per engine and phase.
+"""Per-device memory models of ``rlrecipes plan``: the bytes one device holds, per phase.
 
-``_train_memory`` estimates a train device (weights, gradients, optimizer state, activations and
-transient peaks) for the engine in ``actor.engine``: the native engine's FSDP2 model in
-``_native_train_memory``, the others (megatron) per pipeline stage. ``_rollout_memory`` gives a
-rollout device's weights and the KV cache left in its budget, ``_kv_needed`` the KV cache a
-step's rows need. :func:`rlrecipes.plan.build_plan` compares them with the device.
+A train engine names the model that describes it in its capabilities
+(``Capabilities.memory_model``, see :data:`TRAIN_MEMORY_MODELS`):
+
+* ``"fsdp"`` (:func:`fsdp_train_memory`): the whole model per rank, fp32 master weights,
+  gradients and Adam state sharded over DP (FSDP2), with the transient peaks of FSDP units; a
+  model of at most ``Capabilities.small_model_bytes`` is replicated or kept gathered, the rule the
+  engine applies;
+* ``"pipeline"`` (:func:`pipeline_train_memory`): the worst pipeline stage, compute-dtype weights,
+  an fp32 DDP gradient buffer and a distributed optimizer over DP; experts also split over TP
+  when the engine declares ``expert_tensor_parallel``.
+
+:func:`rollout_memory` gives a rollout device's weights and the KV cache left in its budget,
+:func:`kv_needed` the KV cache a step's rows need. :func:`rlrecipes.plan.build.build_plan`
+compares them with the device.
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
+from typing import Callable
 
-from . import device as devmod
-from .engines.native import small_model
-from .engines.registry import BACKENDS, capabilities
-from .models import ModelDims
-from .recipe import Recipe
-
-if TYPE_CHECKING:
-    from .plan_checks import RoleLayout
+from .. import device as devmod
+from ..engines.base import Capabilities
+from ..models import ModelDims
+from ..recipe import Recipe
+from .checks import RoleLayout
 
 GiB = 1024 ** 3
 DTYPE_BYTES = 2  # weights and activations in bf16 on accelerators
@@ -47,12 +53,13 @@ class Memory:
         return d
 
 
-def _even_split(layers: int, pp: int) -> list[int]:
+def even_split(layers: int, pp: int) -> list[int]:
+    """``layers`` over ``pp`` stages, the first stages one longer when it does not divide."""
     base, extra = divmod(layers, pp)
     return [base + (1 if i < extra else 0) for i in range(pp)]
 
 
-def _stage_params(dims: ModelDims, pp_layers: list[int]) -> list[tuple[float, float]]:
+def stage_params(dims: ModelDims, pp_layers: list[int]) -> list[tuple[float, float]]:
     """(non-expert, expert) parameters held by each pipeline stage (embedding first, head last)."""
     out, start = [], 0
     for s, n in enumerate(pp_layers):
@@ -70,22 +77,27 @@ def _stage_params(dims: ModelDims, pp_layers: list[int]) -> list[tuple[float, fl
     return out
 
 
-def _train_memory(dims: ModelDims, role: RoleLayout, recipe: Recipe, dp: int) -> Memory:
-    if recipe.actor.engine == "native":
-        return _native_train_memory(dims, role, recipe, dp)
-    pp_layers = role.pp_layers or _even_split(dims.num_layers, role.pp)
+def micro_batch_tokens(recipe: Recipe) -> int:
+    """Tokens in one micro-batch: the token budget when packing, else micro_batch padded rows."""
+    seq = recipe.data.max_prompt_length + recipe.rollout.sampling.max_new_tokens
+    return recipe.trainer.max_tokens_per_micro_batch or recipe.trainer.micro_batch * seq
+
+
+def pipeline_train_memory(dims: ModelDims, role: RoleLayout, recipe: Recipe, dp: int, caps: Capabilities) -> Memory:
+    """The worst pipeline stage of a megatron-style engine: compute-dtype weights, an fp32 DDP
+    gradient buffer, fp32 master + Adam over DP (distributed optimizer), activations per layer."""
+    pp_layers = role.pp_layers or even_split(dims.num_layers, role.pp)
     if len(pp_layers) != role.pp or sum(pp_layers) != dims.num_layers:
-        pp_layers = _even_split(dims.num_layers, role.pp)
+        pp_layers = even_split(dims.num_layers, role.pp)
     worst = Memory()
     seq = recipe.data.max_prompt_length + recipe.rollout.sampling.max_new_tokens
-    # engines with expert-TP (megatron) split each expert over TP as well; the native engine does not
-    etp = role.tp if recipe.actor.engine in BACKENDS and capabilities(recipe.actor.engine).expert_tensor_parallel else 1
-    for s, (ne, e) in enumerate(_stage_params(dims, pp_layers)):
+    etp = role.tp if caps.expert_tensor_parallel else 1  # experts split over TP as well
+    for s, (ne, e) in enumerate(stage_params(dims, pp_layers)):
         params = ne / role.tp + e / (role.ep * etp)
         expert_dp = max(1, dp * role.tp // (role.ep * etp))
         m = Memory()
         m.weights = params * DTYPE_BYTES
-        m.grads = params * 4  # megatron DDP's gradient buffer in fp32 (grad_reduce_in_fp32, as the engine sets)
+        m.grads = params * 4  # the DDP gradient buffer in fp32 (grad_reduce_in_fp32, as megatron engines set)
         if not recipe.actor.offload_optimizer:
             # fp32 master + Adam m, v, sharded over DP (distributed optimizer)
             m.optimizer = 12 * (ne / role.tp / dp + e / (role.ep * etp) / expert_dp)
@@ -99,14 +111,8 @@ def _train_memory(dims: ModelDims, role: RoleLayout, recipe: Recipe, dp: int) ->
     return worst
 
 
-def _micro_batch_tokens(recipe: Recipe) -> int:
-    """Tokens in one micro-batch: the token budget when packing, else micro_batch padded rows."""
-    seq = recipe.data.max_prompt_length + recipe.rollout.sampling.max_new_tokens
-    return recipe.trainer.max_tokens_per_micro_batch or recipe.trainer.micro_batch * seq
-
-
-def _native_train_memory(dims: ModelDims, role: RoleLayout, recipe: Recipe, dp: int) -> Memory:
-    """Per-device memory of the native engine (HF model, DTensor TP/EP, FSDP2 over DP), steady state.
+def fsdp_train_memory(dims: ModelDims, role: RoleLayout, recipe: Recipe, dp: int, caps: Capabilities) -> Memory:
+    """Per-device memory of an FSDP2 engine (HF model, DTensor TP/EP, FSDP2 over DP), steady state.
 
     FSDP2 keeps fp32 master weights, fp32 gradients and Adam's two moments sharded over DP (experts
     over the ranks that share an expert shard). On top, for the worst phase of a step:
@@ -117,9 +123,9 @@ def _native_train_memory(dims: ModelDims, role: RoleLayout, recipe: Recipe, dp: 
     * optimizer step: one fp32 temporary per parameter (the foreach ``sqrt`` of the second moment).
 
     ``activations`` holds the saved activations and logits, ``transient`` the rest of the worst
-    phase. A small model (``engines.native.small_model``) is replicated over DP in full precision,
-    and kept gathered through a call under FSDP: the same rule the engine applies. Checked against
-    measurement by ``benchmarks/engine_memory.py``.
+    phase. A small model (at most ``caps.small_model_bytes`` of fp32 parameters) is replicated over
+    DP in full precision, and kept gathered through a call under FSDP: the same rule the engine
+    applies. Checked against the native engine's measurement by ``benchmarks/engine_memory.py``.
     """
     c = devmod.compute_bytes(recipe.resources.device, recipe.model.dtype)
     tp, ep = role.tp, role.ep
@@ -130,15 +136,15 @@ def _native_train_memory(dims: ModelDims, role: RoleLayout, recipe: Recipe, dp: 
     layer_e = max(b for _, b in per_layer) / ep
     ne = sum(a for a, _ in per_layer) / tp + embed * (1 if dims.tie_embeddings else 2) + dims.hidden_size
     e = sum(b for _, b in per_layer) / ep
-    # a small model (engines.native.small_model) in full precision is replicated over DP, not sharded
-    small = small_model(4 * (sum(a + b for a, b in per_layer) + dims.vocab_size * dims.hidden_size
-                             * (1 if dims.tie_embeddings else 2) + dims.hidden_size))
+    param_bytes = 4 * (sum(a + b for a, b in per_layer) + dims.vocab_size * dims.hidden_size
+                       * (1 if dims.tie_embeddings else 2) + dims.hidden_size)
+    small = param_bytes <= caps.small_model_bytes  # 0: nothing is small
     replicated = small and c == 4 and dp > 1
     local = ne + e if replicated else ne / dp + e / expert_dp  # this rank's part of every parameter
     m = Memory(weights=4 * local, grads=4 * local)
     if not recipe.actor.offload_optimizer:
         m.optimizer = 8 * local
-    tokens = _micro_batch_tokens(recipe)
+    tokens = micro_batch_tokens(recipe)
     width = dims.intermediate_size if not dims.is_moe else \
         dims.moe_intermediate_size * (dims.experts_per_token + dims.num_shared_experts)
     # per layer without recompute: ~10 hidden-sized tensors per token (replicated over TP: no
@@ -171,7 +177,24 @@ def _native_train_memory(dims: ModelDims, role: RoleLayout, recipe: Recipe, dp: 
     return m
 
 
-def _rollout_memory(dims: ModelDims, role: RoleLayout, recipe: Recipe, device_bytes: float) -> Memory:
+TRAIN_MEMORY_MODELS: dict[str, Callable[[ModelDims, RoleLayout, Recipe, int, Capabilities], Memory]] = {
+    "fsdp": fsdp_train_memory,
+    "pipeline": pipeline_train_memory,
+}
+"""``Capabilities.memory_model`` -> the model of a train device of that engine."""
+
+
+def train_memory(dims: ModelDims, role: RoleLayout, recipe: Recipe, dp: int, caps: Capabilities) -> Memory:
+    """A train device's memory under the model its engine declares (``caps.memory_model``)."""
+    model = TRAIN_MEMORY_MODELS.get(caps.memory_model)
+    if model is None:
+        raise ValueError(f"engine {caps.name!r} declares memory_model={caps.memory_model!r}; plan has "
+                         f"{', '.join(map(repr, TRAIN_MEMORY_MODELS))}")
+    return model(dims, role, recipe, dp, caps)
+
+
+def rollout_memory(dims: ModelDims, role: RoleLayout, recipe: Recipe, device_bytes: float) -> Memory:
+    """A rollout device's weights (TP / EP shards) and the KV cache its memory budget leaves."""
     total, experts = dims.total_params(), dims.expert_params()
     m = Memory()
     m.weights = ((total - experts) / role.tp + experts / role.ep) * DTYPE_BYTES
@@ -180,10 +203,15 @@ def _rollout_memory(dims: ModelDims, role: RoleLayout, recipe: Recipe, device_by
     return m
 
 
-def _kv_needed(dims: ModelDims, role: RoleLayout, recipe: Recipe, rows_per_instance: float) -> float:
+def kv_needed(dims: ModelDims, role: RoleLayout, recipe: Recipe, rows_per_instance: float) -> float:
+    """KV cache bytes one rollout instance needs for its share of a step's rows (at most max_num_seqs at once)."""
     seq = recipe.data.max_prompt_length + recipe.rollout.sampling.max_new_tokens
     seqs = min(recipe.rollout.inference.max_num_seqs, max(1.0, rows_per_instance))
     per_token = dims.kv_bytes_per_token(DTYPE_BYTES)
     if not dims.is_mla:  # MLA's latent cache is replicated across TP; GQA heads are split
         per_token /= role.tp
     return seqs * seq * per_token
+
+
+__all__ = ["DTYPE_BYTES", "GiB", "Memory", "TRAIN_MEMORY_MODELS", "even_split", "fsdp_train_memory", "kv_needed",
+           "micro_batch_tokens", "pipeline_train_memory", "rollout_memory", "stage_params", "train_memory"]

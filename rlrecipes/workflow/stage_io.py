@@ -1,0 +1,362 @@
+"""How a stage's declared columns reach it and how its writes leave it: one I/O object per step.
+
+A stage declares what it reads and writes and how its rows are shared out (``algos/spec.py``:
+``Stage.reads``, ``writes``, ``share``). The worker's loop asks this step's I/O object for the
+stage's batch, runs the stage function ``(ctx, batch) -> writes`` and hands the writes back. Where
+the columns travel is the I/O object's business, chosen once per step by the placement:
+
+- :class:`DockIO` (disaggregated train workers, rollout workers): every read is a TransferDock claim
+  (sample data goes warehouse -> worker, never through the driver); columns a forward pass produced
+  stay in the TensorCache of the worker that computed them and follow a claim by one all-to-all.
+- :class:`OwnRowsIO` (colocated workers): a worker's own rollout rows (``own_rows.OwnRows``) serve
+  every stage whose rows can stay where they were generated -- reward, outcome advantage, dynamic
+  sampling, a forward pass whose engine has one DP rank per worker, an update whose loads are in
+  balance -- with no dock claim. The first stage that needs re-balanced rows publishes them to the
+  dock (one put) and from then on reads as :class:`DockIO` does.
+
+A :class:`StageBatch` is strict in tests and ``--smoke`` runs (``trainer``-independent: every smoke
+recipe): reading an undeclared column, writing one, or leaving a declared write out raises
+:class:`StageContractError` naming the stage and the column.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..algos.spec import Stage
+from ..core.collectives import all_gather_objects, broadcast_object
+from ..engines.base import SeqBatch, TrainEngine
+from .batching import (all_gather, gather_in_model_parallel_group, global_counts, local_counts, seq_batch, subset,
+                       train_rows)
+from .context import Context
+from .own_rows import OwnRows
+
+#: columns a forward pass produces; they stay in the TensorCache of the worker that computed them
+CACHED = ("ref_log_probs", "old_log_probs", "values")
+#: columns the rollout stage writes (the rows' own columns)
+GENERATED = ("prompt_ids", "response_ids", "prompt_index", "rollout_log_probs", "policy_version", "routed_experts")
+#: per-token columns of a train batch besides the response itself
+PER_TOKEN = ("rollout_log_probs", "ref_log_probs", "old_log_probs", "values", "returns")
+
+
+class StageContractError(RuntimeError):
+    """A stage touched a column it did not declare, or left out a declared write."""
+
+
+@dataclass
+class StepState:
+    """What one step's stages share on a worker: the batch target, DAPO's rounds and kept groups,
+    and the numbers the metrics row sums over workers."""
+
+    step: int
+    target: int
+    round: int = 0
+    more: bool = False
+    kept_rows: list = field(default_factory=list)
+    sums: dict = field(default_factory=dict)
+    """Summed over workers in the metrics row (reward, errors, staleness, DAPO's group counts)."""
+    maxes: dict = field(default_factory=dict)
+    first_error: Optional[str] = None
+    update: dict = field(default_factory=dict)
+    critic: dict = field(default_factory=dict)
+
+    def add(self, **numbers: float) -> None:
+        for k, v in numbers.items():
+            self.sums[k] = self.sums.get(k, 0) + v
+
+    def peak(self, **numbers: float) -> None:
+        for k, v in numbers.items():
+            self.maxes[k] = max(self.maxes.get(k, v), v)
+
+
+@dataclass
+class NewRows:
+    """The rows a generation round allocates: every row id of the round, and this DP rank's groups."""
+
+    rows: list[int]
+    groups: list[int]
+    """Indices (within the round) of the groups this rollout DP rank generates."""
+
+
+class StageBatch:
+    """One stage's rows on this worker and the columns it declared (``batch[column]``)."""
+
+    def __init__(self, stage: Stage, state: StepState, rows: Sequence[int] = (), columns: Optional[dict] = None, *,
+                 strict: bool = False, engine: Any = None, new: Optional[NewRows] = None,
+                 mini_batches: Optional[list[SeqBatch]] = None, counts: Optional[list] = None, io: Any = None):
+        self.stage, self.state, self.rows = stage, state, list(rows)
+        self._columns = dict(columns or {})
+        self.strict, self.engine, self.new = strict, engine, new
+        self.mini_batches, self.counts, self._io = mini_batches, counts, io
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, column: str):
+        if column not in self.stage.reads and (self.strict or column not in self._columns):
+            raise StageContractError(f"stage {self.stage.name!r} reads column {column!r}, which it does not declare "
+                                     f"(reads: {', '.join(self.stage.reads) or 'none'}); add it to the stage's reads "
+                                     "in rlrecipes/algos/spec.py")
+        return self._columns[column]
+
+    def seq_batch(self) -> SeqBatch:
+        """The rows as an engine-neutral batch of the declared columns."""
+        return seq_batch({"rows": self.rows, **self._columns}, per_token=[c for c in PER_TOKEN if c in self._columns])
+
+    def drop_rows(self, rows: Sequence[int]) -> None:
+        """Take rows out of the step (DAPO's filter): later stages never see them."""
+        self._io.drop_rows(list(rows))
+
+
+def check_writes(stage: Stage, batch: StageBatch, writes: dict) -> None:
+    extra = sorted(set(writes) - set(stage.writes))
+    missing = sorted(set(stage.writes) - set(writes)) if batch.rows else []
+    if extra or missing:
+        what = (f"writes {extra}, which it does not declare" if extra else "") + \
+            (" and " if extra and missing else "") + (f"does not write {missing}, which it declares" if missing else "")
+        raise StageContractError(f"stage {stage.name!r} {what} (writes: {', '.join(stage.writes) or 'none'}); "
+                                 "fix the stage or its declaration in rlrecipes/algos/spec.py")
+
+
+class DockIO:
+    """Every read a dock claim, every write a dock put (forward outputs: the TensorCache)."""
+
+    def __init__(self, ctx: Context, state: StepState, strict: bool):
+        self.ctx, self.state, self.strict = ctx, state, strict
+        self.timeout = ctx.recipe.trainer.dock_timeout_s
+
+    # ------------------------------------------------------------------ reads
+    def read(self, stage: Stage) -> StageBatch:
+        return getattr(self, f"_read_{stage.share}", self._read_engine)(stage)
+
+    def _batch(self, stage: Stage, rows, columns, **kw) -> StageBatch:
+        return StageBatch(stage, self.state, rows, columns, strict=self.strict, io=self, **kw)
+
+    def _read_none(self, stage: Stage) -> StageBatch:
+        return self._batch(stage, [], {})
+
+    def _read_new(self, stage: Stage) -> StageBatch:
+        ctx, st, n = self.ctx, self.state, self.ctx.recipe.trainer.n_samples_per_prompt
+        rows = self._allocate(st.target, n) if ctx.rank == 0 else None
+        rows = broadcast_object(rows, device=ctx.device)
+        eng = ctx.rollout
+        mine = list(range(eng.dp_rank, st.target, eng.dp_size))
+        return self._batch(stage, [rows[g * n + j] for g in mine for j in range(n)], {},
+                           new=NewRows(list(rows), mine), engine=eng)
+
+    def _allocate(self, groups: int, n: int) -> list[int]:
+        return self.ctx.dock.add_groups(groups, n)
+
+    def _claim(self, stage: Stage, *, whole_groups: bool = False) -> StageBatch:
+        """A balanced share per worker; cached reads follow by one all-to-all."""
+        ctx = self.ctx
+        cached = [c for c in stage.reads if c in CACHED]
+        b = ctx.dock.get(stage.name, list(stage.reads), None, dp_rank=ctx.rank, dp_size=ctx.world,
+                         whole_groups=whole_groups, timeout=self.timeout)
+        cols = {c: b[c] for c in stage.reads if c not in cached}
+        if cached:
+            cols.update(ctx.cache.exchange_mine(cached, list(b.rows)))
+        return self._batch(stage, list(b.rows), cols)
+
+    def _read_round(self, stage: Stage) -> StageBatch:
+        return self._claim(stage)
+
+    def _read_workers(self, stage: Stage) -> StageBatch:
+        return self._claim(stage)
+
+    def _read_groups(self, stage: Stage) -> StageBatch:
+        return self._claim(stage, whole_groups=True)
+
+    def _read_all(self, stage: Stage) -> StageBatch:
+        """Every row of the step on every worker: rank 0 claims them, one broadcast shares them."""
+        ctx, got = self.ctx, None
+        if ctx.rank == 0:
+            b = ctx.dock.get(stage.name, list(stage.reads), None, whole_groups=True, timeout=self.timeout)
+            got = (list(b.rows), {c: b[c] for c in stage.reads})
+        rows, cols = broadcast_object(got, device=ctx.device)
+        return self._batch(stage, rows, cols)
+
+    def _engine(self, stage: Stage) -> TrainEngine:
+        return {"actor": self.ctx.actor, "ref": self.ctx.ref, "critic": self.ctx.critic,
+                "actor_mini_batches": self.ctx.actor}[stage.share]
+
+    def _read_engine(self, stage: Stage) -> StageBatch:
+        """The engine's DP share: claimed by each DP rank's data leader, shared with its MP peers."""
+        engine = self._engine(stage)
+        data = self._train_rows(stage, engine)
+        rows = data.pop("rows")
+        return self._batch(stage, rows, data, engine=engine)
+
+    def _train_rows(self, stage: Stage, engine: TrainEngine) -> dict:
+        cached = [c for c in stage.reads if c in CACHED]
+        return train_rows(self.ctx, engine, stage.name, [c for c in stage.reads if c not in cached], cached)
+
+    def _read_actor_mini_batches(self, stage: Stage) -> StageBatch:
+        engine = self.ctx.actor
+        batches = self._mini_batches(self._train_rows(stage, engine))
+        return self._batch(stage, [], {}, engine=engine, mini_batches=batches, counts=global_counts(engine, batches))
+
+    def _mini_batches(self, data: dict) -> list[SeqBatch]:
+        n, k = len(data["rows"]), self.ctx.n_mini
+        per_token = [c for c in PER_TOKEN if c in data]
+        return [seq_batch(subset(data, list(range(n))[m::k]), per_token=per_token) for m in range(k)]
+
+    # ------------------------------------------------------------------ writes
+    def write(self, stage: Stage, batch: StageBatch, writes: dict) -> None:
+        if self.strict:
+            check_writes(stage, batch, writes)
+        if not writes or not batch.rows:
+            return
+        if stage.share in ("actor", "ref", "critic"):
+            if batch.engine.is_data_leader:
+                self._cache(stage, batch.rows, writes)
+            return
+        if stage.share == "new" and not batch.engine.is_data_leader:
+            return  # a rollout TP peer: its leader writes the rows
+        self._put(batch.rows, writes)
+
+    def _cache(self, stage: Stage, rows: list[int], writes: dict) -> None:
+        for c, v in writes.items():
+            self.ctx.cache.put(c, rows, v)
+        self.ctx.dock.mark_cached(list(writes), rows, self.ctx.rank)
+
+    def _put(self, rows: list[int], writes: dict) -> None:
+        self.ctx.dock.put(writes, rows)
+
+    def drop_rows(self, rows: list[int]) -> None:
+        if rows and self.ctx.rank == 0:
+            self.ctx.dock.drop_rows(rows)
+
+    def end_stage(self, stage: Stage) -> None:
+        if stage.share == "all":
+            dist.barrier()  # rank 0's drops are in before any rank claims again
+
+    def live(self) -> Optional[set[int]]:
+        """The rows still in the batch when DAPO dropped some (None: all)."""
+        if not self.ctx.recipe.algorithm.dynamic_sampling.enabled:
+            return None
+        return {x for g in self.state.kept_rows[:self.state.target] for x in g}  # surplus groups were trimmed
+
+
+class OwnRowsIO(DockIO):
+    """A colocated worker's step: stages run on the rows it generated while they can (see the module
+    docstring); the first stage that needs re-balanced rows publishes them and reads from the dock."""
+
+    def __init__(self, ctx: Context, state: StepState, strict: bool):
+        super().__init__(ctx, state, strict)
+        self.own = OwnRows()
+        self.local: set[str] = set()
+        """Columns computed on this worker's own rows (TensorCache); an update needs them all."""
+
+    def _allocate(self, groups: int, n: int) -> list[int]:
+        if self.state.round == 0:  # the step's first round starts its dock in the same call
+            return self.ctx.dock.reset(self.state.step, groups=(groups, n))
+        return super()._allocate(groups, n)
+
+    def _publish(self) -> None:
+        self.own.publish(self.ctx.dock, self.ctx.cache, self.ctx.rank, self.live())
+
+    def _on_own_rows(self, engine) -> bool:
+        """``engine`` has one DP rank per worker, as the rollout does: the worker's rows are its share."""
+        return engine.dp_size == self.ctx.rollout.dp_size == self.ctx.world
+
+    def _local(self, stage: Stage) -> bool:
+        return all(c in GENERATED or c in self.local for c in stage.reads)
+
+    def _select(self, stage: Stage, columns: Sequence[str]) -> tuple[list[int], dict]:
+        data = self.own.select([c for c in columns if c not in self.local], self.live())
+        rows = data.pop("rows")
+        for c in columns:
+            if c in self.local:
+                data[c] = self.ctx.cache.get(c, rows)
+        return rows, data
+
+    def _read_round(self, stage: Stage) -> StageBatch:
+        b = self.own.unscored(list(stage.reads))
+        return self._batch(stage, list(b.rows), {c: b[c] for c in stage.reads})
+
+    def _read_groups(self, stage: Stage) -> StageBatch:
+        rows, data = self._select(stage, stage.reads)  # whole groups, generated here
+        return self._batch(stage, rows, data)
+
+    def _read_all(self, stage: Stage) -> StageBatch:
+        """The round scored last, every worker's, on every worker (one small all-gather); nothing of
+        it is in the dock yet."""
+        [col] = stage.reads
+        mine = self.own.last_scored(col)
+        every = all_gather_objects((mine[0], mine[1].tolist()), device=self.ctx.device)
+        pairs = sorted((x, float(v)) for rs, vs in every for x, v in zip(rs, vs))  # row order, as the dock's
+        return self._batch(stage, [x for x, _ in pairs], {col: torch.tensor([v for _, v in pairs])})
+
+    def _read_workers(self, stage: Stage) -> StageBatch:
+        self._publish()
+        return super()._read_workers(stage)
+
+    def _read_engine(self, stage: Stage) -> StageBatch:
+        engine = self._engine(stage)
+        if not (self._on_own_rows(engine) and self._local(stage)):
+            self._publish()
+            return super()._read_engine(stage)
+        rows, data = self._select(stage, stage.reads)
+        return self._batch(stage, rows, data, engine=engine)
+
+    def _read_actor_mini_batches(self, stage: Stage) -> StageBatch:
+        """Each actor DP rank trains on the rows its workers generated (its model-parallel peers'
+        merged by one all-gather), with no claim, while that keeps the DP ranks' loads (prompt +
+        response tokens) within ``trainer.rebalance_tolerance`` of their mean; one all-gather of the
+        loads decides, identically on every rank. Otherwise the dock re-balances them."""
+        ctx, actor = self.ctx, self.ctx.actor
+        if self.own.published or ctx.rollout.dp_size != ctx.world or not self._local(stage):
+            self._publish()
+            return super()._read_actor_mini_batches(stage)
+        rows, data = self._select(stage, stage.reads)
+        batches = self._mini_batches(gather_in_model_parallel_group(actor, {"rows": rows, **data}, ctx.device))
+        counts = local_counts(actor, batches)  # zeros on a peer that is not its DP rank's leader
+        mine = torch.cat([torch.tensor([float(actor.is_data_leader), float(counts[:, [0, 2]].sum())],
+                                       dtype=torch.float64), counts.reshape(-1).double()])  # [leader, load, counts]
+        every = torch.stack(all_gather(mine))
+        loads = every[every[:, 0] > 0, 1]  # one per DP rank
+        if float(loads.max()) > (1 + ctx.recipe.trainer.rebalance_tolerance) * float(loads.mean()):
+            self._publish()
+            return super()._read_actor_mini_batches(stage)
+        total = every[:, 2:].sum(0).reshape(-1, 3)
+        return self._batch(stage, [], {}, engine=actor, mini_batches=batches,
+                           counts=[tuple(map(float, c)) for c in total.tolist()])
+
+    def write(self, stage: Stage, batch: StageBatch, writes: dict) -> None:
+        if self.strict:
+            check_writes(stage, batch, writes)
+        if not writes or not batch.rows:
+            return
+        if stage.share == "new":
+            if batch.engine.is_data_leader:
+                self.own.add(batch.rows, writes)  # the dock gets them if a stage claims them (publish)
+            return
+        if stage.share == "round":
+            self.own.add_scores(**writes)
+            return
+        if stage.share in ("groups", "actor", "ref", "critic") and not self.own.published:
+            if stage.share == "groups" or batch.engine.is_data_leader:
+                for c, v in writes.items():
+                    self.ctx.cache.put(c, batch.rows, v)
+            self.local.update(writes)
+            return
+        super().write(stage, batch, writes)
+
+    def drop_rows(self, rows: list[int]) -> None:
+        # every rank reached the same verdict itself; rank 0's drops ride on its next dock call, and a
+        # claim (the only reader: none of these rows is in the dock yet) waits for them
+        if rows and self.ctx.rank == 0:
+            self.ctx.dock.drop_rows(rows, defer=True)
+
+    def end_stage(self, stage: Stage) -> None:
+        return None
+
+
+def step_io(ctx: Context, state: StepState) -> DockIO:
+    """This step's I/O object: the placement decides, once."""
+    strict = ctx.recipe.model.smoke is not None
+    return (OwnRowsIO if ctx.role == "both" else DockIO)(ctx, state, strict)
