@@ -2,14 +2,20 @@
 
 ``connect()`` starts an embedded single-node Ray when no cluster address is given (``--smoke``
 runs), or joins ``address`` / ``$RAY_ADDRESS`` / ``auto``. ``check_resources`` compares what the
-cluster has against what a plan needs *before* any worker is placed.
+cluster has against what a plan needs *before* any worker is placed. The per-node part of a
+multi-node launch (``rlrecipes launch``, which every recipe's ``launch.sh`` calls) is here too:
+the node's environment, the ``ray start`` command of the head and of the other nodes, and the wait
+for every node to join.
 """
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Mapping, Optional, Sequence
 
 from . import device as dev
 
@@ -46,6 +52,15 @@ def _token_auth_like_ray_start() -> None:
     except ImportError:  # a Ray without token authentication
         return
     maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+
+
+def token_auth_like_ray_start() -> Optional[str]:
+    """Apply `ray start`'s token rule to this process (see :func:`_token_auth_like_ray_start`) and
+    return the ``RAY_AUTH_MODE`` it leaves in ``os.environ`` (None when unset). Processes started
+    afterwards inherit it, so a node's ``ray start --head``, a joining ``ray start --address`` and the
+    run's driver all use one mode (copy the token file to every node under the same path)."""
+    _token_auth_like_ray_start()
+    return os.environ.get("RAY_AUTH_MODE")
 
 
 def connect(address: Optional[str] = None, *, embedded: bool = False, num_cpus: Optional[int] = None,
@@ -157,3 +172,91 @@ def check_device_runtime(device_type: str) -> None:
     if bad:
         where = ", ".join(ip for ip, _ in bad)
         raise ClusterError(f"nothing was placed: on node(s) {where}, {bad[0][1]}")
+
+
+# ------------------------------------------------------------------------------ multi-node launch
+#: Environment every node of an Ascend cluster gets unless it already sets the variable (HCCL
+#: timeouts and ports, NPU allocator, task queue, CPU affinity, vllm-ascend). A recipe adds or
+#: changes entries with ``rlrecipes launch --env KEY=VALUE`` in its launch.sh.
+NODE_ENV_DEFAULTS: dict[str, str] = {
+    "HCCL_CONNECT_TIMEOUT": "1800",
+    "HCCL_EXEC_TIMEOUT": "3600",
+    "HCCL_IF_BASE_PORT": "48000",
+    "HCCL_BUFFSIZE": "256",
+    "PYTORCH_NPU_ALLOC_CONF": "expandable_segments:True",
+    "TASK_QUEUE_ENABLE": "2",
+    "CPU_AFFINITY_CONF": "1",
+    "VLLM_USE_V1": "1",
+    "VLLM_ENABLE_GRAPH_MODE": "1",
+    "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
+}
+#: Socket interfaces, each defaulting to ``$SOCKET_IFNAME`` (else eth0).
+SOCKET_IFNAME_VARS = ("HCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME")
+#: The Ascend toolkit's own environment script, sourced when present.
+ASCEND_SET_ENV = Path("/usr/local/Ascend/ascend-toolkit/set_env.sh")
+
+
+def sourced_environment(script: Path, base: Mapping[str, str]) -> dict[str, str]:
+    """The environment after ``source script`` in bash, starting from ``base``."""
+    out = subprocess.run(["bash", "-c", 'source "$0" >/dev/null 2>&1; env -0', str(script)], env=dict(base),
+                         capture_output=True, timeout=120)
+    if out.returncode != 0:
+        why = out.stderr.decode(errors="replace")[-500:]
+        raise ClusterError(f"sourcing {script} failed (exit {out.returncode}): {why}")
+    env = dict(item.split("=", 1) for item in out.stdout.decode(errors="replace").split("\0") if "=" in item)
+    for k in ("_", "SHLVL", "PWD", "OLDPWD"):  # bash's own bookkeeping, not the script's
+        if k in base:
+            env[k] = base[k]
+        else:
+            env.pop(k, None)
+    return env
+
+
+def node_environment(base: Mapping[str, str], extra: Optional[Mapping[str, str]] = None,
+                     set_env: Optional[Path] = ASCEND_SET_ENV) -> dict[str, str]:
+    """A launch node's environment: ``base`` with the Ascend toolkit's ``set_env.sh`` sourced (when
+    it exists), then :data:`NODE_ENV_DEFAULTS` updated by ``extra`` (a recipe's own values) for
+    every variable the node does not set itself. The node's own settings always win."""
+    env = sourced_environment(set_env, base) if set_env is not None and set_env.is_file() else dict(base)
+    defaults = dict(NODE_ENV_DEFAULTS)
+    defaults.update({k: env.get("SOCKET_IFNAME", "eth0") for k in SOCKET_IFNAME_VARS})
+    defaults.update(extra or {})
+    for k, v in defaults.items():
+        env.setdefault(k, v)
+    return env
+
+
+def ray_start_command(*, head: bool, host: str, port: int, resources: Mapping[str, int],
+                      extra: Sequence[str] = (), ray: str = "ray") -> list[str]:
+    """``ray start`` for one node: the head (``--head`` on ``host:port``, returns once it is up) or
+    a node joining it (``--address host:port``, stays in the foreground with ``--block`` until the
+    head stops Ray). ``resources`` are the node's custom resources (``{"NPU": 16}``), ``extra`` the
+    user's own flags (``RAY_START_ARGS``), passed last."""
+    res = f"--resources={json.dumps(dict(resources), separators=(', ', ': '))}"
+    if head:
+        return [ray, "start", "--head", f"--port={port}", f"--node-ip-address={host}", res, "--disable-usage-stats",
+                *extra]
+    return [ray, "start", f"--address={host}:{port}", res, "--disable-usage-stats", *extra, "--block"]
+
+
+def wait_for_nodes(nodes: int, devices_per_node: int, resource: str, timeout_s: float, *,
+                   probe: Optional[Callable[[], ClusterResources]] = None,
+                   report: Callable[[ClusterResources], None] = lambda found: None, poll_s: float = 10.0,
+                   clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep
+                   ) -> ClusterResources:
+    """Poll the connected cluster (``probe``, default :func:`cluster_resources`) until it has
+    ``nodes`` alive nodes and ``nodes * devices_per_node`` devices of ``resource``; ``report`` sees
+    every poll. Raises ClusterError after ``timeout_s``, saying what had joined."""
+    probe = probe or (lambda: cluster_resources(resource))
+    deadline = clock() + timeout_s
+    while True:
+        found = probe()
+        report(found)
+        if found.nodes >= nodes and found.total_devices >= nodes * devices_per_node:
+            return found
+        if clock() > deadline:
+            raise ClusterError(f"timed out after {timeout_s:g}s waiting for {nodes} node(s) with {devices_per_node} "
+                               f"{resource} device(s) each; joined: {found.describe()}. Run the same launch command "
+                               "on every node (NODE_RANK 1.. join the head at MASTER_ADDR:RAY_PORT), or raise "
+                               "JOIN_TIMEOUT_S.")
+        sleep(poll_s)

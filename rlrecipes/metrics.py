@@ -1,6 +1,6 @@
 """TPS accounting, stage timers and the metrics.jsonl sink, reported the same way everywhere.
 
-One JSON line per step with (DESIGN §6): ``step``, ``perf/tokens`` (prompt + response tokens of
+One JSON line per step with: ``step``, ``perf/tokens`` (prompt + response tokens of
 all samples trained on), ``perf/tps_per_card = tokens / step_seconds / cards``,
 ``timing_s/<stage>``, ``timing_s/step``, ``perf/dispatch_skew_s`` (last minus first worker start
 of a stage, the maximum over stages), ``reward/mean``, ``actor/loss``, ``actor/kl``,

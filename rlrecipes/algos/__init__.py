@@ -34,8 +34,8 @@ from .registry import (
     get_kl_estimator,
     get_loss_agg,
     get_policy_loss,
-    list_names,
 )
+from .names import check_algorithm_name, list_names
 
 import types as _types
 

@@ -3,7 +3,8 @@
 Each table is a :class:`~rlrecipes.algos._util.Registry` defined next to its implementations, which
 register themselves with a decorator (add a KL estimator by decorating a function in ``kl.py``).
 The workflow dispatches through these tables; an unknown name raises a ValueError naming the
-recipe key, the choices and the closest match.
+recipe key, the choices and the closest match. ``names.py`` lists every name, the algorithms' own
+included (``spec.py`` uses these tables, so this module does not import it).
 """
 from __future__ import annotations
 
@@ -45,17 +46,3 @@ def get_policy_loss(name: str) -> Callable:
 def get_kl_controller(name: str) -> Callable:
     """``algorithm.kl_controller``: ``factory(kl_coef, kl_target, kl_horizon)``."""
     return KL_CONTROLLERS.get(name)
-
-
-def check_algorithm_name(name: str) -> str:
-    """``algorithm.name``: grpo | dapo | ppo."""
-    from .spec import get_algorithm
-
-    return get_algorithm(name).name
-
-
-def list_names() -> dict[str, list[str]]:
-    """Every registered name per recipe key (for ``rlrecipes show`` / docs)."""
-    from .spec import ALGORITHMS
-
-    return {"algorithm.name": list(ALGORITHMS), **{k: t.names() for k, t in TABLES.items()}}

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import typer
 
-from . import check, cp, ls, plan, report, run, show
+from . import check, cp, launch, ls, plan, report, run, show
 
 app = typer.Typer(
     name="rlrecipes",
@@ -14,7 +14,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     rich_markup_mode="markdown",
 )
-for mod in (ls, show, cp, plan, run, check, report):
+for mod in (ls, show, cp, plan, run, launch, check, report):
     mod.register(app)
 
 

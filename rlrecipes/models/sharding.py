@@ -23,7 +23,8 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from rlrecipes.models import ModelDims, dims_from_hf_config
+from rlrecipes.models.catalog import dims_from_hf_config
+from rlrecipes.models.dims import ModelDims
 from rlrecipes.models.families import FAMILY_TABLE, get_family
 
 from rlrecipes.core.param_spec import Kind, ParamSpec, split_layers  # noqa: F401 (re-exported)

@@ -15,7 +15,8 @@ from rlrecipes.algos import (
     list_names,
     overlong_reward_penalty,
 )
-from rlrecipes.algos.registry import check_algorithm_name, get_kl_controller
+from rlrecipes.algos.names import check_algorithm_name
+from rlrecipes.algos.registry import get_kl_controller
 from rlrecipes.algos.spec import actor_loss_fn, critic_loss_fn, gae_advantages, outcome_advantages
 from rlrecipes.recipe import AlgorithmConfig
 

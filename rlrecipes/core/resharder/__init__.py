@@ -1,4 +1,4 @@
-"""Resharding of trained weights from the train layout to the rollout layout (DESIGN §3.2).
+"""Resharding of trained weights from the train layout to the rollout layout (docs/resharder.md).
 
 Three layers, each usable alone (modules: ``layout.py``, ``plan.py``, ``transfer.py``, ``executor.py``;
 the strategies in ``strategies_allgather.py``, ``strategies_pp.py``, ``strategies_experts.py``,

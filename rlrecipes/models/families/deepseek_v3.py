@@ -3,7 +3,7 @@ fused experts with a shared expert and a sigmoid router with a score-correction 
 from __future__ import annotations
 
 from ..dims import ModelDims
-from . import COMMON_SHARDING, Family, dense_mlp, fused_experts
+from .base import COMMON_SHARDING, Family, dense_mlp, fused_experts
 
 
 def _mla(d: ModelDims, add) -> None:

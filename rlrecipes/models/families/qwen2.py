@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from ..dims import ModelDims
-from . import COMMON_SHARDING, Family, dense_mlp, gqa_attention
+from .base import COMMON_SHARDING, Family, dense_mlp, gqa_attention
 
 
 def _layer(d: ModelDims, i: int, add) -> None:

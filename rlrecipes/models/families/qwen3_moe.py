@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from ..dims import ModelDims
-from . import COMMON_SHARDING, Family, fused_experts, gqa_attention
+from .base import COMMON_SHARDING, Family, fused_experts, gqa_attention
 
 
 def _layer(d: ModelDims, i: int, add) -> None:
