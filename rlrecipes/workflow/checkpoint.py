@@ -48,7 +48,7 @@ def save(ctx: Context, step: int, rows: list[dict] | None = None) -> None:
                            f"checkpoint is intact (checkpoints/{CKPT_LATEST})")
     if ctx.rank == 0:
         state = {"next_step": step + 1, "sampler": ctx.sampler.state_dict(),
-                 "kl_coef": getattr(ctx.kl_ctl, "value", None)}
+                 "kl_coef": ctx.kl_ctl.value}
         (part / "trainer_state.json").write_text(json.dumps(state))
         (part / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows or [] if r["step"] <= step))
         if final.exists():
@@ -67,7 +67,7 @@ def load(ctx: Context, ckpt: Path) -> int:
         ctx.critic.load(ckpt / "critic")
     state = trainer_state(ckpt)
     ctx.sampler.load_state_dict(state["sampler"])
-    if state.get("kl_coef") is not None and hasattr(ctx.kl_ctl, "value"):
+    if state.get("kl_coef") is not None:
         ctx.kl_ctl.value = state["kl_coef"]
     rng = ckpt / f"rng_rank{ctx.rank}.pt"
     if rng.is_file():

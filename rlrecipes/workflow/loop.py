@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from ..core.collectives import all_gather_objects
 from ..metrics import StageTimer
-from .context import Context
+from .context import Context, Role
 from .stage_io import DockIO, StepState, step_io
 from .stages import RUNNERS, receive_weights
 from .step_metrics import metrics_row, step_facts
@@ -47,7 +47,7 @@ def train_step(ctx: Context, step: int) -> dict:
     t_step = time.time()
     ctx.use_dock(step)
     trips0, wait0 = ctx.dock.round_trips, ctx.dock.wait_s
-    if ctx.role == "both":
+    if ctx.role == Role.BOTH:
         ctx.version = step  # colocated: the rollout always holds the current weights; rank 0's
         # rollout stage resets the dock and allocates the step's groups in one call
     else:  # the rollout workers fill this step's dock; the prompt order advances in step with theirs
@@ -61,7 +61,7 @@ def train_step(ctx: Context, step: int) -> dict:
     ctx.dock.flush()  # this worker's last writes are committed (or their failure raised) within the step
     step_s = time.time() - t_step
     gathered = all_gather_objects(step_facts(ctx, st, trips0, wait0), device=ctx.device)
-    if ctx.role == "both" and ctx.rank == 0 and step + 1 < ctx.end_step:
+    if ctx.role == Role.BOTH and ctx.rank == 0 and step + 1 < ctx.end_step:
         # every worker has flushed this step's writes (the gather above follows each one's flush):
         # the next step's reset goes out now and is answered while this one's row is assembled
         ctx.docks[(step + 1) % len(ctx.docks)].reset_ahead(step + 1, groups=(r.trainer.global_batch,

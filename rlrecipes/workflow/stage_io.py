@@ -31,7 +31,7 @@ from ..core.collectives import all_gather_objects, broadcast_object
 from ..engines.base import SeqBatch, TrainEngine
 from .batching import (all_gather, gather_in_model_parallel_group, global_counts, local_counts, seq_batch, subset,
                        train_rows)
-from .context import Context
+from .context import Context, Role
 from .own_rows import OwnRows
 
 #: columns a forward pass produces; they stay in the TensorCache of the worker that computed them
@@ -127,6 +127,8 @@ class DockIO:
     def __init__(self, ctx: Context, state: StepState, strict: bool):
         self.ctx, self.state, self.strict = ctx, state, strict
         self.timeout = ctx.recipe.trainer.dock_timeout_s
+        self.dropped: set[int] = set()
+        """Rows a stage took out of the step (every rank drops the same ones)."""
 
     # ------------------------------------------------------------------ reads
     def read(self, stage: Stage) -> StageBatch:
@@ -227,6 +229,7 @@ class DockIO:
         self.ctx.dock.put(writes, rows)
 
     def drop_rows(self, rows: list[int]) -> None:
+        self.dropped.update(rows)
         if rows and self.ctx.rank == 0:
             self.ctx.dock.drop_rows(rows)
 
@@ -235,10 +238,8 @@ class DockIO:
             dist.barrier()  # rank 0's drops are in before any rank claims again
 
     def live(self) -> Optional[set[int]]:
-        """The rows still in the batch when DAPO dropped some (None: all)."""
-        if not self.ctx.recipe.algorithm.dynamic_sampling.enabled:
-            return None
-        return {x for g in self.state.kept_rows[:self.state.target] for x in g}  # surplus groups were trimmed
+        """This worker's rows still in the step when a stage dropped some (None: all)."""
+        return None
 
 
 class OwnRowsIO(DockIO):
@@ -255,6 +256,9 @@ class OwnRowsIO(DockIO):
         if self.state.round == 0:  # the step's first round starts its dock in the same call
             return self.ctx.dock.reset(self.state.step, groups=(groups, n))
         return super()._allocate(groups, n)
+
+    def live(self) -> Optional[set[int]]:
+        return {x for x in self.own.rows if x not in self.dropped} if self.dropped else None
 
     def _publish(self) -> None:
         self.own.publish(self.ctx.dock, self.ctx.cache, self.ctx.rank, self.live())
@@ -349,6 +353,7 @@ class OwnRowsIO(DockIO):
     def drop_rows(self, rows: list[int]) -> None:
         # every rank reached the same verdict itself; rank 0's drops ride on its next dock call, and a
         # claim (the only reader: none of these rows is in the dock yet) waits for them
+        self.dropped.update(rows)
         if rows and self.ctx.rank == 0:
             self.ctx.dock.drop_rows(rows, defer=True)
 
@@ -359,4 +364,4 @@ class OwnRowsIO(DockIO):
 def step_io(ctx: Context, state: StepState) -> DockIO:
     """This step's I/O object: the placement decides, once."""
     strict = ctx.recipe.model.smoke is not None
-    return (OwnRowsIO if ctx.role == "both" else DockIO)(ctx, state, strict)
+    return (OwnRowsIO if ctx.role == Role.BOTH else DockIO)(ctx, state, strict)

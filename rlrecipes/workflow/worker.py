@@ -21,7 +21,7 @@ import torch.distributed as dist
 from .. import device as dev
 from ..recipe import Recipe
 from . import checkpoint
-from .context import Context, build_engines, build_resharder, load_data
+from .context import Context, Role, build_context
 from .loop import rollout_step, train_step
 from .stages import receive_weights, reshard_weights, send_weights
 
@@ -105,45 +105,43 @@ class Worker:
         dev.set_device(device)
         store = self._store or dist.TCPStore(master_addr, master_port, self.world, is_master=False,
                                              timeout=self._timeout())
-        role, rank, world, bridge, groups = "both", self.rank, self.world, None, None
+        role, rank, world, bridge, groups = Role.BOTH, self.rank, self.world, None, None
         if r.resources.placement == "disaggregated":
             # two worlds (train ranks first, then rollout ranks) joined by the bridge group
             from ..core.resharder.bridge import bridge_group
             from ..plan import placement_groups
 
             groups = placement_groups(r, self.world)
-            role = groups.group_of(self.rank)
-            mine = groups.train_ranks if role == "train" else groups.rollout_ranks
+            role = Role(groups.group_of(self.rank))
+            mine = groups.train_ranks if role == Role.TRAIN else groups.rollout_ranks
             rank, world = mine.index(self.rank), len(mine)
             bridge = bridge_group(store, self.rank, self.world, self._timeout())
-            store = dist.PrefixStore(f"{role}/", store)
+            store = dist.PrefixStore(f"{role.value}/", store)
         dist.init_process_group(dev.comm_backend(device_type), store=store, rank=rank, world_size=world,
                                 timeout=self._timeout())
         dev.manual_seed_all(r.trainer.seed)
-        ctx = self.ctx = Context(rank, world, r, self.run_dir, device, self.docks[0], self.progress)
-        ctx.role, ctx.docks = role, self.docks
-        ctx.stage = "setup"
-        load_data(ctx)
-        build_engines(ctx)
-        build_resharder(ctx, bridge, groups)
-        if role == "rollout":
+        ctx = self.ctx = build_context(rank, world, role, r, self.run_dir, device, self.docks, self.progress,
+                                       bridge_group=bridge, groups=groups)
+        if role == Role.ROLLOUT:
             start_step = self._rollout_start(resume_from)
         else:
             start_step = checkpoint.load(ctx, Path(resume_from)) if resume_from else 0
         self.rows = checkpoint.covered_rows(Path(resume_from)) if resume_from and ctx.leader else []
         ctx.version = start_step
-        if role == "both":
+        if role == Role.BOTH:
             reshard_weights(ctx)  # rollout weights = actor weights before the first rollout
+        elif role == Role.TRAIN:
+            send_weights(ctx)  # the first version crosses the bridge
         else:
-            (send_weights if role == "train" else receive_weights)(ctx)  # the first version crosses the bridge
-        if role == "rollout":
-            return {"rank": self.rank, "role": role, "device": str(device), "start_step": start_step}
+            receive_weights(ctx)
+        if role == Role.ROLLOUT:
+            return {"rank": self.rank, "role": role.value, "device": str(device), "start_step": start_step}
         return {"rank": self.rank, "device": str(device), "start_step": start_step,
                 "data": {"prompts": len(ctx.dataset), "dropped_too_long": ctx.dataset.n_dropped_too_long,
                          "chat_joined": ctx.dataset.n_chat_joined,
-                         "skipped_malformed": ctx.data_skipped},
-                "skip_old_log_prob": ctx.skip_old, "stages": [s.name for s in ctx.stages], "role": role,
-                "reshard_min_bytes": ctx.reshard_plan.min_bytes(self.rank)}
+                         "skipped_malformed": ctx.data.skipped_malformed},
+                "skip_old_log_prob": not ctx.engines.roles.old_pass, "stages": [s.name for s in ctx.stages],
+                "role": role.value, "reshard_min_bytes": ctx.reshard_plan.min_bytes(self.rank)}
 
     def _rollout_start(self, resume_from: str | None) -> int:
         """A rollout worker resumes where the checkpoint's trainer state says (its sampler too)."""
@@ -157,7 +155,7 @@ class Worker:
     def run(self, start_step: int, end_step: int) -> dict:
         ctx = self.ctx
         ctx.end_step = end_step
-        if ctx.role == "rollout":
+        if ctx.role == Role.ROLLOUT:
             try:
                 for step in range(start_step, end_step):
                     ctx.step = step

@@ -30,3 +30,16 @@ def test_strict_stage_contract(tmp_path, algo, placement):
     rows = metrics(out)
     assert [r["step"] for r in rows] == [0, 1]
     assert all(r["samples"] > 0 for r in rows)
+
+
+def test_no_kl_term_builds_no_reference_model_in_plan_or_run(tmp_path):
+    """recipe.roles.roles_of is the one rule: with no KL term, plan.json has no ref role and the run has
+    no ref stage."""
+    import json
+
+    out = tmp_path / "run"
+    cli("run", "qwen25_7b", "--out", str(out), "--smoke", "--quiet", "--steps", "1", "algorithm.use_kl_loss=false",
+        "algorithm.use_kl_in_reward=false")
+    assert "ref" not in json.loads((out / "plan.json").read_text())["roles"]
+    [row] = metrics(out)
+    assert "timing_s/ref" not in row and "timing_s/update" in row
