@@ -54,10 +54,18 @@ class OwnRows:
         for c, v in {"scores": scores, **more}.items():
             self._scores.setdefault(c, []).append(v)
 
-    def last_scored(self, column: str) -> tuple[list[int], torch.Tensor]:
-        """The rows of the round scored last and their ``column`` (``scores`` or ``acc``)."""
-        vals = self._scores.get(column, [])
-        return self.rows[self._round:self._scored], vals[-1] if vals and self._scored > self._round else torch.zeros(0)
+    def last_round(self, columns: Sequence[str]) -> tuple[list[int], dict]:
+        """The rows of the round scored last and their ``columns`` (generated ones, or ``scores`` /
+        ``acc``)."""
+        lo, hi = self._round, self._scored
+        out = {}
+        for c in columns:
+            if c in self._scores:
+                vals = self._scores[c]
+                out[c] = vals[-1] if vals and hi > lo else torch.zeros(0)
+            else:
+                out[c] = self.cols.get(c, [])[lo:hi]
+        return self.rows[lo:hi], out
 
     def publish(self, dock, cache, rank: int, live: set[int] | None) -> None:
         """Put the live rows' columns, scores and advantages into the dock in one write, and mark the

@@ -287,13 +287,16 @@ class OwnRowsIO(DockIO):
         return self._batch(stage, rows, data)
 
     def _read_all(self, stage: Stage) -> StageBatch:
-        """The round scored last, every worker's, on every worker (one small all-gather); nothing of
-        it is in the dock yet."""
-        [col] = stage.reads
-        mine = self.own.last_scored(col)
-        every = all_gather_objects((mine[0], mine[1].tolist()), device=self.ctx.device)
-        pairs = sorted((x, float(v)) for rs, vs in every for x, v in zip(rs, vs))  # row order, as the dock's
-        return self._batch(stage, [x for x, _ in pairs], {col: torch.tensor([v for _, v in pairs])})
+        """The round scored last, every worker's, on every worker (one small all-gather), in row order
+        as a dock claim would give it; nothing of it is in the dock yet."""
+        rows, cols = self.own.last_round(stage.reads)
+        tensors = {c for c, v in cols.items() if isinstance(v, torch.Tensor)}  # per-row numbers: sent as lists
+        mine = (rows, {c: v.tolist() if c in tensors else list(v) for c, v in cols.items()})
+        every = all_gather_objects(mine, device=self.ctx.device)
+        order = sorted((x, k, i) for k, (rs, _) in enumerate(every) for i, x in enumerate(rs))
+        merged = {c: [every[k][1][c][i] for _, k, i in order] for c in stage.reads}
+        return self._batch(stage, [x for x, _, _ in order],
+                           {c: torch.tensor(v) if c in tensors else v for c, v in merged.items()})
 
     def _read_workers(self, stage: Stage) -> StageBatch:
         self._publish()

@@ -56,12 +56,14 @@ def test_the_last_scored_round_and_the_raw_reward_for_dynamic_sampling():
     own.add([0, 1], _round([0, 1], 0))
     own.unscored(["response_ids"])
     own.add_scores(torch.tensor([1.0, 0.5]), acc=torch.tensor([1.0, 1.0]))
-    assert own.last_scored("acc")[0] == [0, 1] and own.last_scored("acc")[1].tolist() == [1.0, 1.0]
+    rows, cols = own.last_round(["acc"])
+    assert rows == [0, 1] and cols["acc"].tolist() == [1.0, 1.0]
     own.add([8, 9], _round([8, 9], 0))                           # the next (DAPO) round
     own.unscored(["response_ids"])
     own.add_scores(torch.tensor([0.0, 0.25]), acc=torch.tensor([0.0, 1.0]))
-    rows, vals = own.last_scored("scores")
-    assert rows == [8, 9] and vals.tolist() == [0.0, 0.25]      # this round only: the filter sees new groups
+    rows, cols = own.last_round(["scores", "response_ids"])
+    assert rows == [8, 9] and cols["scores"].tolist() == [0.0, 0.25]  # this round only: the filter sees new groups
+    assert len(cols["response_ids"]) == 2                       # generated columns of the same round
     d = own.select(["scores", "acc"])
     assert d["acc"].tolist() == [1.0, 1.0, 0.0, 1.0] and d["scores"].tolist() == [1.0, 0.5, 0.0, 0.25]
 
