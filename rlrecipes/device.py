@@ -134,9 +134,9 @@ def runtime_problem(device_type: str | None) -> str | None:
         return (f"resources.device=npu, but torch_npu is not installed in this Python environment "
                 f"(torch {torch.__version__}); install the torch_npu build that matches torch and CANN, "
                 "see docs/ascend.md (pip install -e '.[ascend]')")
-    if dt == "cuda" and torch.version.cuda is None:
-        return (f"resources.device=cuda, but torch {torch.__version__} is not a CUDA build; install a CUDA "
-                "build of torch (https://pytorch.org/get-started/locally/) before rlrecipes")
+    if dt == "cuda" and torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
+        return (f"resources.device=cuda, but torch {torch.__version__} is neither a CUDA nor a ROCm build; install "
+                "one (https://pytorch.org/get-started/locally/) before rlrecipes")
     return None
 
 

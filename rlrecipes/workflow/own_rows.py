@@ -19,7 +19,8 @@ import torch
 from ..core.dock import Batch
 from .batching import subset
 
-_HELD = ("ref_log_probs", "old_log_probs", "values")  # forward-stage outputs the TensorCache holds
+#: columns a forward pass produces; they stay in the TensorCache of the worker that computed them
+CACHED = ("ref_log_probs", "old_log_probs", "values")
 
 
 class OwnRows:
@@ -60,11 +61,11 @@ class OwnRows:
         lo, hi = self._round, self._scored
         out = {}
         for c in columns:
-            if c in self._scores:
-                vals = self._scores[c]
+            if c in self.cols:
+                out[c] = self.cols[c][lo:hi]
+            else:  # a reward column: this round's scores (none yet, or none on a rank without rows)
+                vals = self._scores.get(c)
                 out[c] = vals[-1] if vals and hi > lo else torch.zeros(0)
-            else:
-                out[c] = self.cols.get(c, [])[lo:hi]
         return self.rows[lo:hi], out
 
     def publish(self, dock, cache, rank: int, live: set[int] | None) -> None:
@@ -81,7 +82,7 @@ class OwnRows:
         if cache.has("advantages", rows):
             data["advantages"] = torch.stack(cache.get("advantages", rows))
         dock.put(data, rows)
-        held = [c for c in _HELD if cache.has(c, rows)]
+        held = [c for c in CACHED if cache.has(c, rows)]
         if held:
             dock.mark_cached(held, rows, rank)
 

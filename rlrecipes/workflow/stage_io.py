@@ -14,28 +14,27 @@ the columns travel is the I/O object's business, chosen once per step by the pla
   balance -- with no dock claim. The first stage that needs re-balanced rows publishes them to the
   dock (one put) and from then on reads as :class:`DockIO` does.
 
-A :class:`StageBatch` is strict in tests and ``--smoke`` runs (``trainer``-independent: every smoke
-recipe): reading an undeclared column, writing one, or leaving a declared write out raises
-:class:`StageContractError` naming the stage and the column.
+A :class:`StageBatch` holds only the declared reads, and reading any other column raises
+:class:`StageContractError` naming the stage and the column. In tests and ``--smoke`` runs (every
+smoke recipe) the writes are checked too: an undeclared write, or a declared one left out on a
+worker that has rows, raises the same error.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 
 from ..algos.spec import Stage
 from ..core.collectives import all_gather_objects, broadcast_object
-from ..engines.base import SeqBatch, TrainEngine
+from ..engines.base import RolloutEngine, SeqBatch, TrainEngine
 from .batching import (all_gather, gather_in_model_parallel_group, global_counts, local_counts, seq_batch, subset,
                        train_rows)
 from .context import Context, Role
-from .own_rows import OwnRows
+from .own_rows import CACHED, OwnRows
 
-#: columns a forward pass produces; they stay in the TensorCache of the worker that computed them
-CACHED = ("ref_log_probs", "old_log_probs", "values")
 #: columns the rollout stage writes (the rows' own columns)
 GENERATED = ("prompt_ids", "response_ids", "prompt_index", "rollout_log_probs", "policy_version", "routed_experts")
 #: per-token columns of a train batch besides the response itself
@@ -74,19 +73,20 @@ class StepState:
 
 @dataclass
 class NewRows:
-    """The rows a generation round allocates: every row id of the round, and this DP rank's groups."""
+    """What a generation round allocated to this rollout DP rank (its rows are the batch's rows)."""
 
-    rows: list[int]
     groups: list[int]
     """Indices (within the round) of the groups this rollout DP rank generates."""
 
 
 class StageBatch:
-    """One stage's rows on this worker and the columns it declared (``batch[column]``)."""
+    """One stage's rows on this worker and the columns it declared (``batch[column]``); ``engine``
+    is the engine its share names (the rollout engine for new rows)."""
 
     def __init__(self, stage: Stage, state: StepState, rows: Sequence[int] = (), columns: Optional[dict] = None, *,
-                 strict: bool = False, engine: Any = None, new: Optional[NewRows] = None,
-                 mini_batches: Optional[list[SeqBatch]] = None, counts: Optional[list] = None, io: Any = None):
+                 strict: bool = False, engine: Union[TrainEngine, RolloutEngine, None] = None,
+                 new: Optional[NewRows] = None, mini_batches: Optional[list[SeqBatch]] = None,
+                 counts: Optional[list] = None, io: Optional["DockIO"] = None):
         self.stage, self.state, self.rows = stage, state, list(rows)
         self._columns = dict(columns or {})
         self.strict, self.engine, self.new = strict, engine, new
@@ -96,7 +96,7 @@ class StageBatch:
         return len(self.rows)
 
     def __getitem__(self, column: str):
-        if column not in self.stage.reads and (self.strict or column not in self._columns):
+        if column not in self.stage.reads:
             raise StageContractError(f"stage {self.stage.name!r} reads column {column!r}, which it does not declare "
                                      f"(reads: {', '.join(self.stage.reads) or 'none'}); add it to the stage's reads "
                                      "in rlrecipes/algos/spec.py")
@@ -131,8 +131,16 @@ class DockIO:
         """Rows a stage took out of the step (every rank drops the same ones)."""
 
     # ------------------------------------------------------------------ reads
+    #: share -> reader (algos/spec.SHARES); a new share is a reader here (and its write in ``write``)
+    READERS = {"new": "_read_new", "round": "_read_round", "workers": "_read_workers", "groups": "_read_groups",
+               "all": "_read_all", "actor": "_read_engine", "ref": "_read_engine", "critic": "_read_engine",
+               "actor_mini_batches": "_read_actor_mini_batches", "none": "_read_none"}
+
     def read(self, stage: Stage) -> StageBatch:
-        return getattr(self, f"_read_{stage.share}", self._read_engine)(stage)
+        if stage.share not in self.READERS:
+            raise StageContractError(f"stage {stage.name!r}: no reader for share {stage.share!r} in "
+                                     f"{type(self).__name__}; add one to rlrecipes/workflow/stage_io.py")
+        return getattr(self, self.READERS[stage.share])(stage)
 
     def _batch(self, stage: Stage, rows, columns, **kw) -> StageBatch:
         return StageBatch(stage, self.state, rows, columns, strict=self.strict, io=self, **kw)
@@ -146,8 +154,8 @@ class DockIO:
         rows = broadcast_object(rows, device=ctx.device)
         eng = ctx.rollout
         mine = list(range(eng.dp_rank, st.target, eng.dp_size))
-        return self._batch(stage, [rows[g * n + j] for g in mine for j in range(n)], {},
-                           new=NewRows(list(rows), mine), engine=eng)
+        return self._batch(stage, [rows[g * n + j] for g in mine for j in range(n)], {}, new=NewRows(mine),
+                           engine=eng)
 
     def _allocate(self, groups: int, n: int) -> list[int]:
         return self.ctx.dock.add_groups(groups, n)
@@ -251,6 +259,8 @@ class OwnRowsIO(DockIO):
         self.own = OwnRows()
         self.local: set[str] = set()
         """Columns computed on this worker's own rows (TensorCache); an update needs them all."""
+        self.on_own: set[str] = set()
+        """Stages that ran on the own rows this step."""
 
     def _allocate(self, groups: int, n: int) -> list[int]:
         if self.state.round == 0:  # the step's first round starts its dock in the same call
@@ -282,7 +292,14 @@ class OwnRowsIO(DockIO):
         b = self.own.unscored(list(stage.reads))
         return self._batch(stage, list(b.rows), {c: b[c] for c in stage.reads})
 
+    def _own_path(self, stage: Stage) -> None:
+        """``stage`` runs on this worker's own rows: its outputs stay here (TensorCache). Decided from
+        the config and earlier decisions only, so identically on every rank, rows or none."""
+        self.on_own.add(stage.name)
+        self.local.update(stage.writes)
+
     def _read_groups(self, stage: Stage) -> StageBatch:
+        self._own_path(stage)
         rows, data = self._select(stage, stage.reads)  # whole groups, generated here
         return self._batch(stage, rows, data)
 
@@ -291,9 +308,10 @@ class OwnRowsIO(DockIO):
         as a dock claim would give it; nothing of it is in the dock yet."""
         rows, cols = self.own.last_round(stage.reads)
         tensors = {c for c, v in cols.items() if isinstance(v, torch.Tensor)}  # per-row numbers: sent as lists
-        mine = (rows, {c: v.tolist() if c in tensors else list(v) for c, v in cols.items()})
+        mine = (rows, {c: v.tolist() if c in tensors else list(v) for c, v in cols.items()}, tensors)
         every = all_gather_objects(mine, device=self.ctx.device)
-        order = sorted((x, k, i) for k, (rs, _) in enumerate(every) for i, x in enumerate(rs))
+        tensors = set().union(*(t for _, _, t in every))  # a rank without rows (a TP peer) holds none
+        order = sorted((x, k, i) for k, (rs, _, _) in enumerate(every) for i, x in enumerate(rs))
         merged = {c: [every[k][1][c][i] for _, k, i in order] for c in stage.reads}
         return self._batch(stage, [x for x, _, _ in order],
                            {c: torch.tensor(v) if c in tensors else v for c, v in merged.items()})
@@ -307,6 +325,7 @@ class OwnRowsIO(DockIO):
         if not (self._on_own_rows(engine) and self._local(stage)):
             self._publish()
             return super()._read_engine(stage)
+        self._own_path(stage)
         rows, data = self._select(stage, stage.reads)
         return self._batch(stage, rows, data, engine=engine)
 
@@ -345,13 +364,17 @@ class OwnRowsIO(DockIO):
         if stage.share == "round":
             self.own.add_scores(**writes)
             return
-        if stage.share in ("groups", "actor", "ref", "critic") and not self.own.published:
-            if stage.share == "groups" or batch.engine.is_data_leader:
-                for c, v in writes.items():
-                    self.ctx.cache.put(c, batch.rows, v)
-            self.local.update(writes)
+        if stage.name not in self.on_own:
+            super().write(stage, batch, writes)
             return
-        super().write(stage, batch, writes)
+        if stage.share == "groups" or batch.engine.is_data_leader:  # computed on own rows: kept here
+            for c, v in writes.items():
+                self.ctx.cache.put(c, batch.rows, v)
+            if self.own.published:  # claims of re-balanced rows read the dock from now on
+                if stage.share == "groups":
+                    self.ctx.dock.put(writes, batch.rows)
+                else:
+                    self.ctx.dock.mark_cached(list(writes), batch.rows, self.ctx.rank)
 
     def drop_rows(self, rows: list[int]) -> None:
         # every rank reached the same verdict itself; rank 0's drops ride on its next dock call, and a

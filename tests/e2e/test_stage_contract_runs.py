@@ -43,3 +43,19 @@ def test_no_kl_term_builds_no_reference_model_in_plan_or_run(tmp_path):
     assert "ref" not in json.loads((out / "plan.json").read_text())["roles"]
     [row] = metrics(out)
     assert "timing_s/ref" not in row and "timing_s/update" in row
+
+
+@pytest.mark.parametrize("case", [
+    # rollout TP2: the TP peer of each rollout DP rank generates and scores nothing itself
+    ["qwen3_moe_30b", "rollout.layout.tp=2", "rollout.layout.ep=1"],
+    # one prompt group for two workers: one rank has no rows at all, the other all of them
+    ["qwen25_7b", "trainer.global_batch=1", "trainer.mini_batch=1", "actor.layout.tp=2", "algorithm.use_kl_loss=false"],
+], ids=["dapo-rollout-tp2", "grpo-empty-rank-actor-tp2"])
+def test_ranks_without_rows_take_the_same_collective_path(tmp_path, case):
+    """The I/O object decides own rows vs dock claims from the config and earlier decisions, never from
+    a rank's own row count, so a rank holding no rows runs the same collectives as its peers."""
+    recipe, *extra = case
+    out = tmp_path / "run"
+    cli("run", recipe, "--out", str(out), "--smoke", "--quiet", "--steps", "2", "--keep-batch",
+        "trainer.export_hf=false", "resources.cpus_per_worker=1", *extra, timeout=400)
+    assert [r["step"] for r in metrics(out)] == [0, 1]

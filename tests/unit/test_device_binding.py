@@ -52,5 +52,5 @@ def test_runtime_problem_names_what_to_install():
     if importlib.util.find_spec("torch_npu") is None:
         assert "torch_npu" in dev.runtime_problem("npu")
     if torch.version.cuda is None:
-        assert "CUDA build of torch" in dev.runtime_problem("cuda")
+        assert "neither a CUDA nor a ROCm build" in dev.runtime_problem("cuda")
     assert dev.runtime_problem("cpu") is None

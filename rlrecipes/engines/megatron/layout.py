@@ -197,8 +197,10 @@ STACK_MEGATRON_CORE = {"npu": "0.16.1"}
 def plan_rules(*, role: str, dims: ModelDims, tp: int, pp: int, ep: int, etp: Optional[int], world: int,
                device: str, installed: bool, recipe=None) -> list[str]:
     """``Capabilities.layout_rules``: :func:`layout_problems` for one train role of a recipe, judged
-    with what is installed here (``installed``) or with the device's supported stack (``plan`` for
-    another machine: MindSpeed on NPU; TransformerEngine is never assumed)."""
+    with what is installed here (``installed=True``: the engine's own inputs) or with the device's
+    supported stack (``installed=False``, ``plan`` for another machine: on NPU MindSpeed and the
+    ascend extra's megatron-core; TransformerEngine is never assumed, an unknown CUDA megatron-core
+    skips its version rule)."""
     import importlib.util
     from importlib.metadata import PackageNotFoundError, version
 
@@ -208,15 +210,18 @@ def plan_rules(*, role: str, dims: ModelDims, tp: int, pp: int, ep: int, etp: Op
         except (ModuleNotFoundError, ValueError):
             return False
 
-    try:
-        mcore: Optional[str] = version("megatron-core")
-    except PackageNotFoundError:
-        mcore = STACK_MEGATRON_CORE.get(device)
+    mcore: Optional[str] = STACK_MEGATRON_CORE.get(device)
+    if installed:
+        try:
+            mcore = version("megatron-core")
+        except PackageNotFoundError:
+            pass
     lay = getattr(recipe, role, None) if recipe is not None else None
     lay = getattr(lay, "layout", None) or (recipe.actor.layout if recipe is not None else None)
     pp_layers = getattr(lay, "pp_layers", None)
     offload = bool(recipe.actor.offload_optimizer) if recipe is not None and role == "actor" else False
-    return layout_problems(dims, tp=tp, pp=pp, ep=ep, etp=etp, device=device, have_te=have("transformer_engine"),
+    return layout_problems(dims, tp=tp, pp=pp, ep=ep, etp=etp, device=device,
+                           have_te=have("transformer_engine") if installed else False,
                            have_mindspeed=have("mindspeed") if installed else True, pp_layers=pp_layers,
                            offload_optimizer=offload, megatron_core=mcore)
 

@@ -83,21 +83,25 @@ class MegatronTrainEngine(base.TrainEngine):
         tp, ep = (tuple(int(x) for x in layout) + (1,))[:2]
         etp = int(etp or tp)
         self.device = resolve_device(device)
-        devmod.prepare_megatron(self.device)  # MindSpeed's adaptor on Ascend; refuses the CPU
-        devmod.set_device(self.device)
-        read, self.dims, self.hf_config, self._folder = _source(model)
+        read, self.dims, self.hf_config, self._folder = _source(model)  # HF dims and slices: no megatron import
         pp_layers = tuple(int(n) for n in pp_layers) if pp_layers else tuple(split_layers(self.dims.num_layers, pp))
         if len(pp_layers) != pp:
             raise ValueError(f"pp_layers {list(pp_layers)} has {len(pp_layers)} stages for PP{pp}")
-        from importlib.metadata import version
+        from importlib.metadata import PackageNotFoundError, version
 
+        try:
+            mcore: Optional[str] = version("megatron-core")
+        except PackageNotFoundError:
+            mcore = None
         problems = layout_problems(self.dims, tp=tp, pp=pp, ep=ep, etp=etp, device=self.device.type,
                                    have_te=importlib.util.find_spec("transformer_engine") is not None,
                                    have_mindspeed=importlib.util.find_spec("mindspeed") is not None,
                                    pp_layers=pp_layers, offload_optimizer=offload_optimizer and role != "ref",
-                                   megatron_core=version("megatron-core"))
+                                   megatron_core=mcore)
         if problems:  # the rules plan checked (layout.plan_rules): only reached when plan was skipped
-            raise ValueError("; ".join(problems))
+            raise RuntimeError("; ".join(problems))
+        devmod.prepare_megatron(self.device)  # MindSpeed's adaptor on Ascend, before any megatron import
+        devmod.set_device(self.device)
         shard.check_layout(self.dims, shard.Ranks(tp=tp, pp_layers=pp_layers, ep=ep, etp=etp))
         world = dist.get_world_size()
         if world % (tp * pp) or (world // pp) % (ep * etp):
