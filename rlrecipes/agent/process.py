@@ -1,0 +1,136 @@
+"""A sandboxed child's output: read both pipes without blocking, keep a bounded prefix of each, and
+kill the whole process group (and any process still holding the pipes) at the deadline."""
+from __future__ import annotations
+
+import os
+import selectors
+import signal
+import subprocess
+import time
+from typing import Protocol
+
+
+class Limits(Protocol):
+    """What the reader needs of a ``SandboxConfig``."""
+
+    max_output_bytes: int
+    timeout_s: float
+    kill_output_bytes: int
+
+
+class _Stream:
+    """Keeps the first ``keep`` bytes of a pipe and counts the rest."""
+
+    def __init__(self, keep: int):
+        self.keep = keep
+        self.data = bytearray()
+        self.total = 0
+
+    def add(self, chunk: bytes) -> None:
+        self.total += len(chunk)
+        room = self.keep - len(self.data)
+        if room > 0:
+            self.data += chunk[:room]
+
+
+def _collect(proc: subprocess.Popen, config: Limits, t0: float):
+    """Read both pipes until they close or the deadline passes. The process group is killed at the
+    deadline, on an output flood, and once the main process has exited (children it left behind);
+    a process that still holds a pipe after that (it left the group with ``setsid``) is found
+    through ``/proc`` and killed too."""
+    streams = {proc.stdout.fileno(): _Stream(config.max_output_bytes),
+               proc.stderr.fileno(): _Stream(config.max_output_bytes)}
+    pipes = {os.fstat(fd).st_ino for fd in streams}
+    sel = selectors.DefaultSelector()
+    for fd in streams:
+        os.set_blocking(fd, False)
+        sel.register(fd, selectors.EVENT_READ)
+    deadline = t0 + config.timeout_s
+    timed_out, killed, drain_until, swept = False, None, None, False
+    try:
+        while sel.get_map():
+            now = time.monotonic()
+            if drain_until is None:
+                if now >= deadline:
+                    timed_out, killed = True, "timeout"
+                if killed or _exited(proc):
+                    _kill_group(proc)
+                    drain_until = now + 0.2
+            elif now >= drain_until:
+                if swept:
+                    break
+                _kill_pipe_holders(pipes)
+                swept, drain_until = True, now + 0.2
+            limit = (drain_until if drain_until is not None else deadline) - now
+            for key, _ in sel.select(timeout=max(0.0, min(limit, 0.05))):
+                try:
+                    chunk = os.read(key.fd, 65536)
+                except BlockingIOError:
+                    continue
+                if not chunk:
+                    sel.unregister(key.fd)
+                    continue
+                streams[key.fd].add(chunk)
+            if killed is None and sum(s.total for s in streams.values()) > config.kill_output_bytes:
+                killed = "output"
+    finally:
+        sel.close()
+        proc.stdout.close()
+        proc.stderr.close()
+    try:
+        proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:  # it closed its pipes and went on running
+        timed_out, killed = True, killed or "timeout"
+        _kill_group(proc)
+        proc.wait()
+    out, err = streams.values()
+    return out, err, timed_out, killed
+
+
+def _kill_pipe_holders(pipes: set[int]) -> None:
+    """SIGKILL every process (that we may signal) holding the write end of one of the pipes
+    ``pipes`` (inodes). Only the sandboxed code holds write ends; a process the trainer forks
+    meanwhile inherits read ends only, and is left alone."""
+    names = {f"pipe:[{ino}]" for ino in pipes}
+    me = os.getpid()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == me:
+            continue
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                if os.readlink(f"/proc/{pid}/fd/{fd}") in names and _writes(pid, fd):
+                    os.kill(int(pid), signal.SIGKILL)
+                    break
+        except OSError:
+            continue
+
+
+def _writes(pid: str, fd: str) -> bool:
+    with open(f"/proc/{pid}/fdinfo/{fd}") as f:
+        for line in f:
+            if line.startswith("flags:"):
+                return int(line.split()[1], 8) & (os.O_WRONLY | os.O_RDWR) != 0
+    return False
+
+
+def _exited(proc: subprocess.Popen) -> bool:
+    """Whether the main process has exited, without reaping it (its pid keeps naming the group)."""
+    try:
+        return os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:
+        return True
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _decode(stream: _Stream, keep: int) -> tuple[str, bool]:
+    text = bytes(stream.data).decode("utf-8", errors="replace")
+    cut = stream.total - len(stream.data)
+    if cut > 0:
+        return text + f"\n[... output truncated: {cut} more bytes not shown (limit {keep} bytes)]", True
+    return text, False
