@@ -6,6 +6,7 @@ import os
 import socket
 import tempfile
 import traceback
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -30,6 +31,13 @@ def _worker(rank, world, port, tmp, fn, args):
     except Exception:  # noqa: BLE001 - reported by the parent
         err = traceback.format_exc()
     Path(tmp, f"rank{rank}.err").write_text(err)
+    # every rank reaches teardown before any closes its gloo pairs (a rank tearing down while a peer
+    # still sends can abort in gloo's transport); bounded, so a rank that failed mid-collective
+    # cannot turn the failure into a hang
+    try:
+        dist.monitored_barrier(timeout=timedelta(seconds=60))
+    except RuntimeError:
+        pass
     dist.destroy_process_group()
 
 
