@@ -218,8 +218,11 @@ class DockIO:
     def write(self, stage: Stage, batch: StageBatch, writes: dict) -> None:
         if self.strict:
             check_writes(stage, batch, writes)
-        if not writes or not batch.rows:
-            return
+        if writes and batch.rows:
+            self._store(stage, batch, writes)
+
+    def _store(self, stage: Stage, batch: StageBatch, writes: dict) -> None:
+        """Where a stage's (non-empty) writes go."""
         if stage.share in ("actor", "ref", "critic"):
             if batch.engine.is_data_leader:
                 self._cache(stage, batch.rows, writes)
@@ -352,29 +355,25 @@ class OwnRowsIO(DockIO):
         return self._batch(stage, [], {}, engine=actor, mini_batches=batches,
                            counts=[tuple(map(float, c)) for c in total.tolist()])
 
-    def write(self, stage: Stage, batch: StageBatch, writes: dict) -> None:
-        if self.strict:
-            check_writes(stage, batch, writes)
-        if not writes or not batch.rows:
-            return
+    def _store(self, stage: Stage, batch: StageBatch, writes: dict) -> None:
         if stage.share == "new":
             if batch.engine.is_data_leader:
                 self.own.add(batch.rows, writes)  # the dock gets them if a stage claims them (publish)
-            return
-        if stage.share == "round":
+        elif stage.share == "round":
             self.own.add_scores(**writes)
-            return
-        if stage.name not in self.on_own:
-            super().write(stage, batch, writes)
-            return
-        if stage.share == "groups" or batch.engine.is_data_leader:  # computed on own rows: kept here
+        elif stage.name not in self.on_own:
+            super()._store(stage, batch, writes)
+        elif stage.share == "groups":  # computed on own rows: kept here (and in the dock once published)
             for c, v in writes.items():
                 self.ctx.cache.put(c, batch.rows, v)
-            if self.own.published:  # claims of re-balanced rows read the dock from now on
-                if stage.share == "groups":
-                    self.ctx.dock.put(writes, batch.rows)
-                else:
-                    self.ctx.dock.mark_cached(list(writes), batch.rows, self.ctx.rank)
+            if self.own.published:
+                self.ctx.dock.put(writes, batch.rows)
+        elif batch.engine.is_data_leader:  # a forward pass on own rows: cached, marked once published
+            if self.own.published:
+                self._cache(stage, batch.rows, writes)
+            else:
+                for c, v in writes.items():
+                    self.ctx.cache.put(c, batch.rows, v)
 
     def drop_rows(self, rows: list[int]) -> None:
         # every rank reached the same verdict itself; rank 0's drops ride on its next dock call, and a
