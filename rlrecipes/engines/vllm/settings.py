@@ -77,6 +77,23 @@ def _model_type(model_type: Optional[str], is_mla: bool) -> str:
     return (model_type or ("deepseek_v3" if is_mla else "qwen2")).lower()
 
 
+#: the vllm-ascend release the ``ascend`` extra pins (pyproject.toml); used when the recipe pins none
+#: and none is installed (``plan`` on a machine without NPUs)
+ASCEND_PIN = "0.23.0"
+
+
+def ascend_version(inference=None, installed: Optional[str] = None) -> str:
+    """The vllm-ascend release to render for: the recipe's pin, else the installed one, else the
+    ``ascend`` extra's pin. A pin whose release line differs from the installed one is an error
+    (the knobs of one line are silently ignored by another)."""
+    pinned = getattr(inference, "vllm_ascend_version", None) if inference is not None else None
+    if pinned and installed and parse_version(pinned)[:2] != parse_version(installed)[:2]:
+        raise InferenceConfigError(
+            f"rollout.inference.vllm_ascend_version={pinned} but vllm-ascend {installed} is installed; install "
+            f"{pinned} or pin {installed} (knob names differ by release, see rlrecipes/engines/vllm/settings.py)")
+    return pinned or installed or ASCEND_PIN
+
+
 @dataclass
 class RenderedSettings:
     version: str
@@ -199,10 +216,11 @@ def plan_settings(*, inference, dims) -> tuple[Optional[dict], list[str]]:
     release cannot serve. ``(None, [])`` when neither a pin nor vllm-ascend is there to render for."""
     from rlrecipes.models import get_family
 
-    version = inference.vllm_ascend_version or installed_vllm_ascend_version()
-    if version is None:
+    installed = installed_vllm_ascend_version()
+    if not (inference.vllm_ascend_version or installed):
         return None, []
     try:
+        version = ascend_version(inference, installed)  # the engine's choice (and its refusal), too
         r = render(inference, version, is_mla=dims.is_mla, model_type=get_family(dims.family).model_type)
     except InferenceConfigError as e:
         return None, [str(e)]
