@@ -19,14 +19,20 @@ Two formats:
 ``smoke``
     For the character-level smoke tokenizer (``rlrecipes.data.smoke``), whose 32 tokens are
     special tokens, the digits and ``+-*/=()., ?:abcxy``: no braces or quotes, so no JSON. A call
-    is a one-letter tool alias and one argument in parentheses, which may nest::
+    is a one-letter tool alias. By default (``bare=True``, what the rollout uses) the letter alone
+    is the call and its arguments are the sample's own (the data row's ``tool_kwargs``, e.g.
+    ``{"calculator": {"expression": "407+512"}}``); generation pauses at the letter (the alias
+    letters are the stop tokens, :meth:`stop_text`; other letters are plain text). With ``bare=False`` a call carries one argument in
+    parentheses, which may nest, and generation pauses when the parenthesis closes::
 
-        c(407+512)          -> calculator(expression="407+512")
+        c                   -> calculator(**the sample's arguments)        (bare=True)
+        c(407+512)          -> calculator(expression="407+512")           (bare=False)
 
-    Generation pauses as soon as a call's parenthesis closes (:meth:`call_complete`), and the
-    observation is the result between colons, ``:919:``; a failure, or a result that is not a
-    plain number, reads ``:?:``. A whole smoke response: ``c(407+512):919:919<eos>``: the answer
-    is the text after the last observation.
+    The observation is the result between a colon and an equals sign, ``:919=`` (it ends as the
+    prompt ``407+512=`` does, where the answer follows); a failure, or a result that is not a plain
+    number, reads ``:?=``. A whole smoke response: ``c:919=919<eos>``: the answer is the text after
+    the last observation. By default (bare) all five letters are aliases of the calculator, so a
+    random smoke model calls it from its first step.
 
 Parsing never raises: a call that cannot be read (bad JSON, no name, arguments that are not an
 object, an unterminated call, an unknown alias) is a :class:`ToolCall` with ``error`` set, which
@@ -76,6 +82,11 @@ class ToolFormat(ABC):
     def call_complete(self, text: str) -> bool:
         """Whether generation should pause now to run the calls in ``text`` (the current
         segment), before any end-of-turn token."""
+
+    def stop_text(self) -> list[str]:
+        """Strings (single tokens of the format's tokenizer) at which generation pauses so the
+        loop can look for a complete call; the end-of-turn token (EOS) always ends a turn."""
+        return []
 
     @abstractmethod
     def render_observation(self, results: Sequence[ToolResult], calls: Sequence[ToolCall] = (), *,
@@ -218,16 +229,20 @@ _NUMBER = re.compile(r"-?\d+(\.\d+)?")
 
 
 class SmokeFormat(ToolFormat):
-    """``c(407+512)`` calls and ``:919:`` observations for the smoke tokenizer; see the module doc.
+    """One-letter calls and ``:919=`` observations for the smoke tokenizer; see the module doc.
 
     Args:
         aliases: tool letter -> ``(tool name, name of its one argument)``.
+        bare: a call is the letter alone, with the sample's arguments (see the module doc).
     """
 
     name = "smoke"
 
-    def __init__(self, aliases: dict[str, tuple[str, str]] | None = None):
-        self.aliases = dict(aliases or {"c": ("calculator", "expression")})
+    def __init__(self, aliases: dict[str, tuple[str, str]] | None = None, bare: bool = True):
+        # bare (the rollout's default): every letter calls the calculator, so a random smoke model
+        # makes calls from its first step (exploration); explicit: c(...) only
+        self.aliases = dict(aliases or {ch: ("calculator", "expression") for ch in ("abcxy" if bare else "c")})
+        self.bare = bool(bare)
         for k in self.aliases:
             if len(k) != 1 or k not in "abcxy":
                 raise ValueError(f"smoke tool format: alias {k!r} must be one of the letters a b c x y "
@@ -253,7 +268,13 @@ class SmokeFormat(ToolFormat):
                 i += 1
         return out
 
+    def _bare_parse(self, text: str) -> ParsedTurn:
+        calls = [ToolCall(self.aliases[ch][0], {}, ch) for ch in text if ch in self.aliases]
+        return ParsedTurn("".join(ch for ch in text if ch not in self.aliases), calls)
+
     def parse(self, text: str) -> ParsedTurn:
+        if self.bare:
+            return self._bare_parse(text)
         calls, pieces, pos = [], [], 0
         for start, end, err in self._scan(text):
             pieces.append(text[pos:start])
@@ -271,7 +292,12 @@ class SmokeFormat(ToolFormat):
         pieces.append(text[pos:])
         return ParsedTurn("".join(pieces), calls)
 
+    def stop_text(self) -> list[str]:
+        return list(self.aliases) if self.bare else [")"]
+
     def call_complete(self, text: str) -> bool:
+        if self.bare:
+            return bool(text) and text[-1] in self.aliases
         spans = self._scan(text)
         return bool(spans) and spans[-1][1] == len(text)
 
@@ -279,7 +305,7 @@ class SmokeFormat(ToolFormat):
         out = []
         for r in results:
             value = r.content.strip()
-            out.append(f":{value}:" if r.ok and _NUMBER.fullmatch(value) else ":?:")
+            out.append(f":{value}=" if r.ok and _NUMBER.fullmatch(value) else ":?=")
         return "".join(out)
 
     def check(self, tokenizer=None, tools=None) -> None:

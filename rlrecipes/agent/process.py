@@ -105,6 +105,33 @@ def _kill_pipe_holders(pipes: set[int]) -> None:
             continue
 
 
+def _kill_environ_holders(marker: bytes, rounds: int = 5) -> int:
+    """SIGKILL every process (that we may signal and read) whose initial environment holds the
+    entry ``marker`` (rlimits mode: the run's own ``HOME=<work folder>``, unique per run): the
+    ones that left the process group *and* closed the pipes, such as a daemon. Repeated while it
+    finds some (a process may fork meanwhile). A process that re-``exec``s with another
+    environment escapes this; bubblewrap's PID namespace does not have that gap. Returns how many
+    were killed."""
+    me, killed = os.getpid(), 0
+    for _ in range(rounds):
+        found = 0
+        for pid in os.listdir("/proc"):
+            if not pid.isdigit() or int(pid) == me:
+                continue
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    entries = f.read().split(b"\0")
+                if marker in entries:
+                    os.kill(int(pid), signal.SIGKILL)
+                    found += 1
+            except OSError:
+                continue
+        killed += found
+        if not found:
+            break
+    return killed
+
+
 def _writes(pid: str, fd: str) -> bool:
     with open(f"/proc/{pid}/fdinfo/{fd}") as f:
         for line in f:
@@ -122,10 +149,28 @@ def _exited(proc: subprocess.Popen) -> bool:
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the main process's direct children first (under bubblewrap: the code, the init of
+    its PID namespace, which runs in a session of its own), then its whole process group. The
+    main process is not reaped yet, so its pid still names it and its children."""
+    _kill_children(proc.pid)
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def _kill_children(ppid: int) -> None:
+    """SIGKILL every process (that we may signal) whose parent is ``ppid``."""
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read()
+            if int(stat[stat.rindex(")") + 2:].split()[1]) == ppid:
+                os.kill(int(pid), signal.SIGKILL)
+        except (OSError, ValueError, IndexError):
+            continue
 
 
 def _decode(stream: _Stream, keep: int) -> tuple[str, bool]:

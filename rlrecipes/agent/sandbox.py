@@ -42,7 +42,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .process import _collect, _decode
+from .process import _collect, _decode, _kill_environ_holders
 
 log = logging.getLogger(__name__)
 
@@ -112,9 +112,19 @@ class SandboxMode:
     bwrap_path: str | None
     notes: tuple[str, ...] = ()
     """Why bubblewrap or the privilege drop is not used, for the warning and for ``plan``."""
+    drop: str = "preexec"
+    """How root drops to ``uid``: ``"preexec"`` (before ``exec``: bubblewrap itself runs as that
+    user, in a user namespace), ``"inside"`` (bubblewrap runs as root without a user namespace,
+    binds the interpreter's folders, and the code drops to ``uid`` inside, before it starts) or
+    ``"caps"`` (rlimits only: before ``exec``, keeping only ``CAP_DAC_READ_SEARCH`` so that the
+    user can read an interpreter under a private folder such as ``/root``). Only with ``uid``."""
 
     def describe(self) -> str:
         who = f"as uid {self.uid}" if self.uid is not None else f"as uid {os.geteuid()}"
+        if self.uid is not None and self.drop == "inside":
+            who += " (dropped inside the sandbox)"
+        elif self.uid is not None and self.drop == "caps":
+            who += " (keeping CAP_DAC_READ_SEARCH: may read any file)"
         base = (f"bubblewrap ({self.bwrap_path}) + rlimits, {who}" if self.kind == "bwrap"
                 else f"rlimits only (network NOT isolated), {who}")
         return base + "".join(f"; {n}" for n in self.notes)
@@ -148,12 +158,17 @@ class SandboxResult:
         return "MemoryError" in self.stderr
 
     def observation(self) -> str:
-        """The text a model sees: stdout, then stderr and the failure summary when there are any."""
+        """The text a model sees: stdout, then stderr and the failure summary when there are any.
+        When the output was truncated the summary comes first instead, so that a consumer that
+        cuts the text further (the registry's ``max_observation_chars``) still shows why it failed."""
         parts = [self.stdout.rstrip("\n")] if self.stdout else []
         if self.stderr:
             parts.append("[stderr]\n" + self.stderr.rstrip("\n"))
         if self.error:
-            parts.append(f"[error] {self.error}")
+            if self.truncated:
+                parts.insert(0, f"[error] {self.error}")
+            else:
+                parts.append(f"[error] {self.error}")
         return "\n".join(parts) if parts else "(no output)"
 
 
@@ -197,31 +212,33 @@ def sandbox_mode(config: SandboxConfig | None = None) -> SandboxMode:
 
 
 def _probe(config: SandboxConfig) -> SandboxMode:
-    """Try bubblewrap then rlimits only, each as ``nobody`` (when root) then as ourselves, with the
-    default limits; the first that runs the interpreter (and sees its ``sys.prefix``) wins."""
+    """Try bubblewrap then rlimits only, each as ``nobody`` (when root: every way of dropping, see
+    :attr:`SandboxMode.drop`) then as ourselves, with the default limits; the first that runs the
+    interpreter (and sees its ``sys.prefix``) wins."""
     notes: list[str] = []
     path = _bwrap_binary(config.bwrap)
     if config.bwrap is not False and path is None:
         notes.append("bwrap not found" if config.bwrap in ("auto", True) else f"bwrap {config.bwrap!r} not executable")
-    uids: list[int | None] = [NOBODY, None] if os.geteuid() == 0 and config.drop_root else [None]
+    root = os.geteuid() == 0 and config.drop_root
     want_prefix = sys.prefix if config.python == sys.executable else None
     probe_cfg = SandboxConfig(bwrap=config.bwrap, python=config.python, hide_paths=config.hide_paths)
     kinds = (["bwrap"] if path else []) + ([] if config.bwrap is True else ["rlimits"])
     for kind in kinds:
         nobody_failed = None
-        for uid in uids:
-            mode = SandboxMode(kind, uid, path if kind == "bwrap" else None)
+        drops = (["preexec", "inside"] if kind == "bwrap" else ["preexec", "caps"]) if root else []
+        for uid, drop in [(NOBODY, d) for d in drops] + [(None, "preexec")]:
+            mode = SandboxMode(kind, uid, path if kind == "bwrap" else None, drop=drop)
             r = _run_code("import sys; print(sys.prefix)", probe_cfg, mode)
             if r.exit_code == 0 and (want_prefix is None or r.stdout.strip() == want_prefix):
-                if nobody_failed:
+                if nobody_failed and uid is None:
                     notes.append(f"root could not run the code as nobody ({nobody_failed}): RLIMIT_NPROC is not "
                                  "enforced for root, so a fork bomb is stopped only by the wall-clock timeout")
-                return SandboxMode(kind, uid, mode.bwrap_path, tuple(notes))
+                return SandboxMode(kind, uid, mode.bwrap_path, tuple(notes), drop)
             why = (r.stderr.strip().splitlines() or [r.error or "no output"])[-1][:200]
             if r.exit_code == 0:
                 why = f"{config.python} does not find its own prefix {want_prefix} as that user"
-            if uid == NOBODY and len(uids) > 1:
-                nobody_failed = why
+            if uid == NOBODY:
+                nobody_failed = nobody_failed or why
             else:
                 notes.append(f"{kind} probe failed: {why}")
     return SandboxMode("none", None, None, tuple(notes) + ("no sandbox could run Python here",))
@@ -253,17 +270,55 @@ def _limits(config: SandboxConfig) -> list[tuple[int, tuple[int, int]]]:
     ]
 
 
-def _preexec(limits: list[tuple[int, tuple[int, int]]], uid: int | None):
+_PR_SET_KEEPCAPS, _PR_SET_NO_NEW_PRIVS, _PR_CAP_AMBIENT, _PR_CAP_AMBIENT_RAISE = 8, 38, 47, 2
+_CAP_DAC_READ_SEARCH = 2
+_CAPABILITY_VERSION_3 = 0x20080522
+
+
+def _keep_read_caps():
+    """A function (for the child, after fork) that keeps only ``CAP_DAC_READ_SEARCH`` across the
+    uid drop and ``exec`` (``prctl`` keep-caps, ``capset``, an ambient capability), and sets
+    no-new-privileges. Every ctypes object is made here, beforehand."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    header = (ctypes.c_uint32 * 2)(_CAPABILITY_VERSION_3, 0)
+    bit = 1 << _CAP_DAC_READ_SEARCH
+    data = (ctypes.c_uint32 * 6)(bit, bit, bit, 0, 0, 0)  # {effective, permitted, inheritable} x 2
+    prctl, capset, ulong = libc.prctl, libc.capset, ctypes.c_ulong
+
+    def before_setuid():
+        if prctl(_PR_SET_KEEPCAPS, ulong(1), ulong(0), ulong(0), ulong(0)) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_KEEPCAPS) failed")
+
+    def after_setuid():
+        if capset(header, data) != 0:
+            raise OSError(ctypes.get_errno(), "capset(CAP_DAC_READ_SEARCH) failed")
+        if prctl(_PR_CAP_AMBIENT, ulong(_PR_CAP_AMBIENT_RAISE), ulong(_CAP_DAC_READ_SEARCH), ulong(0), ulong(0)) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_CAP_AMBIENT_RAISE) failed")
+        if prctl(_PR_SET_NO_NEW_PRIVS, ulong(1), ulong(0), ulong(0), ulong(0)) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS) failed")
+
+    return before_setuid, after_setuid
+
+
+def _preexec(limits: list[tuple[int, tuple[int, int]]], uid: int | None, keep_read: bool = False):
     """The function the child runs between fork and exec. Built beforehand so that it only calls
-    the setuid family, ``getrlimit`` and ``setrlimit`` (no imports, no locks: the pool calls this
-    from threads). A limit above the inherited hard limit is lowered to it (only root may raise)."""
+    the setuid family, ``prctl``/``capset`` (``keep_read``), ``getrlimit`` and ``setrlimit`` (no
+    imports, no locks: the pool calls this from threads). A limit above the inherited hard limit
+    is lowered to it (only root may raise)."""
     getrlimit, setrlimit, infinity = resource.getrlimit, resource.setrlimit, resource.RLIM_INFINITY
+    before, after = _keep_read_caps() if keep_read and uid is not None else (None, None)
 
     def fn():
         if uid is not None:
+            if before is not None:
+                before()
             os.setgroups([])
             os.setgid(uid)
             os.setuid(uid)
+            if after is not None:
+                after()
         for which, (soft, hard) in limits:
             cur_hard = getrlimit(which)[1]
             if cur_hard != infinity:
@@ -290,19 +345,43 @@ def _bwrap_argv(mode: SandboxMode, config: SandboxConfig, code_dir: str) -> list
     # --as-pid-1: the code is the namespace's init, a child of bwrap, so nothing is left as an orphan
     # zombie for the host's init to reap (zombies of nobody count toward its RLIMIT_NPROC); when it
     # exits or is killed, the kernel kills every process left in the namespace
-    argv = [mode.bwrap_path or "bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--as-pid-1",
-            "--cap-drop", "ALL", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp"]
+    inside = mode.uid is not None and mode.drop == "inside"
+    # inside: bwrap runs as root without a user namespace (in one, only root is mapped and the code
+    # could not become nobody); it keeps only CAP_SETUID/SETGID for the drop before the code starts
+    unshare = (["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try"]
+               if inside else ["--unshare-all"])
+    caps = ["--cap-drop", "ALL"] + (["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"] if inside else [])
+    argv = [mode.bwrap_path or "bwrap", *unshare, "--die-with-parent", "--new-session", "--as-pid-1", *caps,
+            "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp"]
     hidden = [h for h in config.hide_paths if os.path.isdir(h) and h not in ("/", "/tmp")]
     for h in hidden:
         argv += ["--tmpfs", h]
+    made: set[str] = set()
     for p in _visible_prefixes(config):
-        if any(p == h or p.startswith(h.rstrip("/") + "/") for h in hidden):
+        under = [h for h in hidden if p == h or p.startswith(h.rstrip("/") + "/")]
+        if under:
+            if inside:  # bwrap (root) would create the folders between the tmpfs and p as 0700
+                for parent in reversed(Path(p).relative_to(under[0]).parents[:-1] if p != under[0] else []):
+                    d = os.path.join(under[0], str(parent))
+                    if d not in made:
+                        made.add(d)
+                        argv += ["--perms", "0755", "--dir", d]
             argv += ["--ro-bind", p, p]
-    argv += ["--ro-bind", code_dir, "/tmp/code", "--size", size, "--tmpfs", WORK_INSIDE,
-             "--size", size, "--tmpfs", "/dev/shm"]
+    perms = ["--perms", "01777"] if inside else []
+    argv += ["--ro-bind", code_dir, "/tmp/code", *perms, "--size", size, "--tmpfs", WORK_INSIDE,
+             *perms, "--size", size, "--tmpfs", "/dev/shm"]
     for ro in ["/dev", "/tmp", *hidden]:
         argv += ["--remount-ro", ro]
     return argv + ["--chdir", WORK_INSIDE, "--setenv", "HOME", WORK_INSIDE]
+
+
+_DROP_INSIDE = ("import ctypes, os, sys\nu = int(sys.argv[1])\nos.setgroups([])\nos.setgid(u)\nos.setuid(u)\n"
+                "if ctypes.CDLL(None).prctl(1, 9, 0, 0, 0) != 0:\n    sys.exit('prctl(PR_SET_PDEATHSIG) failed')\n"
+                "os.execv(sys.argv[2], sys.argv[2:])")
+"""Run by the interpreter (``-I -S``) as root inside bubblewrap (``drop="inside"``): become ``uid``
+(which clears every capability, and the kernel's parent-death signal of ``--die-with-parent``,
+hence set again: ``PR_SET_PDEATHSIG``, ``SIGKILL``) and exec the code in the same process. The
+host also kills bwrap's children before bwrap at the timeout (``process._kill_group``)."""
 
 
 def _run_code(code: str, config: SandboxConfig, mode: SandboxMode) -> SandboxResult:
@@ -319,7 +398,10 @@ def _run_code(code: str, config: SandboxConfig, mode: SandboxMode) -> SandboxRes
         if mode.uid is not None:
             os.chown(work, mode.uid, mode.uid)
         if mode.kind == "bwrap":
-            argv = _bwrap_argv(mode, config, code_dir) + [config.python, "-I", "-X", "utf8", "/tmp/code/main.py"]
+            argv = _bwrap_argv(mode, config, code_dir)
+            if mode.uid is not None and mode.drop == "inside":  # drop to uid, then exec the code (same pid)
+                argv += [config.python, "-I", "-S", "-c", _DROP_INSIDE, str(mode.uid)]
+            argv += [config.python, "-I", "-X", "utf8", "/tmp/code/main.py"]
             env = {"PATH": SANDBOX_PATH}
             cwd = "/"
         else:
@@ -339,10 +421,14 @@ def _execute(argv: list[str], env: dict[str, str], cwd: str, config: SandboxConf
     try:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 env=env, cwd=cwd, start_new_session=True, close_fds=True,
-                                restore_signals=True, preexec_fn=_preexec(_limits(config), mode.uid))
+                                restore_signals=True,
+                                preexec_fn=_preexec(_limits(config), mode.uid if mode.drop != "inside" else None,
+                                                    keep_read=mode.drop == "caps"))
     except (OSError, subprocess.SubprocessError) as e:
         return SandboxResult("", "", None, False, False, mode.kind, error=f"could not start the sandbox: {e}")
     out, err, timed_out, killed = _collect(proc, config, t0)
+    if mode.kind == "rlimits":  # what left the group and closed the pipes (a daemon) still has the run's HOME
+        _kill_environ_holders(f"HOME={env['HOME']}".encode())
     code = proc.returncode
     if mode.kind == "bwrap" and code is not None and code > 128 and not timed_out:
         code = -(code - 128)  # bwrap reports a signal death of its child as 128 + signal

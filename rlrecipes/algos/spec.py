@@ -71,13 +71,21 @@ class Stage:
         return role in RUNS_ON[self.runs_on]
 
 
-def _generation(cfg) -> list[Stage]:
+def _mask(masked: bool) -> tuple[str, ...]:
+    """Multi-turn rollouts: ``response_mask`` (1 on model tokens, 0 on tool observations) goes
+    wherever response tokens are counted, scored or trained on."""
+    return ("response_mask",) if masked else ()
+
+
+def _generation(cfg, masked: bool) -> list[Stage]:
     gen = "sampling" if cfg.dynamic_sampling.enabled else None
     replay = ("routed_experts",) if cfg.routing_replay else ()
     st = [Stage("rollout", (), ("prompt_ids", "response_ids", "prompt_index", "rollout_log_probs", "policy_version")
-                + replay, "new", "rollout", gen, "generate n responses per prompt with the rollout engine"),
-          Stage("reward", ("response_ids", "prompt_index", "policy_version"), ("scores", "acc"), "round", "train",
-                gen, "score responses (rule reward, overlong shaping); check the samples' policy versions")]
+                + replay + _mask(masked), "new", "rollout", gen,
+                "generate n responses per prompt with the rollout engine (multi-turn: the agent loop)"),
+          Stage("reward", ("response_ids", "prompt_index", "policy_version") + _mask(masked), ("scores", "acc"),
+                "round", "train", gen,
+                "score responses (rule reward, overlong shaping); check the samples' policy versions")]
     if cfg.dynamic_sampling.enabled:
         st.append(Stage("dynamic_sampling", (dynamic_sampling_column(cfg),), (), "all", "train", gen,
                         "drop groups with constant scores; generate more until the batch is full"))
@@ -96,8 +104,8 @@ def _forward_passes(cfg, use_ref: bool, skip_old: bool) -> list[Stage]:
     return st
 
 
-def _update(cfg, use_ref: bool, skip_old: bool) -> list[Stage]:
-    reads = ("prompt_ids", "response_ids", "advantages", "rollout_log_probs") + \
+def _update(cfg, use_ref: bool, skip_old: bool, masked: bool) -> list[Stage]:
+    reads = ("prompt_ids", "response_ids", "advantages", "rollout_log_probs") + _mask(masked) + \
         (("ref_log_probs",) if use_ref else ()) + (() if skip_old else ("old_log_probs",)) + \
         (("routed_experts",) if cfg.routing_replay else ())
     return [Stage("update", reads, (), "actor_mini_batches", "train", doc="actor policy-gradient step"),
@@ -106,22 +114,22 @@ def _update(cfg, use_ref: bool, skip_old: bool) -> list[Stage]:
                   doc="the new policy version to the rollout workers, across the bridge")]
 
 
-def _grpo_stages(cfg, *, use_ref: bool, skip_old: bool) -> list[Stage]:
-    return (_generation(cfg) + _forward_passes(cfg, use_ref, skip_old)
+def _grpo_stages(cfg, *, use_ref: bool, skip_old: bool, masked: bool = False) -> list[Stage]:
+    return (_generation(cfg, masked) + _forward_passes(cfg, use_ref, skip_old)
             + [Stage("advantage", ("scores",), ("advantages",), "groups", "train",
                      doc="group-normalised outcome advantage", runner="outcome_advantage")]
-            + _update(cfg, use_ref, skip_old))
+            + _update(cfg, use_ref, skip_old, masked))
 
 
-def _ppo_stages(cfg, *, use_ref: bool, skip_old: bool) -> list[Stage]:
-    return (_generation(cfg) + _forward_passes(cfg, use_ref, skip_old)
+def _ppo_stages(cfg, *, use_ref: bool, skip_old: bool, masked: bool = False) -> list[Stage]:
+    return (_generation(cfg, masked) + _forward_passes(cfg, use_ref, skip_old)
             + [Stage("values", ("prompt_ids", "response_ids"), ("values",), "critic", "train", doc="critic values"),
                Stage("advantage", ("scores", "response_ids", "rollout_log_probs", "values")
-                     + (("ref_log_probs",) if use_ref else ()), ("advantages", "returns"), "workers", "train",
-                     doc="GAE", runner="gae"),
-               Stage("critic_update", ("prompt_ids", "response_ids", "values", "returns"), (), "critic", "train",
-                     doc="critic step")]
-            + _update(cfg, use_ref, skip_old))
+                     + (("ref_log_probs",) if use_ref else ()) + _mask(masked), ("advantages", "returns"), "workers",
+                     "train", doc="GAE", runner="gae"),
+               Stage("critic_update", ("prompt_ids", "response_ids", "values", "returns") + _mask(masked), (),
+                     "critic", "train", doc="critic step")]
+            + _update(cfg, use_ref, skip_old, masked))
 
 
 @dataclass(frozen=True)
@@ -134,9 +142,10 @@ class AlgorithmSpec:
     def needs_critic(self, cfg: Any = None) -> bool:
         return self.critic
 
-    def stages(self, cfg, *, use_ref: bool, skip_old: bool) -> list[Stage]:
-        """Stages in execution order; every column a stage reads is written earlier."""
-        st = self.build_stages(cfg, use_ref=use_ref, skip_old=skip_old)
+    def stages(self, cfg, *, use_ref: bool, skip_old: bool, masked: bool = False) -> list[Stage]:
+        """Stages in execution order; every column a stage reads is written earlier. ``masked``:
+        the rollout is multi-turn, so samples carry ``response_mask``."""
+        st = self.build_stages(cfg, use_ref=use_ref, skip_old=skip_old, masked=masked)
         check_stages(self.name, st)
         return st
 
@@ -187,8 +196,30 @@ def _pad(rows: list[torch.Tensor], width: int) -> torch.Tensor:
 
 def gae_advantages(cfg, *, scores: torch.Tensor, responses: list[torch.Tensor], values: list[torch.Tensor],
                    rollout_log_probs: list[torch.Tensor], ref_log_probs: Optional[list[torch.Tensor]],
-                   kl_coef: float) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """PPO: score on the last token (optionally minus KL), GAE; per-sample ``[R_i]`` advantages, returns."""
+                   kl_coef: float, masks: Optional[list[torch.Tensor]] = None
+                   ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """PPO: score on the last token (optionally minus KL), GAE; per-sample ``[R_i]`` advantages, returns.
+
+    ``masks`` (multi-turn): GAE runs over each sample's model tokens only, as one sequence (an
+    observation is not an action: no reward, no value, no discounting step); observation tokens
+    get advantage and return 0."""
+    if masks is not None:
+        keep = [m.reshape(-1).bool() for m in masks]
+        adv, ret = gae_advantages(cfg, scores=scores, responses=[x[k] for x, k in zip(responses, keep)],
+                                  values=[v[k] for v, k in zip(values, keep)],
+                                  rollout_log_probs=[x[k] for x, k in zip(rollout_log_probs, keep)],
+                                  ref_log_probs=None if ref_log_probs is None else
+                                  [x[k] for x, k in zip(ref_log_probs, keep)], kl_coef=kl_coef)
+
+        def spread(xs):
+            out = []
+            for x, k in zip(xs, keep):
+                full = torch.zeros(k.numel(), dtype=x.dtype)
+                full[k] = x
+                out.append(full)
+            return out
+
+        return spread(adv), spread(ret)
     lens = [int(x.numel()) for x in responses]
     R = max(lens)
     mask = torch.zeros((len(lens), R))  # [rows, R]

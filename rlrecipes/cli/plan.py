@@ -40,6 +40,15 @@ def render_plan(plan) -> None:
     if plan.inference:
         console.print(f"vllm-ascend {plan.inference['vllm_ascend']} additional_config: "
                       f"{plan.inference['additional_config']} · {plan.inference['engine_kwargs']}", highlight=False)
+    if plan.agent:
+        a = plan.agent
+        console.print(f"multi-turn: tools {', '.join(a['tools'])} · format {a['tool_format']} · max_turns "
+                      f"{a['max_turns']} · max_tool_calls {a['max_tool_calls']} · max_response_tokens "
+                      f"{a['max_response_tokens']}", highlight=False)
+        if "sandbox" in a:
+            console.print(f"python tool sandbox here: {escape(a['sandbox'])}", highlight=False)
+        if "tool_format_check" in a:
+            console.print(f"[yellow]tool format not checked:[/] {escape(a['tool_format_check'])}", highlight=False)
     for c in plan.changes:
         console.print(f"[cyan]changed:[/] {c}")
     for m in plan.missing_here:

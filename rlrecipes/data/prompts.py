@@ -69,6 +69,12 @@ def _row_to_example(row: Any, where: str, prompt_key: str, answer_key: str) -> d
         )
     a = out["answer"]
     out["answer"] = a if isinstance(a, str) else json.dumps(a) if isinstance(a, (list, dict)) else str(a)
+    kw = row.get("tool_kwargs")
+    if kw is not None:  # multi-turn: the sample's own tool arguments, {tool: {argument: value}}
+        if not (isinstance(kw, dict) and all(isinstance(k, str) and isinstance(v, dict) for k, v in kw.items())):
+            raise DataError(f"{where}: 'tool_kwargs' must map tool names to argument objects, "
+                            f"e.g. {{\"calculator\": {{\"expression\": \"1+2\"}}}}; got {kw!r}")
+        out["tool_kwargs"] = kw
     out["source"] = where
     return out
 
@@ -144,13 +150,15 @@ def load_prompt_rows(
 
 
 # --------------------------------------------------------------------------- tokenised dataset
-def render_prompt(prompt: str | list[dict], tokenizer) -> str:
-    """Prompt text as the model sees it: the chat template (with the generation prompt) when the
-    tokenizer has one, else the raw text (message contents joined by newlines)."""
+def render_prompt(prompt: str | list[dict], tokenizer, tools: list[dict] | None = None) -> str:
+    """Prompt text as the model sees it: the chat template (with the generation prompt, and the
+    tools' schemas for a multi-turn rollout) when the tokenizer has one, else the raw text (message
+    contents joined by newlines)."""
     has_template = tokenizer is not None and getattr(tokenizer, "chat_template", None)
     if has_template:
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                             **({"tools": tools} if tools else {}))
     if isinstance(prompt, str):
         return prompt
     return "\n".join(m["content"] for m in prompt)
@@ -164,12 +172,15 @@ class PromptDataset:
         rows: from :func:`load_prompt_rows` or :func:`rlrecipes.data.smoke_task_dataset`.
         tokenizer: a HF tokenizer (or None: no tokenisation, no length filter).
         max_prompt_len: drop prompts with more tokens than this (count in :attr:`n_dropped_too_long`).
-    Items: ``{"prompt_ids": list[int], "prompt_text": str, "answer": str, "source": str}``.
+        tools: the tools' JSON schemas, given to the chat template (multi-turn rollouts).
+    Items: ``{"prompt_ids": list[int], "prompt_text": str, "answer": str, "source": str}`` and
+    ``"tool_kwargs"`` where the row has them.
     """
 
     rows: list[dict]
     tokenizer: Any = None
     max_prompt_len: int | None = None
+    tools: list[dict] | None = None
     n_dropped_too_long: int = field(init=False, default=0)
     n_chat_joined: int = field(init=False, default=0)
     """Chat-message prompts rendered without a template (the tokenizer has none): contents joined."""
@@ -180,8 +191,10 @@ class PromptDataset:
         for i, row in enumerate(self.rows):
             if not chat and not isinstance(row["prompt"], str):
                 self.n_chat_joined += 1
-            text = render_prompt(row["prompt"], self.tokenizer)
+            text = render_prompt(row["prompt"], self.tokenizer, self.tools)
             item = {"prompt_text": text, "answer": row["answer"], "source": row.get("source", f"row {i}")}
+            if row.get("tool_kwargs") is not None:
+                item["tool_kwargs"] = row["tool_kwargs"]
             if self.tokenizer is not None:
                 # with a chat template the special tokens are already in the rendered text
                 ids = self.tokenizer(text, add_special_tokens=not chat)["input_ids"]

@@ -69,7 +69,8 @@ def smoke_example(rng: random.Random, task: str = "copy", num_digits: int = 3) -
         return {"prompt": f"{s}=", "answer": s[::-1]}
     if task == "add":
         a, b = rng.randrange(10 ** num_digits), rng.randrange(10 ** num_digits)
-        return {"prompt": f"{a}+{b}=", "answer": str(a + b)}
+        # a multi-turn rollout's calculator call takes the sample's expression (tool format smoke)
+        return {"prompt": f"{a}+{b}=", "answer": str(a + b), "tool_kwargs": {"calculator": {"expression": f"{a}+{b}"}}}
     raise ValueError(f"unknown smoke task {task!r}; choose one of {', '.join(SMOKE_TASKS)}")
 
 

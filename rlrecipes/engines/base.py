@@ -129,6 +129,10 @@ class SeqBatch:
                         [self.routed_experts[i] for i in idx] if self.routed_experts is not None else None)
 
     def response_tokens(self) -> int:
+        """Response tokens that count (the model's own: ``response_mask`` leaves out tool observations)."""
+        mask = self.per_token.get("response_mask")
+        if mask is not None:
+            return sum(int(m.sum()) for m in mask)
         return sum(int(r.numel()) for r in self.responses)
 
     def prompt_tokens(self) -> int:
@@ -146,6 +150,9 @@ class SamplingParams:
     """0 or negative: no top-k restriction."""
     eos_token_id: Optional[int] = None
     pad_token_id: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    """More tokens that end a sequence (kept in the response, like EOS): the multi-turn agent loop
+    pauses a sample at a tool-call token of formats that call without an end-of-turn token."""
 
 
 @dataclass
@@ -313,6 +320,13 @@ class RolloutEngine(_Parallel):
         """Sample one response per prompt (1-D token tensors in, any lengths). The same ``seed``
         on the same weights gives the same responses. Collective over the rollout TP group."""
 
+    def open_session(self, prompts: Sequence[torch.Tensor], params: SamplingParams, *, seed: int) -> "TurnSession":
+        """A multi-turn session over ``prompts``: the agent loop continues each conversation turn by
+        turn (:class:`TurnSession`). The default re-sends every conversation whole at each turn
+        (:class:`ReprefillSession`; vLLM's prefix cache makes that a cache hit); an engine that can
+        keep each sample's KV cache across turns overrides this."""
+        return ReprefillSession(self, prompts, params, seed=seed)
+
     @abc.abstractmethod
     def update_weights(self, buckets: Iterable[Sequence[tuple[str, torch.Tensor]]]) -> None:
         """Load ``(name, tensor in ROLLOUT layout)`` buckets in place, one bucket at a time (never
@@ -324,6 +338,64 @@ class RolloutEngine(_Parallel):
 
     @abc.abstractmethod
     def wake(self) -> None: ...
+
+
+# ---------------------------------------------------------------------------------------------
+# multi-turn sessions (the agent loop's view of a rollout engine)
+# ---------------------------------------------------------------------------------------------
+class TurnSession(abc.ABC):
+    """A batch of conversations that a rollout engine continues turn by turn.
+
+    Row ``i`` starts as ``prompts[i]``. Each :meth:`generate` call appends, for each row it names,
+    the tokens given (the tool observation of the previous turn; empty for the first turn) and then
+    samples that row's next segment, until EOS, a stop token or the row's token limit. Rows not
+    named wait (their tool calls are still running). Log-probs are those of the temperature-scaled
+    distribution, as in :meth:`RolloutEngine.generate`, each computed on the whole conversation so
+    far (so the trainer, given prompt + every segment and observation, recomputes the same).
+    """
+
+    @abc.abstractmethod
+    def generate(self, rows: Sequence[int], appended: Sequence[torch.Tensor],
+                 max_new_tokens: Sequence[int]) -> RolloutOutput:
+        """The next segment of each of ``rows`` (in that order), after appending ``appended[k]`` to
+        row ``rows[k]``; at most ``max_new_tokens[k]`` tokens each."""
+
+    def close(self) -> None:
+        """Release what the session holds (KV cache)."""
+
+
+class ReprefillSession(TurnSession):
+    """Every turn re-sends each named conversation whole through ``engine.generate`` (one call per
+    turn; a prefix-caching engine such as vLLM serves the repeated prefix from its cache). Each call
+    is seeded from the session seed and the call's index, so a session is reproducible given the
+    same order of calls."""
+
+    def __init__(self, engine: RolloutEngine, prompts: Sequence[torch.Tensor], params: SamplingParams, *, seed: int):
+        self.engine, self.params, self.seed = engine, params, int(seed)
+        self.context = [p.reshape(-1).long() for p in prompts]
+        self.calls = 0
+
+    def generate(self, rows, appended, max_new_tokens) -> RolloutOutput:
+        import dataclasses
+
+        rows = list(rows)
+        if not rows:
+            return RolloutOutput([], [])
+        for r, a in zip(rows, appended):
+            if a is not None and a.numel():
+                self.context[r] = torch.cat([self.context[r], a.reshape(-1).long()])
+        limit = max(int(n) for n in max_new_tokens)
+        params = dataclasses.replace(self.params, max_new_tokens=limit)
+        out = self.engine.generate([self.context[r] for r in rows], params,
+                                   seed=(self.seed * 1_000_003 + self.calls) % 2 ** 62)
+        self.calls += 1
+        responses, logps = [], []
+        for r, n, resp, lp in zip(rows, max_new_tokens, out.responses, out.log_probs):
+            resp, lp = resp[:int(n)], lp[:int(n)]  # each row's own limit (the call ran to the largest)
+            self.context[r] = torch.cat([self.context[r], resp.long()])
+            responses.append(resp)
+            logps.append(lp)
+        return RolloutOutput(responses, logps, out.metrics)
 
 
 def reduce_closure_metric(key: str, values: Sequence[float]) -> float:
@@ -348,4 +420,4 @@ def step_metrics(prefix: str, *, loss: float, grad_norm: float, lr: float, skipp
 
 
 __all__ = ["reduce_closure_metric", "step_metrics", "Capabilities", "EngineSpec", "LossFn", "RolloutEngine", "RolloutOutput", "SamplingParams", "SeqBatch",
-           "TrainEngine"]
+           "TrainEngine", "TurnSession", "ReprefillSession"]

@@ -28,6 +28,7 @@ from .checks import (NODE_INDEPENDENT_RULES, PlanError, RoleLayout, Violation, c
                      engine_checks, engine_layout_violations, layout_violations, model_checks, ranks_text,
                      role_layouts, rollout_devices_that_fit, rollout_inference, where)
 from .memory import DTYPE_BYTES, GiB, Memory, kv_needed, rollout_memory, train_memory
+from .agent import agent_checks
 from .reshard import exact_reshard_bytes, reshard_bytes
 
 
@@ -49,6 +50,8 @@ class Plan:
     reshard_full_bytes: float = 0.0
     reshard_method: str = "estimate"
     inference: Optional[dict] = None
+    agent: Optional[dict] = None
+    """Multi-turn rollouts: tools, tool format, limits, and the python tool's sandbox here."""
     changes: list[str] = field(default_factory=list)
     violations: list[Violation] = field(default_factory=list)
     nearest_valid_nodes: list[int] = field(default_factory=list)
@@ -105,6 +108,7 @@ class Plan:
             "reshard_full_model_gib": round(self.reshard_full_bytes / GiB, 3),
             "reshard_method": self.reshard_method,
             "inference": self.inference,
+            **({"agent": self.agent} if self.agent else {}),
             "changes": self.changes, "violations": [asdict(v) for v in self.violations],
             "nearest_valid_nodes": self.nearest_valid_nodes,
             "engines": self.engines, "missing_here": self.missing_here,
@@ -226,6 +230,8 @@ def build_plan(recipe: Recipe, nodes: Optional[int] = None, devices_per_node: Op
                 plan.reshard_send_bytes_per_device = plan.reshard_bytes_per_device * rollout.world / actor.world
             plan.reshard_full_bytes = dims.total_params() * DTYPE_BYTES
     plan.inference, found = rollout_inference(recipe, dims)
+    violations += found
+    found, plan.agent = agent_checks(recipe)
     violations += found
     plan.violations = violations
     if _search and not violations:

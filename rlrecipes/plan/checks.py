@@ -33,7 +33,8 @@ NODE_INDEPENDENT_RULES = {INFERENCE_RULE, "rollout PP = 1",
                           "engine has pipeline parallelism", "engine has expert parallelism",
                           "engine keeps EP inside the TP group", "GRPO needs a group per prompt",
                           "engine runs this model here", "routing replay has what it needs",
-                          "reshard strategy fits the placement", ROLLOUT_SPLIT_RULE, TRAIN_SPLIT_RULE}
+                          "reshard strategy fits the placement", ROLLOUT_SPLIT_RULE, TRAIN_SPLIT_RULE,
+                          "multi-turn rollout has what it needs"}
 
 
 @dataclass

@@ -340,12 +340,54 @@ class SamplingConfig(_Strict):
     """Response length limit."""
 
 
+class MultiTurnConfig(_Strict):
+    """Multi-turn agentic rollout: tool calls inside the rollout (docs/agentic.md)."""
+
+    enabled: bool = False
+    """Run the agent loop: generate until a tool call, run the tools, append their results as
+    observation tokens (``response_mask`` 0), continue until EOS or a limit."""
+    max_turns: int = 4
+    """Assistant turns (generated segments) per sample, the first included."""
+    max_tool_calls: int = 4
+    """Tool calls per sample; calls past it are not run and end the sample."""
+    max_response_tokens: int = Field(256, ge=1)
+    """The whole response (model tokens and observations) per sample; ``sampling.max_new_tokens``
+    limits each turn."""
+    tools: list[str] = Field(default_factory=lambda: ["calculator"])
+    """Built-in tool names (calculator, python) or ``module:function`` of your own."""
+    tool_format: Literal["auto", "qwen", "smoke"] = "auto"
+    """How the model writes calls and reads results: qwen (``<tool_call>`` JSON, the chat template
+    renders results), smoke (the smoke tokenizer's one-letter calls); auto: smoke for smoke models,
+    qwen otherwise."""
+    tool_workers: int = Field(32, ge=1)
+    """Tool calls that run at the same time on each rollout worker (a thread pool)."""
+    tool_timeout_s: float = Field(10.0, gt=0)
+    """Per-call timeout; a call past it becomes an error observation."""
+    max_observation_tokens: int = Field(256, ge=1)
+    """An observation longer than this is cut (the tool's output is truncated first)."""
+
+    @field_validator("max_turns")
+    @classmethod
+    def _turns(cls, v: int) -> int:
+        if v < 1:
+            raise ValueError(f"max_turns must be >= 1 (the first turn is a turn); got {v}")
+        return v
+
+    @field_validator("max_tool_calls")
+    @classmethod
+    def _calls(cls, v: int) -> int:
+        if v < 0:
+            raise ValueError(f"max_tool_calls must be >= 0; got {v}")
+        return v
+
+
 class RolloutConfig(_Strict):
     engine: Literal["native", "vllm"] = "native"
     """Rollout engine: native (batched KV-cache sampler, any device) or vllm (vLLM / vllm-ascend)."""
     layout: RolloutLayout = Field(default_factory=RolloutLayout)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     inference: InferenceSettings = Field(default_factory=InferenceSettings)
+    multi_turn: MultiTurnConfig = Field(default_factory=MultiTurnConfig)
 
 
 class ReshardConfig(_Strict):

@@ -3,6 +3,16 @@
 A reward function has the signature ``fn(completion: str, answer: str) -> float``. Recipes name
 one by a built-in name (``math_verify``, ``format``, ``smoke``) or by an import path
 ``"pkg.module:function"``.
+
+Multi-turn rollouts (``rollout.multi_turn``): ``completion`` is the final answer, the model's text
+after its last tool turn. A function that also wants the whole trajectory declares keyword
+parameters ``messages`` and/or ``tool_results``::
+
+    def my_reward(completion: str, answer: str, *, messages: list[dict], tool_results: list[str]) -> float
+
+``messages`` is the response as chat messages, ``{"role": "assistant" | "tool", "content": str}``
+in order (the model's segments and the observations as the model saw them); ``tool_results`` is
+the content of every ``tool`` message. A function without those parameters is called as before.
 """
 from __future__ import annotations
 
@@ -61,13 +71,31 @@ def resolve_reward(spec: str | RewardFn) -> RewardFn:
     return fn
 
 
+def trajectory_keywords(fn: Callable) -> tuple[str, ...]:
+    """Which of ``messages`` / ``tool_results`` ``fn`` accepts as keywords (``**kwargs`` takes both)."""
+    import inspect
+
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return ()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return ("messages", "tool_results")
+    return tuple(k for k in ("messages", "tool_results") if k in params
+                 and params[k].kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD))
+
+
 def score_batch(
-    fn: RewardFn | str, completions: Sequence[str], answers: Sequence[str]
+    fn: RewardFn | str, completions: Sequence[str], answers: Sequence[str],
+    trajectories: Sequence[dict] | None = None,
 ) -> tuple[list[float], int, str | None]:
     """Score every (completion, answer) pair; never raises because of one bad sample.
 
     A sample whose reward function raises, or returns something that is not a finite number,
     scores 0.0 and is counted.
+
+    ``trajectories[i]`` (multi-turn): ``{"messages": [...], "tool_results": [...]}`` of sample
+    ``i``, passed to a function that declares those keywords (module doc).
 
     Returns:
         ``(scores, n_errors, first_error_message)``; the message names the sample index and the
@@ -76,11 +104,12 @@ def score_batch(
     if len(completions) != len(answers):
         raise ValueError(f"score_batch: {len(completions)} completions but {len(answers)} answers")
     fn = resolve_reward(fn)
+    keys = trajectory_keywords(fn) if trajectories is not None else ()
     scores: list[float] = []
     n_err, first = 0, None
     for i, (c, a) in enumerate(zip(completions, answers)):
         try:
-            v = float(fn(c, a))
+            v = float(fn(c, a, **{k: trajectories[i][k] for k in keys}))
             if not math.isfinite(v):
                 raise ValueError(f"reward returned a non-finite value {v!r}")
         except Exception as e:  # noqa: BLE001 - one bad sample must not kill the step

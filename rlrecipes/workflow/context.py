@@ -42,6 +42,8 @@ if TYPE_CHECKING:
     from ray.actor import ActorHandle
     from transformers import PreTrainedTokenizerBase
 
+    from ..agent import ToolRegistry
+    from ..agent.loop import AgentLoop
     from ..data import PromptDataset, PromptSampler
 
 
@@ -64,6 +66,8 @@ class WorkerData:
     eos_id: Optional[int]
     pad_id: int
     skipped_malformed: int
+    tools: Optional["ToolRegistry"] = None
+    """Multi-turn rollouts: the tools (their schemas are in the prompts' chat template)."""
 
 
 @dataclass(frozen=True)
@@ -108,6 +112,8 @@ class Context:
     """The policy version of the rollout weights (= the step whose update produced them)."""
     end_step: int = 0
     timer: StageTimer = field(default_factory=StageTimer)
+    agent: Optional["AgentLoop"] = None
+    """Multi-turn rollouts, on workers that generate: the agent loop (``rollout.multi_turn``)."""
 
     def __post_init__(self) -> None:
         self.dock = self.docks[0]
@@ -185,9 +191,28 @@ def build_context(rank: int, world: int, role: Role, recipe: Recipe, run_dir: Pa
     reshard_plan, resharder = build_resharder(recipe, role, device, engines, bridge_group, groups)
     alg = recipe.algorithm
     stages = select_stages(recipe, role, use_ref=engines.roles.ref, skip_old=not engines.roles.old_pass)
-    return Context(rank, world, role, recipe, run_dir, device, data, engines, tuple(stages),
-                   make_kl_controller(alg.kl_controller, alg.kl_coef, alg.kl_target, alg.kl_horizon),
-                   reshard_plan, resharder, TensorCache(device, rank=rank), tuple(docks), progress)
+    ctx = Context(rank, world, role, recipe, run_dir, device, data, engines, tuple(stages),
+                  make_kl_controller(alg.kl_controller, alg.kl_coef, alg.kl_target, alg.kl_horizon),
+                  reshard_plan, resharder, TensorCache(device, rank=rank), tuple(docks), progress)
+    if engines.rollout is not None and data.tools is not None:
+        ctx.agent = build_agent(recipe, data.tokenizer, data.tools)
+    return ctx
+
+
+def build_agent(r: Recipe, tokenizer, tools: "ToolRegistry") -> "AgentLoop":
+    """The agent loop of a rollout worker: the tool format, a tool pool, the limits."""
+    from ..agent import ToolPool, get_format
+    from ..agent.loop import AgentLimits, AgentLoop
+    from ..plan.agent import tool_format_name
+
+    mt = r.rollout.multi_turn
+    fmt = get_format(tool_format_name(r))
+    fmt.check(tokenizer, tools.schemas())
+    limits = AgentLimits(max_turns=mt.max_turns, max_tool_calls=mt.max_tool_calls,
+                         max_response_tokens=mt.max_response_tokens, max_new_tokens=r.rollout.sampling.max_new_tokens,
+                         max_observation_tokens=mt.max_observation_tokens)
+    return AgentLoop(fmt, ToolPool(tools, max_workers=mt.tool_workers, timeout_s=mt.tool_timeout_s), tokenizer,
+                     limits, eos_ids=[tokenizer.eos_token_id])
 
 
 def load_data(r: Recipe, run_dir: Path) -> WorkerData:
@@ -212,11 +237,15 @@ def load_data(r: Recipe, run_dir: Path) -> WorkerData:
             skipped += n_bad
     if not r.data.apply_chat_template:
         tokenizer.chat_template = None
-    dataset = PromptDataset(rows, tokenizer, max_prompt_len=r.data.max_prompt_length)
+    from ..plan.agent import build_tools
+
+    tools = build_tools(r) if r.rollout.multi_turn.enabled else None
+    dataset = PromptDataset(rows, tokenizer, max_prompt_len=r.data.max_prompt_length,
+                            tools=tools.schemas() if tools is not None else None)
     eos = tokenizer.eos_token_id
     return WorkerData(tokenizer, dataset, PromptSampler(len(dataset), seed=r.trainer.seed, shuffle=r.data.shuffle),
                       resolve_reward(r.reward.fn), eos, tokenizer.pad_token_id if tokenizer.pad_token_id is not None
-                      else eos, skipped)
+                      else eos, skipped, tools)
 
 
 def _spec(r: Recipe, device: torch.device, pad_id: int, role: str, layout, **kw) -> EngineSpec:
@@ -234,7 +263,8 @@ def select_stages(recipe: Recipe, role: str, *, use_ref: bool, skip_old: bool) -
     """The algorithm's stages this worker runs: all of them colocated; under disaggregated placement
     the rollout workers' and the train workers' (``Stage.runs_on``)."""
     alg = recipe.algorithm
-    return [s for s in get_algorithm(alg.name).stages(alg, use_ref=use_ref, skip_old=skip_old) if s.runs_for(role)]
+    return [s for s in get_algorithm(alg.name).stages(alg, use_ref=use_ref, skip_old=skip_old,
+                                                      masked=recipe.rollout.multi_turn.enabled) if s.runs_for(role)]
 
 
 def build_engines(r: Recipe, role: Role, device: torch.device, pad_id: int) -> WorkerEngines:

@@ -38,7 +38,7 @@ from .own_rows import CACHED, OwnRows
 #: columns the rollout stage writes (the rows' own columns)
 GENERATED = ("prompt_ids", "response_ids", "prompt_index", "rollout_log_probs", "policy_version", "routed_experts")
 #: per-token columns of a train batch besides the response itself
-PER_TOKEN = ("rollout_log_probs", "ref_log_probs", "old_log_probs", "values", "returns")
+PER_TOKEN = ("rollout_log_probs", "ref_log_probs", "old_log_probs", "values", "returns", "response_mask")
 
 
 class StageContractError(RuntimeError):

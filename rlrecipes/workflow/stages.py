@@ -35,6 +35,12 @@ def stage(name: str) -> Callable[[StageFn], StageFn]:
     return register
 
 
+def max_response_len(r) -> int:
+    """The longest response a sample can have: one turn's limit, or a multi-turn trajectory's."""
+    mt = r.rollout.multi_turn
+    return mt.max_response_tokens if mt.enabled else r.rollout.sampling.max_new_tokens
+
+
 def seed_of(*parts: Any) -> int:
     h = hashlib.sha256("/".join(map(str, parts)).encode()).digest()
     return int.from_bytes(h[:7], "little")
@@ -48,25 +54,49 @@ def rollout(ctx: Context, b: StageBatch) -> dict:
     prompt_idx = ctx.sampler.next_indices(st.target)  # identical on every rank
     prompts = [p for g in b.new.groups for p in [torch.tensor(ctx.dataset[prompt_idx[g]]["prompt_ids"],
                                                               dtype=torch.long)] * n]  # a group shares one tensor
+    index = [prompt_idx[g] for g in b.new.groups for _ in range(n)]
     t0 = time.perf_counter()
     eng.wake()
     s = r.rollout.sampling
     params = SamplingParams(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
                             top_k=s.top_k, eos_token_id=ctx.eos_id, pad_token_id=ctx.pad_id)
-    # every rank calls generate, with no prompts too: vLLM's DP-attention ranks step together
-    out = eng.generate(prompts, params, seed=seed_of(r.trainer.seed, st.step, st.round))
+    seed = seed_of(r.trainer.seed, st.step, st.round)
+    writes: dict = {}
+    if ctx.agent is not None:  # multi-turn: the agent loop over a turn session of the engine
+        writes = _agent_rollout(ctx, b, prompts, index, params, seed)
+    else:
+        # every rank calls generate, with no prompts too: vLLM's DP-attention ranks step together
+        out = eng.generate(prompts, params, seed=seed)
+        writes = {"response_ids": out.responses, "rollout_log_probs": out.log_probs}
+        if "routed_experts" in b.stage.writes:  # MoE routing replay: the experts every token used
+            writes["routed_experts"] = out.routed_experts
     eng.sleep()
     ctx.timer.add_compute("rollout", time.perf_counter() - t0)
     st.add(gen_groups=st.target)
     if not prompts:
         return {}
-    writes = {"prompt_ids": prompts, "response_ids": out.responses,
-              "prompt_index": torch.tensor([prompt_idx[g] for g in b.new.groups for _ in range(n)]),
-              "rollout_log_probs": out.log_probs,
-              "policy_version": torch.full((len(prompts),), ctx.version, dtype=torch.long)}
-    if "routed_experts" in b.stage.writes:  # MoE routing replay: the experts every token used
-        writes["routed_experts"] = out.routed_experts
-    return writes
+    return {"prompt_ids": prompts, "prompt_index": torch.tensor(index),
+            "policy_version": torch.full((len(prompts),), ctx.version, dtype=torch.long), **writes}
+
+
+def _agent_rollout(ctx: Context, b: StageBatch, prompts: list, index: list, params: SamplingParams,
+                   seed: int) -> dict:
+    """The agent loop (rlrecipes/agent/loop.py) over the rollout engine's turn session."""
+    import dataclasses
+
+    from ..agent.loop import agent_sums
+
+    if not prompts:
+        return {}
+    params = dataclasses.replace(params, stop_token_ids=ctx.agent.stop_token_ids())
+    session = b.engine.open_session(prompts, params, seed=seed)
+    try:
+        traj = ctx.agent.run(session, len(prompts), [ctx.dataset[i].get("tool_kwargs") for i in index])
+    finally:
+        session.close()
+    b.state.add(**agent_sums(traj))
+    return {"response_ids": [t.response_ids for t in traj], "rollout_log_probs": [t.log_probs for t in traj],
+            "response_mask": [t.response_mask for t in traj]}
 
 
 @stage("reward")
@@ -86,9 +116,14 @@ def reward(ctx: Context, b: StageBatch) -> dict:
                            f"(algorithm.max_staleness={k})")
     st.add(stale_sum=int(lag.sum()))
     st.peak(stale_max=int(lag.max()))
-    texts = ctx.tokenizer.batch_decode([x.tolist() for x in b["response_ids"]], skip_special_tokens=True)
     answers = [ctx.dataset[int(i)]["answer"] for i in b["prompt_index"]]
-    scores, n_err, first = score_batch(ctx.reward_fn, texts, answers)
+    if "response_mask" in b.stage.reads:  # multi-turn: the final answer, and the whole trajectory
+        trajectories = [_messages(ctx.tokenizer, x, m) for x, m in zip(b["response_ids"], b["response_mask"])]
+        texts = [t["final"] for t in trajectories]
+    else:
+        trajectories = None
+        texts = ctx.tokenizer.batch_decode([x.tolist() for x in b["response_ids"]], skip_special_tokens=True)
+    scores, n_err, first = score_batch(ctx.reward_fn, texts, answers, trajectories)
     scores = torch.tensor(scores, dtype=torch.float32)  # [rows]
     if r.reward.format_weight:
         scores += r.reward.format_weight * torch.tensor([format_reward(t) for t in texts])
@@ -96,11 +131,23 @@ def reward(ctx: Context, b: StageBatch) -> dict:
     ov = r.algorithm.overlong
     if ov.enabled:
         scores = scores + overlong_reward_penalty(torch.tensor([x.numel() for x in b["response_ids"]]),
-                                                  max_response_len=r.rollout.sampling.max_new_tokens,
+                                                  max_response_len=max_response_len(r),
                                                   buffer_len=ov.buffer_len, penalty_factor=ov.penalty_factor)
     st.add(reward_sum=float(raw.sum()), reward_n=len(b), errors=n_err)
     st.first_error = st.first_error or first
     return {"scores": scores, "acc": raw}
+
+
+def _messages(tokenizer, response_ids: torch.Tensor, response_mask: torch.Tensor) -> dict:
+    """A multi-turn response as chat messages (the reward's ``messages`` / ``tool_results``) and its
+    final answer: the text of the model's last segment (after its last tool turn)."""
+    from ..agent.loop import segments
+
+    msgs = [{"role": "assistant" if model else "tool",
+             "content": tokenizer.decode(ids.tolist(), skip_special_tokens=True)}
+            for model, ids in segments(response_ids, response_mask)]
+    final = next((m["content"] for m in reversed(msgs) if m["role"] == "assistant"), "")
+    return {"messages": msgs, "tool_results": [m["content"] for m in msgs if m["role"] == "tool"], "final": final}
 
 
 @stage("dynamic_sampling")
@@ -162,7 +209,8 @@ def gae(ctx: Context, b: StageBatch) -> dict:
     adv, ret = gae_advantages(alg, scores=b["scores"].float(), responses=list(b["response_ids"]),
                               values=list(b["values"]), rollout_log_probs=list(b["rollout_log_probs"]),
                               ref_log_probs=list(b["ref_log_probs"]) if use_ref else None,
-                              kl_coef=ctx.kl_ctl.value)
+                              kl_coef=ctx.kl_ctl.value,
+                              masks=list(b["response_mask"]) if "response_mask" in b.stage.reads else None)
     return {"advantages": adv, "returns": ret}
 
 
@@ -183,7 +231,7 @@ def update(ctx: Context, b: StageBatch) -> dict:
         for batch, (g_tokens, g_seqs, _) in zip(b.mini_batches, b.counts):
             if not g_seqs:
                 continue
-            agg = dict(global_tokens=g_tokens, global_seqs=g_seqs, norm_len=r.rollout.sampling.max_new_tokens,
+            agg = dict(global_tokens=g_tokens, global_seqs=g_seqs, norm_len=max_response_len(r),
                        dp_size=actor.dp_size)
             loss_fn = actor_loss_fn(alg, agg=agg, kl_coef=ctx.kl_ctl.value, use_ref=use_ref, dp_size=actor.dp_size)
             out = actor.train_step(batch, loss_fn, with_entropy=bool(alg.entropy_coef))
@@ -204,7 +252,7 @@ def critic_update(ctx: Context, b: StageBatch) -> dict:
     [(g_tokens, g_seqs, _)] = global_counts(critic, [batch])
     if not g_seqs:
         return {}
-    agg = dict(global_tokens=g_tokens, global_seqs=g_seqs, norm_len=r.rollout.sampling.max_new_tokens,
+    agg = dict(global_tokens=g_tokens, global_seqs=g_seqs, norm_len=max_response_len(r),
                dp_size=critic.dp_size)
     t0 = time.perf_counter()
     b.state.critic = critic.train_step(batch, critic_loss_fn(r.algorithm, agg=agg))

@@ -101,6 +101,10 @@ def metrics_row(ctx: Context, st: StepState, gathered: list[dict], step_s: float
         "mem/peak_gb": round(max(g["peak"] for g in gathered) / 2 ** 30, 4),
         "reshard/min_bytes": ctx.reshard_plan.min_bytes(0),
     }
+    if r.rollout.multi_turn.enabled:  # the agent loop's numbers, over every sample generated this step
+        from ..agent.loop import agent_metrics
+
+        row.update(agent_metrics(total))
     if r.algorithm.dynamic_sampling.enabled:
         row.update({"dapo/gen_rounds": st.round, "dapo/kept_groups": st.sums.get("ds_kept", 0),
                     "dapo/dropped_groups": st.sums.get("ds_dropped", 0),

@@ -199,8 +199,8 @@ def test_smoke_format_is_written_in_the_smoke_tokenizers_characters(tmp_path):
     assert SMOKE_ALPHABET == set(CHARS)
     tok = AutoTokenizer.from_pretrained(str(build_smoke_tokenizer(tmp_path)))
     SmokeFormat().check(tok, ToolRegistry(["calculator"]).schemas())
-    response = "c(407+512)" + SmokeFormat().render_observation([ToolResult("calculator", "919")]) + "919"
-    assert response == "c(407+512):919:919"
+    response = "c(407+512)" + SmokeFormat(bare=False).render_observation([ToolResult("calculator", "919")]) + "919"
+    assert response == "c(407+512):919=919"
     ids = tok(response, add_special_tokens=False)["input_ids"]
     assert tok.unk_token_id not in ids and tok.decode(ids) == response
     with pytest.raises(ValueError, match="not registered"):
@@ -210,7 +210,7 @@ def test_smoke_format_is_written_in_the_smoke_tokenizers_characters(tmp_path):
 
 
 def test_smoke_parses_calls_and_pauses_when_one_closes():
-    fmt = SmokeFormat()
+    fmt = SmokeFormat(bare=False)
     assert not fmt.call_complete("12")
     assert not fmt.call_complete("c(407+(5")
     assert fmt.call_complete("c(407+(5*2))")
@@ -221,9 +221,9 @@ def test_smoke_parses_calls_and_pauses_when_one_closes():
     assert [c.name for c in calls] == ["calculator", "", "calculator"]
     assert calls[0].error is None and "unknown tool letter 'a'" in calls[1].error and "unterminated" in calls[2].error
     results = ToolPool(ToolRegistry(["calculator"])).run(calls)
-    assert fmt.render_observation(results) == ":2::?::?:"
+    assert fmt.render_observation(results) == ":2=:?=:?="
     assert fmt.render_observation([ToolResult("calculator", "0.25"), ToolResult("calculator", "1e+30"),
-                                   ToolResult("calculator", "-3")]) == ":0.25::?::-3:"
+                                   ToolResult("calculator", "-3")]) == ":0.25=:?=:-3="
     assert fmt.parse("407").calls == [] and fmt.parse("407").content == "407"
     with pytest.raises(ValueError, match="unknown tool format 'hermes'"):
         get_format("hermes")
@@ -234,3 +234,15 @@ def test_tool_results_in_json_survive_the_qwen_round_trip():
     payload = json.dumps({"tool_call": "<tool_call>x</tool_call>"})
     turn = QwenFormat().parse(f"The tool said {payload!s}.")
     assert len(turn.calls) == 1 and turn.calls[0].error  # a call-shaped string in the text is parsed, as an error
+
+
+def test_smoke_bare_calls_are_one_letter_with_the_samples_arguments():
+    fmt = SmokeFormat()
+    assert fmt.stop_text() == list("abcxy") and SmokeFormat(bare=False).stop_text() == [")"]
+    only_c = SmokeFormat({"c": ("calculator", "expression")})
+    assert only_c.call_complete("3c") and not only_c.call_complete("3x") and not only_c.call_complete("")
+    turn = only_c.parse("1xc")
+    assert turn.content == "1x" and [(c.name, c.arguments, c.error) for c in turn.calls] == [("calculator", {}, None)]
+    assert [c.name for c in fmt.parse("1xc").calls] == ["calculator", "calculator"]
+    two = SmokeFormat({"c": ("calculator", "expression"), "x": ("python", "code")})
+    assert two.stop_text() == ["c", "x"] and [c.name for c in two.parse("xc").calls] == ["python", "calculator"]

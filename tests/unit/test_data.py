@@ -144,6 +144,7 @@ def test_smoke_dataset_deterministic():
     for r in add:
         x, y = r["prompt"][:-1].split("+")
         assert int(r["answer"]) == int(x) + int(y)
+        assert r["tool_kwargs"] == {"calculator": {"expression": f"{x}+{y}"}}
     rev = smoke_task_dataset(5, seed=0, task="reverse")
     assert all(r["answer"] == r["prompt"][:-1][::-1] for r in rev)
     with pytest.raises(ValueError, match="unknown smoke task"):

@@ -260,6 +260,71 @@ class FastDecoder:
         buf.advance(P)
         return self._head(self._final_norm(h[:, -1:]))[:, -1]  # [B, V]
 
+    # ------------------------------------------------------------------------------- multi-turn
+    @torch.no_grad()
+    def extend(self, ids: torch.Tensor, keep: torch.Tensor, pos: torch.Tensor, history: torch.Tensor, *,
+               capacity: int) -> torch.Tensor:
+        """Append a chunk after the filled columns; next-token logits ``[B, V]`` at its last column.
+
+        The multi-turn session's prefill (``session.py``): ``ids, keep, pos [B, T]`` are the chunk
+        (left-padded per row, 1 = real token, each row's own position ids), ``history [B, n]`` says
+        which filled columns each row may attend to (0 on padding, on columns of turns the row sat
+        out, and on other rows' tool observations). The chunk's K/V go to columns ``[n, n + T)``; with
+        ``n == 0`` this is :meth:`prefill`. Buffers are allocated (``n == 0``) or must already hold
+        ``capacity`` columns (:meth:`grow`). Call :meth:`set_steps` before decode steps.
+        """
+        if not self.fast_prefill:
+            raise RuntimeError("extend: some layers have no hand-written step")
+        n = self.buffers.length
+        if n == 0:
+            return self.prefill(ids, keep, pos, capacity=capacity, steps=1)
+        self._prepare()
+        B, T = ids.shape
+        dev = ids.device
+        h = self._embed(ids)  # [B, T, H]
+        cos, sin = self.rotary(h, pos)  # [B, T, D]
+        ar = torch.arange(T, device=dev)
+        own = (keep.bool()[:, None, :] & (ar[None, :] <= ar[:, None])[None]) | torch.eye(T, dtype=torch.bool, device=dev)
+        mask = torch.cat([history.bool()[:, None, :].expand(B, T, n), own], -1)[:, None]  # [B, 1, T, n + T]
+        pcos, psin = cos, sin
+        if self.rope_interleave:
+            pcos, psin = pcos[..., : pcos.shape[-1] // 2], psin[..., : psin.shape[-1] // 2]
+        half = psin.shape[-1] // 2
+        psin_signed = torch.cat([-psin[..., :half], psin[..., half:]], -1)
+        last = len(self.layers) - 1
+        for i, (kind, layer, plan) in enumerate(zip(self.kinds, self.layers, self._plan)):
+            a = plan["in_norm"](h)
+            if kind == "gqa":
+                a = self._gqa_prefill(plan, a, i, capacity, pcos[:, :, None], psin_signed[:, :, None], mask,
+                                      last_only=i == last, start=n)
+            else:
+                a = self._mla_prefill(layer.self_attn, plan, a, i, capacity, pcos, psin, mask, last_only=i == last,
+                                      start=n)
+            if i == last:
+                h = h[:, -1:]
+            h = h + a
+            h = h + plan["mlp"](plan["post_norm"](h))
+        self.buffers.advance(T)
+        return self._head(self._final_norm(h[:, -1:]))[:, -1]  # [B, V]
+
+    def set_steps(self, first_pos: torch.Tensor, steps: int, keep: torch.Tensor, like: torch.Tensor) -> None:
+        """Rotary of ``steps`` decode steps from ``first_pos [B, 1]`` and the keep-mask ``[B, L]`` the
+        steps attend through (the caller sets each step's own column in it before the step)."""
+        pos = first_pos + torch.arange(max(steps, 1), device=first_pos.device)  # [B, S]
+        self._set_rotary(*self.rotary(like, pos))
+        self._mask = keep[:, None, None, :]  # [B, 1, 1, L], a view: the caller's updates are seen
+
+    def grow(self, capacity: int) -> None:
+        """Re-allocate every layer's buffers with ``capacity`` columns, keeping the filled ones."""
+        buf = self.buffers
+        for li, (k, v) in enumerate(zip(buf.keys, buf.values)):
+            nk = k.new_empty(k.shape[0], k.shape[1], capacity, k.shape[3])
+            nv = v.new_zeros(v.shape[0], v.shape[1], capacity, v.shape[3])
+            nk[:, :, :buf.length].copy_(k[:, :, :buf.length])
+            nv[:, :, :buf.length].copy_(v[:, :, :buf.length])
+            buf.keys[li], buf.values[li] = nk, nv
+        buf.capacity = capacity
+
     @staticmethod
     def _causal_last(mask, last_only: bool):
         """The attention mask of the query rows computed: all rows, or the last one (``[B, 1, 1, P]``)."""
@@ -267,8 +332,9 @@ class FastDecoder:
             return mask, mask is None
         return (None if mask is None else mask[:, :, -1:]), False  # the last row sees every real key
 
-    def _gqa_prefill(self, plan, x, li, capacity, cos, sin_signed, mask, last_only):
-        """Qwen-style attention over the prompt ``x [B, P, H]``; K/V go to the buffers' ``[:P]``."""
+    def _gqa_prefill(self, plan, x, li, capacity, cos, sin_signed, mask, last_only, start=0):
+        """Qwen-style attention over the prompt ``x [B, P, H]``; K/V go to the buffers' ``[start:start + P]``
+        (``start > 0``: a chunk after earlier columns, :meth:`extend`; ``mask`` then covers them all)."""
         B, P = x.shape[:2]
         D = plan["head_dim"]
         xq = x[:, -1:] if last_only else x
@@ -283,11 +349,15 @@ class FastDecoder:
             q = q * cos[:, -1:] + q.roll(D // 2, -1) * sin_signed[:, -1:]
         else:
             q = q * cos + q.roll(D // 2, -1) * sin_signed
-        K, V = self.buffers.reserve(li, (B, Hk, P, D), (B, Hk, P, D), capacity, x)  # [B, Hk, L, D]
-        K[:, :, :P].copy_(k.transpose(1, 2))
-        V[:, :, :P].copy_(v.transpose(1, 2))
+        if start:
+            K, V = self.buffers.keys[li], self.buffers.values[li]
+        else:
+            K, V = self.buffers.reserve(li, (B, Hk, P, D), (B, Hk, P, D), capacity, x)  # [B, Hk, L, D]
+        end = start + P
+        K[:, :, start:end].copy_(k.transpose(1, 2))
+        V[:, :, start:end].copy_(v.transpose(1, 2))
         m, causal = self._causal_last(mask, last_only)
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), K[:, :, :P], V[:, :, :P], attn_mask=m,
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), K[:, :, :end], V[:, :, :end], attn_mask=m,
                                            is_causal=causal, scale=plan["scale"],
                                            enable_gqa=Hq != Hk)  # [B, Hq, Pq, D]
         return plan["o"](o.transpose(1, 2).reshape(B, -1, Hq * D))  # [B, Pq, H]
@@ -299,8 +369,9 @@ class FastDecoder:
             return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
         return x * c + _rotate_half(x) * s
 
-    def _mla_prefill(self, attn, plan, x, li, capacity, cos, sin, mask, last_only):
-        """DeepSeek MLA over the prompt ``x [B, P, H]``, writing expanded per-head K/V to the buffers."""
+    def _mla_prefill(self, attn, plan, x, li, capacity, cos, sin, mask, last_only, start=0):
+        """DeepSeek MLA over the prompt ``x [B, P, H]``, writing expanded per-head K/V to the buffers
+        (at ``[start:start + P]``, as :meth:`_gqa_prefill`)."""
         B, P = x.shape[:2]
         xq = x[:, -1:] if last_only else x
         if attn.q_lora_rank is None:
@@ -321,12 +392,16 @@ class FastDecoder:
         dv = value.shape[-1]
         # V is stored zero-padded to the key width: SDPA then takes its fused (flash) CPU kernel
         # instead of the math fallback for qk != v head dims; the extra output columns are dropped
-        K, V = self.buffers.reserve(li, tuple(key.shape), tuple(key.shape), capacity, key)
-        K[:, :, :P].copy_(key)
-        V[:, :, :P, :dv].copy_(value)
+        if start:
+            K, V = self.buffers.keys[li], self.buffers.values[li]
+        else:
+            K, V = self.buffers.reserve(li, tuple(key.shape), tuple(key.shape), capacity, key)
+        end = start + P
+        K[:, :, start:end].copy_(key)
+        V[:, :, start:end, :dv].copy_(value)
         m, causal = self._causal_last(mask, last_only)
-        o = F.scaled_dot_product_attention(query, key, V[:, :, :P], attn_mask=m, is_causal=causal,
-                                           scale=attn.scaling)[..., :dv]  # [B, H, Pq, v]
+        o = F.scaled_dot_product_attention(query, key if not start else K[:, :, :end], V[:, :, :end], attn_mask=m,
+                                           is_causal=causal, scale=attn.scaling)[..., :dv]  # [B, H, Pq, v]
         return plan["o"](o.transpose(1, 2).reshape(B, query.shape[2], -1))  # [B, Pq, H]
 
     @staticmethod
