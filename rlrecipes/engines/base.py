@@ -26,6 +26,7 @@ zero-weight micro-batches), so collectives stay in step.
 from __future__ import annotations
 
 import abc
+import hashlib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -386,8 +387,11 @@ class ReprefillSession(TurnSession):
                 self.context[r] = torch.cat([self.context[r], a.reshape(-1).long()])
         limit = max(int(n) for n in max_new_tokens)
         params = dataclasses.replace(self.params, max_new_tokens=limit)
+        # a hashed seed per call: the engine seeds request i with seed + i, so consecutive seeds
+        # would hand request i of one call the seed of request i - 1 of the next
+        digest = hashlib.sha256(f"{self.seed}/{self.calls}".encode()).digest()
         out = self.engine.generate([self.context[r] for r in rows], params,
-                                   seed=(self.seed * 1_000_003 + self.calls) % 2 ** 62)
+                                   seed=int.from_bytes(digest[:6], "little"))
         self.calls += 1
         responses, logps = [], []
         for r, n, resp, lp in zip(rows, max_new_tokens, out.responses, out.log_probs):

@@ -250,3 +250,10 @@ def test_reward_functions_get_the_trajectory_when_they_ask():
     assert score_batch(new_style, ["9"], ["9"], traj)[0] == [1.0]
     assert seen == [(traj[0]["messages"], [":9="])]
     assert score_batch(old_style, ["9"], ["9"], traj)[0] == [1.0]
+
+
+def test_special_token_names_are_not_calls(tok):
+    """``<pad>`` holds an ``a`` and ``<bos>`` a ``b``: the loop parses text without special tokens."""
+    loop = _loop(tok)
+    ids = torch.tensor(tok.convert_tokens_to_ids(["<pad>", "<bos>", "7", "a"]))
+    assert loop._text(ids) == "7a" and len(loop.fmt.parse(loop._text(ids)).calls) == 1

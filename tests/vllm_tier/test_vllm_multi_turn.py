@@ -10,7 +10,8 @@ serves the repeated prefix). What must hold for the trainer:
   of the calculator's result (``:<result>:``).
 
 Smoke tool format, bare mode: any of the letters a b c x y is a call of the calculator with the
-sample's own expression (the add task's ``tool_kwargs``), rendered as ``:919:``.
+sample's own expression (the add task's ``tool_kwargs``); the result is rendered between
+separators (``:919:``; the tests take the rendering from ``SmokeFormat.render_observation``).
 """
 import dataclasses
 from concurrent.futures import wait
@@ -235,9 +236,6 @@ def test_observations_are_masked_and_decode_to_the_result(rollout, tok):
     assert full_obs >= 4
 
 
-@pytest.mark.xfail(strict=True, reason="ReprefillSession seeds call c with seed*1_000_003 + c and the engine gives "
-                   "request i seed + i, so request i of call c and request i-1 of call c+1 share a vLLM seed: "
-                   "their samples are correlated (rlrecipes/engines/base.py, to be fixed there)")
 def test_no_two_requests_of_a_session_share_a_seed(setup, tok):
     """Every vLLM request a multi-turn session sends has its own sampling seed (requests that share
     one draw the same noise: on a flat model one row's later segment repeats another's first)."""

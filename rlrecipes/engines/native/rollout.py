@@ -305,7 +305,7 @@ class NativeRolloutEngine(MeshRanks, base.RolloutEngine):
             return super().open_session(prompts, params, seed=seed)
         from .session import KVSession
 
-        return KVSession(self, prompts, params, seed=seed, stop_ids=_stop_ids(params))
+        return KVSession(self, prompts, params, seed=seed, stop_ids=_stop_ids(params), sample_next=sample_next)
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[torch.Tensor], params: SamplingParams, *, seed: int) -> RolloutOutput:

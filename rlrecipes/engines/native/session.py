@@ -14,12 +14,12 @@ row's real tokens, so the model sees each conversation exactly as the trainer's 
 ``prompt + response`` does (positions ``0 .. len - 1``, no gaps). The buffers grow (doubling) when
 a call would not fit; holes are the cost of batching rows that are at different turns.
 
-Sampling is :func:`~rlrecipes.engines.native.rollout.sample_next` with the engine's generator,
+Sampling is the engine's :func:`~rlrecipes.engines.native.rollout.sample_next` with its generator,
 reseeded once per session; with TP > 1 the tokens of TP rank 0 are broadcast, as in ``sample``.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -31,8 +31,8 @@ class KVSession(TurnSession):
     """See the module doc. Built by ``NativeRolloutEngine.open_session`` (fast decode path only)."""
 
     def __init__(self, engine, prompts: Sequence[torch.Tensor], params: SamplingParams, *, seed: int,
-                 stop_ids: Sequence[int]):
-        self.eng, self.params = engine, params
+                 stop_ids: Sequence[int], sample_next: Callable):
+        self.eng, self.params, self.sample_next = engine, params, sample_next
         self.dev = engine.device
         self.fast = engine._fast
         self.prompts = [p.reshape(-1).long() for p in prompts]
@@ -110,7 +110,8 @@ class KVSession(TurnSession):
         active = named.clone()
         count = torch.zeros(self.B, dtype=torch.long, device=dev)
         for t in range(steps):
-            tok, lp = _sample(logits, p, eng.generator)
+            tok, lp = self.sample_next(logits, temperature=p.temperature, top_k=max(p.top_k, 0), top_p=p.top_p,
+                                       generator=eng.generator)
             if eng._tp_group is not None:
                 dist.broadcast(tok, src=eng._tp_src, group=eng._tp_group)
             tok = tok.masked_fill(~active, p.pad_token_id)
@@ -140,12 +141,6 @@ class KVSession(TurnSession):
     def close(self) -> None:
         self.fast.release()
         self.keep = None
-
-
-def _sample(logits: torch.Tensor, p: SamplingParams, generator) -> tuple[torch.Tensor, torch.Tensor]:
-    from rlrecipes.engines.native.rollout import sample_next
-
-    return sample_next(logits, temperature=p.temperature, top_k=max(p.top_k, 0), top_p=p.top_p, generator=generator)
 
 
 __all__ = ["KVSession"]
