@@ -95,6 +95,9 @@ class Capabilities:
     platform: ``fn(*, inference, dims) -> (dict | None, list[str])``, what ``plan`` prints (None:
     nothing to render here) and one sentence per setting the target cannot serve, each with the fix.
     Empty: the engine renders nothing."""
+    multi_turn_multi_rank: bool = True
+    """Multi-turn rollouts (``rollout.multi_turn``) on instances of several ranks (rollout TP or
+    EP > 1): the instance's leader runs the agent loop and mirrors every turn call to its peers."""
     implemented: bool = True
     """False while a backend is declared but not complete: ``plan`` reports it and ``run`` refuses."""
     status: str = ""

@@ -12,6 +12,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
+from ..engines.registry import BACKENDS, capabilities, engines_that
 from ..recipe import Recipe
 from .checks import Violation
 
@@ -76,11 +77,14 @@ def agent_checks(r: Recipe) -> tuple[list[Violation], Optional[dict]]:
         v.append(Violation(AGENT_RULE, f"rollout.multi_turn.max_response_tokens={mt.max_response_tokens} is below one "
                                        f"turn's rollout.sampling.max_new_tokens={r.rollout.sampling.max_new_tokens}; "
                                        "raise it (it bounds the whole trajectory: every turn and observation)"))
-    if r.rollout.layout.tp > 1 or r.rollout.layout.ep > 1:
-        v.append(Violation(AGENT_RULE, f"rollout.layout TP{r.rollout.layout.tp} EP{r.rollout.layout.ep}: the agent "
-                                       "loop runs one rollout rank per instance in this release (the ranks of a TP/EP "
-                                       "instance would have to agree on every turn's samples); set rollout.layout "
-                                       "tp: 1, ep: 1 or rollout.multi_turn.enabled=false"))
+    lay = r.rollout.layout
+    if (lay.tp > 1 or lay.ep > 1) and r.rollout.engine in BACKENDS \
+            and not capabilities(r.rollout.engine).multi_turn_multi_rank:
+        able = engines_that(lambda c: c.multi_turn_multi_rank and "rollout" in c.roles)
+        v.append(Violation(AGENT_RULE, f"rollout.engine={r.rollout.engine} runs multi-turn rollouts on one rank per "
+                                       f"instance in this release, and rollout.layout is TP{lay.tp} EP{lay.ep}; set "
+                                       f"rollout.layout tp: 1, ep: 1" + (f", or rollout.engine={' or '.join(able)}"
+                                                                         if able else "")))
     if r.algorithm.routing_replay:
         v.append(Violation(AGENT_RULE, "algorithm.routing_replay records routing in single-turn generate calls only; "
                                        "set algorithm.routing_replay=false for a multi-turn rollout"))

@@ -91,10 +91,17 @@ def rollout_step(ctx: Context, step: int) -> None:
         ctx.dock.reset(step)  # its previous step (step - k - 1) was trained before that version came
     dist.barrier()
     ctx.stage = "rollout"
-    run_stages(ctx, step_io(ctx, StepState(step=step, target=r.trainer.global_batch)))
+    st = StepState(step=step, target=r.trainer.global_batch)
+    run_stages(ctx, step_io(ctx, st))
     ctx.dock.flush()
+    agent = {}
+    if ctx.agent is not None:  # the agent loop's numbers, summed over the rollout workers
+        from ..agent.loop import agent_metrics
+
+        sums = [g for g in all_gather_objects(st.sums, device=ctx.device)]
+        agent = agent_metrics({k: sum(g.get(k, 0) for g in sums) for k in set().union(*sums)})
     if ctx.rank == 0 and ctx.progress is not None:
         t = ctx.timer
         ctx.progress.rollout.remote(step, {
             "timing_s/rollout": round(t.seconds["rollout"], 4), "compute_s/rollout": round(t.compute["rollout"], 4),
-            "async/weights_wait_s": round(t_weights, 4), "async/policy_version": ctx.version})
+            "async/weights_wait_s": round(t_weights, 4), "async/policy_version": ctx.version, **agent})

@@ -13,6 +13,7 @@ import time
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 
 from ..algos import overlong_reward_penalty
 from ..algos.spec import actor_loss_fn, critic_loss_fn, gae_advantages, outcome_advantages
@@ -88,15 +89,25 @@ def _agent_rollout(ctx: Context, b: StageBatch, prompts: list, index: list, para
 
     if not prompts:
         return {}
+    from ..agent.spmd import LeaderSession, follow
+
     params = dataclasses.replace(params, stop_token_ids=ctx.agent.stop_token_ids())
     session = b.engine.open_session(prompts, params, seed=seed)
+    group, leader = b.engine.model_parallel_group()  # an instance over several ranks: its leader runs the loop
     try:
-        traj = ctx.agent.run(session, len(prompts), [ctx.dataset[i].get("tool_kwargs") for i in index])
+        if group is None or dist.get_rank() == leader:
+            lead = session if group is None else LeaderSession(session, group, leader)
+            traj = ctx.agent.run(lead, len(prompts), [ctx.dataset[i].get("tool_kwargs") for i in index])
+            if group is not None:
+                lead.finish([(t.response_ids, t.response_mask, t.log_probs) for t in traj])
+            b.state.add(**agent_sums(traj))  # once per instance
+            traj = [(t.response_ids, t.response_mask, t.log_probs) for t in traj]
+        else:
+            traj = follow(session, group, leader)
     finally:
         session.close()
-    b.state.add(**agent_sums(traj))
-    return {"response_ids": [t.response_ids for t in traj], "rollout_log_probs": [t.log_probs for t in traj],
-            "response_mask": [t.response_mask for t in traj]}
+    return {"response_ids": [t[0] for t in traj], "response_mask": [t[1] for t in traj],
+            "rollout_log_probs": [t[2] for t in traj]}
 
 
 @stage("reward")

@@ -59,3 +59,25 @@ def test_ranks_without_rows_take_the_same_collective_path(tmp_path, case):
     cli("run", recipe, "--out", str(out), "--smoke", "--quiet", "--steps", "2", "--keep-batch",
         "trainer.export_hf=false", "resources.cpus_per_worker=1", *extra, timeout=400)
     assert [r["step"] for r in metrics(out)] == [0, 1]
+
+
+MULTI_TURN = ["data.synthetic=add", "rollout.multi_turn.enabled=true", "rollout.multi_turn.tools=[calculator]"]
+
+
+@pytest.mark.parametrize("case", [
+    ["qwen25_7b", "algorithm.name=ppo", "algorithm.adv_estimator=gae"],  # GAE and the critic over masks
+    ["deepseek_r1_671b"],  # rollout TP2 EP2: the instance's leader runs the loop, its peer replays the calls
+    ["qwen25_7b", *DISAGG, "algorithm.max_staleness=1"],  # masks cross the bridge through the dock
+], ids=["ppo-colocated", "grpo-rollout-tp2-ep2", "grpo-disagg-k1"])
+def test_multi_turn_runs_under_the_strict_contract(tmp_path, case):
+    """A multi-turn rollout's response_mask reaches every stage that declares it (strict batch), and
+    every row carries the agent metrics."""
+    recipe, *extra = case
+    out = tmp_path / "run"
+    cli("run", recipe, "--out", str(out), *BASE, *MULTI_TURN, *extra, timeout=400)
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == [0, 1]
+    for r in rows:
+        assert r["agent/tool_calls_mean"] > 0 and 0 < r["agent/observation_token_frac"] < 1
+        if "algorithm.max_staleness=1" not in extra:  # on-policy: rollout and trainer agree on the model's tokens
+            assert r["rollout/logprob_diff_max"] < 1e-4

@@ -12,6 +12,7 @@ from ..base import Capabilities
 
 CAPABILITIES = Capabilities(
     name="vllm", roles=frozenset({"rollout"}), expert_parallel=True, devices=("cpu", "cuda", "npu"),
+    multi_turn_multi_rank=False,  # DP-attention ranks step together; mirrored turn calls untested here
     dtypes=("auto", "bf16", "fp16", "fp32"), requires=("vllm",),
     requires_by_device=(("npu", ("vllm_ascend", "torch_npu")),),
     install="bash scripts/setup_vllm_cpu.sh on CPU (its own venv .venv-vllm), pip install -e '.[cuda]' on CUDA, "
