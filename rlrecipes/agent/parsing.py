@@ -31,8 +31,8 @@ Two formats:
     The observation is the result between a colon and an equals sign, ``:919=`` (it ends as the
     prompt ``407+512=`` does, where the answer follows); a failure, or a result that is not a plain
     number, reads ``:?=``. A whole smoke response: ``c:919=919<eos>``: the answer is the text after
-    the last observation. By default (bare) all five letters are aliases of the calculator, so a
-    random smoke model calls it from its first step.
+    the last observation, and a model that ends its turn right after the result answers with it
+    (the smoke reward, ``rlrecipes.rewards.smoke_reward``).
 
 Parsing never raises: a call that cannot be read (bad JSON, no name, arguments that are not an
 object, an unterminated call, an unknown alias) is a :class:`ToolCall` with ``error`` set, which
@@ -239,9 +239,7 @@ class SmokeFormat(ToolFormat):
     name = "smoke"
 
     def __init__(self, aliases: dict[str, tuple[str, str]] | None = None, bare: bool = True):
-        # bare (the rollout's default): every letter calls the calculator, so a random smoke model
-        # makes calls from its first step (exploration); explicit: c(...) only
-        self.aliases = dict(aliases or {ch: ("calculator", "expression") for ch in ("abcxy" if bare else "c")})
+        self.aliases = dict(aliases or {"c": ("calculator", "expression")})
         self.bare = bool(bare)
         for k in self.aliases:
             if len(k) != 1 or k not in "abcxy":

@@ -36,10 +36,14 @@ def _task(tok, n, seed=0):
     return [torch.tensor(tok(r["prompt"])["input_ids"]) for r in rows], [r["tool_kwargs"] for r in rows], rows
 
 
+# every letter of the smoke tokenizer calls the calculator: a random model then calls often
+EVERY_LETTER = {ch: ("calculator", "expression") for ch in "abcxy"}
+
+
 def _loop(tok, tools=("calculator",), fmt=None, workers=8, timeout_s=5.0, **limits):
     lim = dict(max_turns=3, max_tool_calls=2, max_response_tokens=24, max_new_tokens=8, max_observation_tokens=8)
     lim.update(limits)
-    return AgentLoop(fmt or SmokeFormat(), ToolPool(ToolRegistry(list(tools)), max_workers=workers, timeout_s=timeout_s),
+    return AgentLoop(fmt or SmokeFormat(EVERY_LETTER), ToolPool(ToolRegistry(list(tools)), max_workers=workers, timeout_s=timeout_s),
                      tok, AgentLimits(**lim), eos_ids=[tok.eos_token_id])
 
 
@@ -257,3 +261,13 @@ def test_special_token_names_are_not_calls(tok):
     loop = _loop(tok)
     ids = torch.tensor(tok.convert_tokens_to_ids(["<pad>", "<bos>", "7", "a"]))
     assert loop._text(ids) == "7a" and len(loop.fmt.parse(loop._text(ids)).calls) == 1
+
+
+def test_smoke_reward_takes_the_accepted_tool_result():
+    from rlrecipes.rewards import score_batch, smoke_reward
+
+    assert smoke_reward("", "919", tool_results=[":919="]) == 1.0  # ended its turn on the result
+    assert smoke_reward("91", "919", tool_results=[":919="]) == smoke_reward("91", "919")  # its own copy counts
+    assert smoke_reward("", "919", tool_results=[":?="]) == 0.0 and smoke_reward("", "919") == 0.0
+    traj = [{"messages": [], "tool_results": [":919="]}, {"messages": [], "tool_results": []}]
+    assert score_batch("smoke", ["", "919"], ["919", "919"], traj)[0] == [1.0, 1.0]

@@ -238,11 +238,11 @@ def test_tool_results_in_json_survive_the_qwen_round_trip():
 
 def test_smoke_bare_calls_are_one_letter_with_the_samples_arguments():
     fmt = SmokeFormat()
-    assert fmt.stop_text() == list("abcxy") and SmokeFormat(bare=False).stop_text() == [")"]
-    only_c = SmokeFormat({"c": ("calculator", "expression")})
-    assert only_c.call_complete("3c") and not only_c.call_complete("3x") and not only_c.call_complete("")
-    turn = only_c.parse("1xc")
+    assert fmt.stop_text() == ["c"] and SmokeFormat(bare=False).stop_text() == [")"]
+    assert fmt.call_complete("3c") and not fmt.call_complete("3x") and not fmt.call_complete("")
+    turn = fmt.parse("1xc")
     assert turn.content == "1x" and [(c.name, c.arguments, c.error) for c in turn.calls] == [("calculator", {}, None)]
-    assert [c.name for c in fmt.parse("1xc").calls] == ["calculator", "calculator"]
+    every = SmokeFormat({ch: ("calculator", "expression") for ch in "abcxy"})
+    assert every.stop_text() == list("abcxy") and [c.name for c in every.parse("1xc").calls] == ["calculator"] * 2
     two = SmokeFormat({"c": ("calculator", "expression"), "x": ("python", "code")})
     assert two.stop_text() == ["c", "x"] and [c.name for c in two.parse("xc").calls] == ["python", "calculator"]

@@ -79,7 +79,9 @@ def setup(tok):
 
 def _loop(tok):
     pool = SyncToolPool(ToolRegistry(["calculator"]), max_workers=4)
-    return AgentLoop(SmokeFormat(), pool, tok, LIMITS, eos_ids=[tok.eos_token_id])
+    # every letter calls the calculator, so the random model makes calls often
+    return AgentLoop(SmokeFormat({ch: ("calculator", "expression") for ch in "abcxy"}), pool, tok, LIMITS,
+                     eos_ids=[tok.eos_token_id])
 
 
 def _params(tok, loop, **kw):
