@@ -25,6 +25,7 @@ nothing from the rest of rlrecipes.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
@@ -81,6 +82,9 @@ class _Row:
     obs_tokens: int = 0
     pending: Optional[tuple[list[Future], list[ToolCall], float]] = None
     appended: Optional[torch.Tensor] = None
+    turn: list = field(default_factory=list)
+    """The segments of the turn in progress (a turn may pause at a stop token that completes no call)."""
+    turn_len: int = 0
 
 
 class AgentLoop:
@@ -119,35 +123,47 @@ class AgentLoop:
     def run(self, session: Any, n: int, tool_kwargs: Optional[Sequence[Optional[dict]]] = None) -> list[Trajectory]:
         """Run ``n`` conversations of ``session`` to their end; one :class:`Trajectory` each."""
         L = self.limits
+        stops = set(self.stop_token_ids())
         rows = [_Row() for _ in range(n)]
         kwargs = list(tool_kwargs) if tool_kwargs is not None else [None] * n
         while True:
             self._harvest(rows)
             ready = [i for i, r in enumerate(rows) if not r.done and r.pending is None]
             if not ready:
-                waiting = [f for r in rows if r.pending is not None for f in r.pending[0] if not f.done()]
-                if not waiting:
+                if not any(r.pending is not None for r in rows):
                     break
-                wait(waiting, return_when=FIRST_COMPLETED)
-                # calls started together end together: gather the ones a moment behind the first, so
-                # they share the next engine call instead of waiting for a one-sample call to finish
-                wait(waiting, timeout=self.coalesce_s)
+                waiting = [f for r in rows if r.pending is not None for f in r.pending[0] if not f.done()]
+                if waiting:  # (all done already: harvest them on the next pass)
+                    wait(waiting, return_when=FIRST_COMPLETED)
+                    # calls started together end together: gather the ones a moment behind the first,
+                    # so they share the next engine call instead of waiting for a one-sample call
+                    wait(waiting, timeout=self.coalesce_s)
                 continue
-            budgets = [min(L.max_new_tokens, L.max_response_tokens - rows[i].length) for i in ready]
+            budgets = [min(L.max_new_tokens - rows[i].turn_len, L.max_response_tokens - rows[i].length) for i in ready]
             out = session.generate(ready, [rows[i].appended for i in ready], budgets)
-            for i, seg, lp, budget in zip(ready, out.responses, out.log_probs, budgets):
-                self._after_segment(rows[i], seg.reshape(-1).long(), lp.reshape(-1).float(), budget, kwargs[i])
+            for i, seg, lp in zip(ready, out.responses, out.log_probs):
+                self._after_segment(rows[i], seg.reshape(-1).long(), lp.reshape(-1).float(), kwargs[i], stops)
         return [self._trajectory(r) for r in rows]
 
-    def _after_segment(self, r: _Row, seg: torch.Tensor, lp: torch.Tensor, budget: int, kwargs: Optional[dict]) -> None:
+    def _after_segment(self, r: _Row, seg: torch.Tensor, lp: torch.Tensor, kwargs: Optional[dict],
+                       stops: set) -> None:
+        """A turn's next segment: end the sample, run its calls, or go on with the same turn."""
         L = self.limits
         r.appended = None
+        if r.turn_len == 0:
+            r.turns += 1
         self._add(r, seg, lp, model=True)
-        r.turns += 1
+        r.turn_len += int(seg.numel())
+        r.turn.append(seg)
         last = int(seg[-1]) if seg.numel() else None
         ended_turn = last is not None and last in self.eos
-        paused = last is not None and not ended_turn and seg.numel() <= budget and self._is_stop(seg)
-        calls = self.fmt.parse(self._text(seg)).calls if (ended_turn or paused) else []
+        text = self._text(torch.cat(r.turn))
+        stopped = last is not None and not ended_turn and last in stops
+        out_of_room = r.turn_len >= L.max_new_tokens or r.length >= L.max_response_tokens
+        if stopped and not self.fmt.call_complete(text) and not out_of_room:
+            return  # a stop token that completes no call (e.g. a ')' of plain arithmetic): the turn goes on
+        calls = self.fmt.parse(text).calls if (ended_turn or stopped) else []
+        r.turn, r.turn_len = [], 0
         if not calls:
             r.done = True
             r.truncated = not ended_turn  # the turn's or the response's token limit
@@ -162,9 +178,6 @@ class AgentLoop:
         r.calls += len(calls)
         r.pending = (self.pool.submit(calls), calls, time.perf_counter())
 
-    def _is_stop(self, seg: torch.Tensor) -> bool:
-        return self.fmt.call_complete(self._text(seg))
-
     def _harvest(self, rows: list[_Row]) -> None:
         """Turn every finished set of tool results into its sample's observation tokens."""
         L = self.limits
@@ -176,16 +189,33 @@ class AgentLoop:
             results: list[ToolResult] = ToolPool.results(futures)
             r.latency.extend(x.latency_s for x in results)  # the tools' own time, not the loop's
             r.errors += sum(1 for x in results if not x.ok)
-            text = self.fmt.render_observation(results, calls, tokenizer=self.tok, tools=self.tools)
-            obs = torch.tensor(self.tok(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
-            room = L.max_response_tokens - r.length
-            obs = obs[:min(L.max_observation_tokens, room)]
+            room = min(L.max_observation_tokens, L.max_response_tokens - r.length - 1)  # 1: the model answers
+            obs = self._observation(results, calls, room)
+            if obs is None:  # even the shortened results do not fit: the sample ends on its call
+                r.done, r.truncated = True, True
+                continue
             self._add(r, obs, torch.zeros(obs.numel()), model=False)
             r.obs_tokens += int(obs.numel())
-            if r.length >= L.max_response_tokens:  # no room left for the model to answer
-                r.done, r.truncated = True, True
-            else:
-                r.appended = obs
+            r.appended = obs
+
+    def _observation(self, results: list[ToolResult], calls: list[ToolCall], room: int) -> Optional[torch.Tensor]:
+        """The rendered results as tokens, within ``room``: a result too long is cut (its text, then
+        rendered again, so the format's own frame, e.g. the chat template's tool turn, stays whole);
+        None when nothing fits."""
+        if room <= 0:
+            return None
+        cut = max(len(x.content) for x in results) if results else 0
+        for _ in range(12):
+            shown = [x if len(x.content) <= cut else dataclasses.replace(x, content=x.content[:cut] + " ...[cut]")
+                     for x in results]
+            text = self.fmt.render_observation(shown, calls, tokenizer=self.tok, tools=self.tools)
+            ids = self.tok(text, add_special_tokens=False)["input_ids"]
+            if len(ids) <= room:
+                return torch.tensor(ids, dtype=torch.long)
+            if cut == 0:
+                return None
+            cut //= 2
+        return None
 
     def _add(self, r: _Row, ids: torch.Tensor, lp: torch.Tensor, *, model: bool) -> None:
         r.ids.append(ids)

@@ -93,6 +93,10 @@ class ToolFormat(ABC):
                            tokenizer: Any = None, tools: list[dict] | None = None) -> str:
         """The text appended after the model's segment (not tokens of the model: masked out)."""
 
+    def results_of(self, observation: str) -> list[str]:
+        """The tool results inside an observation's text (what a reward's ``tool_results`` gets)."""
+        return [observation]
+
     def check(self, tokenizer: Any = None, tools: list[dict] | None = None) -> None:
         """Raise ValueError when this format cannot be used with ``tokenizer`` (for ``plan``)."""
 
@@ -104,6 +108,7 @@ _THINK_END = "</think>"
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(re.escape(_OPEN) + r"(.*?)" + re.escape(_CLOSE), re.S)
 _NAME = re.compile(r'"name"\s*:\s*"([^"]{1,64})"')
+_RESPONSE = re.compile(r"<tool_response>(.*?)</tool_response>", re.S)
 
 
 def _read_json_call(body: str, raw: str) -> ToolCall:
@@ -162,6 +167,10 @@ class QwenFormat(ToolFormat):
 
     def call_complete(self, text: str) -> bool:
         return False  # the turn ends at <|im_end|>; the loop parses it then
+
+    def results_of(self, observation: str) -> list[str]:
+        found = _RESPONSE.findall(observation)
+        return [x.strip("\n") for x in found] if found else [observation]
 
     def render_observation(self, results, calls=(), *, tokenizer=None, tools=None) -> str:
         if tokenizer is None:
@@ -292,6 +301,9 @@ class SmokeFormat(ToolFormat):
 
     def stop_text(self) -> list[str]:
         return list(self.aliases) if self.bare else [")"]
+
+    def results_of(self, observation: str) -> list[str]:
+        return re.findall(r":([^:=]*)=", observation) or [observation]
 
     def call_complete(self, text: str) -> bool:
         if self.bare:

@@ -36,6 +36,11 @@ class LeaderSession:
         """End the peers' replay; they return ``result`` (the trajectories) from :func:`follow`."""
         self._send(("done", result))
 
+    def fail(self, error: BaseException) -> None:
+        """The leader's loop failed: the peers raise too (instead of waiting in the next broadcast
+        until the collective times out, hiding the error)."""
+        self._send(("error", f"{type(error).__name__}: {error}"))
+
     def close(self) -> None:
         self.inner.close()
 
@@ -48,6 +53,8 @@ def follow(inner: Any, group: Any, src: int) -> Any:
         message = box[0]
         if message[0] == "done":
             return message[1]
+        if message[0] == "error":
+            raise RuntimeError(f"the rollout instance's leader failed in the agent loop: {message[1]}")
         _, rows, appended, budgets = message
         inner.generate(rows, [None if a is None else torch.tensor(a, dtype=torch.long) for a in appended], budgets)
 

@@ -79,7 +79,7 @@ def stage_params(dims: ModelDims, pp_layers: list[int]) -> list[tuple[float, flo
 
 def micro_batch_tokens(recipe: Recipe) -> int:
     """Tokens in one micro-batch: the token budget when packing, else micro_batch padded rows."""
-    seq = recipe.data.max_prompt_length + recipe.rollout.sampling.max_new_tokens
+    seq = recipe.data.max_prompt_length + recipe.rollout.max_response_len
     return recipe.trainer.max_tokens_per_micro_batch or recipe.trainer.micro_batch * seq
 
 
@@ -90,7 +90,7 @@ def pipeline_train_memory(dims: ModelDims, role: RoleLayout, recipe: Recipe, dp:
     if len(pp_layers) != role.pp or sum(pp_layers) != dims.num_layers:
         pp_layers = even_split(dims.num_layers, role.pp)
     worst = Memory()
-    seq = recipe.data.max_prompt_length + recipe.rollout.sampling.max_new_tokens
+    seq = recipe.data.max_prompt_length + recipe.rollout.max_response_len
     etp = role.tp if caps.expert_tensor_parallel else 1  # experts split over TP as well
     for s, (ne, e) in enumerate(stage_params(dims, pp_layers)):
         params = ne / role.tp + e / (role.ep * etp)
@@ -205,7 +205,7 @@ def rollout_memory(dims: ModelDims, role: RoleLayout, recipe: Recipe, device_byt
 
 def kv_needed(dims: ModelDims, role: RoleLayout, recipe: Recipe, rows_per_instance: float) -> float:
     """KV cache bytes one rollout instance needs for its share of a step's rows (at most max_num_seqs at once)."""
-    seq = recipe.data.max_prompt_length + recipe.rollout.sampling.max_new_tokens
+    seq = recipe.data.max_prompt_length + recipe.rollout.max_response_len
     seqs = min(recipe.rollout.inference.max_num_seqs, max(1.0, rows_per_instance))
     per_token = dims.kv_bytes_per_token(DTYPE_BYTES)
     if not dims.is_mla:  # MLA's latent cache is replicated across TP; GQA heads are split

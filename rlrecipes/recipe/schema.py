@@ -364,7 +364,9 @@ class MultiTurnConfig(_Strict):
     tool_timeout_s: float = Field(10.0, gt=0)
     """Per-call timeout; a call past it becomes an error observation."""
     max_observation_tokens: int = Field(256, ge=1)
-    """An observation longer than this is cut (the tool's output is truncated first)."""
+    """An observation longer than this is shortened: the results' text is cut and rendered again (the
+    format's frame, e.g. the chat template's tool turn, stays whole); if not even that fits the
+    sample ends on its call (truncated)."""
 
     @field_validator("max_turns")
     @classmethod
@@ -388,6 +390,12 @@ class RolloutConfig(_Strict):
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     inference: InferenceSettings = Field(default_factory=InferenceSettings)
     multi_turn: MultiTurnConfig = Field(default_factory=MultiTurnConfig)
+
+    @property
+    def max_response_len(self) -> int:
+        """The longest response a sample can have: one turn's limit, or a multi-turn trajectory's
+        (every turn and observation); what the rollout serves and the planner sizes."""
+        return self.multi_turn.max_response_tokens if self.multi_turn.enabled else self.sampling.max_new_tokens
 
 
 class ReshardConfig(_Strict):

@@ -280,7 +280,7 @@ def build_engines(r: Recipe, role: Role, device: torch.device, pad_id: int) -> W
     if role != Role.TRAIN:
         rollout = build_rollout_engine(r.rollout.engine, spec(
             "rollout", r.rollout.layout, inference=r.rollout.inference, routing_replay=alg.routing_replay,
-            max_model_len=r.data.max_prompt_length + r.rollout.sampling.max_new_tokens))
+            max_model_len=r.data.max_prompt_length + r.rollout.max_response_len))
     if role == Role.ROLLOUT:
         return WorkerEngines(Roles(ref=False, critic=False, old_pass=False, mini_batches=built.mini_batches), rollout)
     actor = build_train_engine(r.actor.engine, spec(

@@ -36,12 +36,6 @@ def stage(name: str) -> Callable[[StageFn], StageFn]:
     return register
 
 
-def max_response_len(r) -> int:
-    """The longest response a sample can have: one turn's limit, or a multi-turn trajectory's."""
-    mt = r.rollout.multi_turn
-    return mt.max_response_tokens if mt.enabled else r.rollout.sampling.max_new_tokens
-
-
 def seed_of(*parts: Any) -> int:
     h = hashlib.sha256("/".join(map(str, parts)).encode()).digest()
     return int.from_bytes(h[:7], "little")
@@ -97,7 +91,12 @@ def _agent_rollout(ctx: Context, b: StageBatch, prompts: list, index: list, para
     try:
         if group is None or dist.get_rank() == leader:
             lead = session if group is None else LeaderSession(session, group, leader)
-            traj = ctx.agent.run(lead, len(prompts), [ctx.dataset[i].get("tool_kwargs") for i in index])
+            try:
+                traj = ctx.agent.run(lead, len(prompts), [ctx.dataset[i].get("tool_kwargs") for i in index])
+            except Exception as e:
+                if group is not None:
+                    lead.fail(e)
+                raise
             if group is not None:
                 lead.finish([(t.response_ids, t.response_mask, t.log_probs) for t in traj])
             b.state.add(**agent_sums(traj))  # once per instance
@@ -129,7 +128,11 @@ def reward(ctx: Context, b: StageBatch) -> dict:
     st.peak(stale_max=int(lag.max()))
     answers = [ctx.dataset[int(i)]["answer"] for i in b["prompt_index"]]
     if "response_mask" in b.stage.reads:  # multi-turn: the final answer, and the whole trajectory
-        trajectories = [_messages(ctx.tokenizer, x, m) for x, m in zip(b["response_ids"], b["response_mask"])]
+        from ..agent import get_format
+        from ..plan.agent import tool_format_name
+
+        fmt = get_format(tool_format_name(r))
+        trajectories = [_messages(ctx.tokenizer, fmt, x, m) for x, m in zip(b["response_ids"], b["response_mask"])]
         texts = [t["final"] for t in trajectories]
     else:
         trajectories = None
@@ -142,22 +145,27 @@ def reward(ctx: Context, b: StageBatch) -> dict:
     ov = r.algorithm.overlong
     if ov.enabled:
         scores = scores + overlong_reward_penalty(torch.tensor([x.numel() for x in b["response_ids"]]),
-                                                  max_response_len=max_response_len(r),
+                                                  max_response_len=r.rollout.max_response_len,
                                                   buffer_len=ov.buffer_len, penalty_factor=ov.penalty_factor)
     st.add(reward_sum=float(raw.sum()), reward_n=len(b), errors=n_err)
     st.first_error = st.first_error or first
     return {"scores": scores, "acc": raw}
 
 
-def _messages(tokenizer, response_ids: torch.Tensor, response_mask: torch.Tensor) -> dict:
-    """A multi-turn response as chat messages (the reward's ``messages`` / ``tool_results``) and its
-    final answer: the text of the model's last segment (after its last tool turn)."""
+def _messages(tokenizer, fmt, response_ids: torch.Tensor, response_mask: torch.Tensor) -> dict:
+    """A multi-turn response as chat messages (the reward's ``messages`` / ``tool_results``: one
+    ``tool`` message per result, its content as the tool gave it) and its final answer: the text of
+    the model's last segment after its last tool turn ("" when the response ends on an observation)."""
     from ..agent.loop import segments
 
-    msgs = [{"role": "assistant" if model else "tool",
-             "content": tokenizer.decode(ids.tolist(), skip_special_tokens=True)}
-            for model, ids in segments(response_ids, response_mask)]
-    final = next((m["content"] for m in reversed(msgs) if m["role"] == "assistant"), "")
+    msgs: list[dict] = []
+    for model, ids in segments(response_ids, response_mask):
+        if model:
+            msgs.append({"role": "assistant", "content": tokenizer.decode(ids.tolist(), skip_special_tokens=True)})
+        else:
+            text = tokenizer.decode(ids.tolist(), skip_special_tokens=False)
+            msgs += [{"role": "tool", "content": x} for x in fmt.results_of(text)]
+    final = msgs[-1]["content"] if msgs and msgs[-1]["role"] == "assistant" else ""
     return {"messages": msgs, "tool_results": [m["content"] for m in msgs if m["role"] == "tool"], "final": final}
 
 
@@ -242,7 +250,7 @@ def update(ctx: Context, b: StageBatch) -> dict:
         for batch, (g_tokens, g_seqs, _) in zip(b.mini_batches, b.counts):
             if not g_seqs:
                 continue
-            agg = dict(global_tokens=g_tokens, global_seqs=g_seqs, norm_len=max_response_len(r),
+            agg = dict(global_tokens=g_tokens, global_seqs=g_seqs, norm_len=r.rollout.max_response_len,
                        dp_size=actor.dp_size)
             loss_fn = actor_loss_fn(alg, agg=agg, kl_coef=ctx.kl_ctl.value, use_ref=use_ref, dp_size=actor.dp_size)
             out = actor.train_step(batch, loss_fn, with_entropy=bool(alg.entropy_coef))
@@ -263,7 +271,7 @@ def critic_update(ctx: Context, b: StageBatch) -> dict:
     [(g_tokens, g_seqs, _)] = global_counts(critic, [batch])
     if not g_seqs:
         return {}
-    agg = dict(global_tokens=g_tokens, global_seqs=g_seqs, norm_len=max_response_len(r),
+    agg = dict(global_tokens=g_tokens, global_seqs=g_seqs, norm_len=r.rollout.max_response_len,
                dp_size=critic.dp_size)
     t0 = time.perf_counter()
     b.state.critic = critic.train_step(batch, critic_loss_fn(r.algorithm, agg=agg))

@@ -203,5 +203,7 @@ class Worker:
         dist.barrier()
 
     def shutdown(self) -> None:
+        if self.ctx is not None and self.ctx.agent is not None:
+            self.ctx.agent.pool.close(wait=False)  # a tool still running past its timeout is not waited for
         if dist.is_initialized():
             dist.destroy_process_group()

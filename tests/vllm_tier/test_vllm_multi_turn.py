@@ -205,7 +205,7 @@ def test_observations_are_masked_and_decode_to_the_result(rollout, tok):
     for row, t in zip(rows, trajs):
         a, b = (int(x) for x in row["tool_kwargs"]["calculator"]["expression"].split("+"))
         obs_text = SmokeFormat().render_observation([ToolResult("calculator", str(a + b))])
-        assert obs_text.startswith(f":{a + b}") and len(obs_text) == len(str(a + b)) + 2  # ":919:"
+        assert obs_text.startswith(f":{a + b}") and len(obs_text) == len(str(a + b)) + 2  # ":919="
         obs_ids = tok(obs_text, add_special_tokens=False)["input_ids"]
         ids = t.response_ids.tolist()
         want = [1] * len(ids)

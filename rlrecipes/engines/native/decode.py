@@ -325,6 +325,17 @@ class FastDecoder:
             buf.keys[li], buf.values[li] = nk, nv
         buf.capacity = capacity
 
+    def compact(self, index: torch.Tensor) -> None:
+        """Move each row's columns ``index[b]`` (``[B, W]``, in order) to the front: the filled columns
+        become ``[0, W)``. Keys are stored rotated, so a column's position stays what it was."""
+        buf = self.buffers
+        n, W = buf.length, index.shape[1]
+        for li, (k, v) in enumerate(zip(buf.keys, buf.values)):
+            for t in (k, v):
+                g = index[:, None, :, None].expand(t.shape[0], t.shape[1], W, t.shape[3])
+                t[:, :, :W].copy_(torch.gather(t[:, :, :n], 2, g))
+        buf.length = W
+
     @staticmethod
     def _causal_last(mask, last_only: bool):
         """The attention mask of the query rows computed: all rows, or the last one (``[B, 1, 1, P]``)."""

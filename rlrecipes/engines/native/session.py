@@ -11,8 +11,10 @@ Columns are shared by the rows: a call appends ``chunk + steps`` columns to ever
 that sat the call out (or whose chunk was shorter) has holes there, masked out of its attention
 through the per-row keep-mask (``self.keep [B, L]``). Position ids are per row and count only a
 row's real tokens, so the model sees each conversation exactly as the trainer's forward pass over
-``prompt + response`` does (positions ``0 .. len - 1``, no gaps). The buffers grow (doubling) when
-a call would not fit; holes are the cost of batching rows that are at different turns.
+``prompt + response`` does (positions ``0 .. len - 1``, no gaps). When a call would not fit, the
+buffers are compacted if more than half of their columns are holes (each row's attended columns
+move to the front; keys are stored rotated, so nothing is recomputed), and grow (doubling)
+otherwise: holes are the cost of batching rows that are at different turns, bounded this way.
 
 Sampling is the engine's :func:`~rlrecipes.engines.native.rollout.sample_next` with its generator,
 reseeded once per session; with TP > 1 the tokens of TP rank 0 are broadcast, as in ``sample``.
@@ -42,10 +44,23 @@ class KVSession(TurnSession):
         self.pending = [p for p in self.prompts]  # tokens of each row not yet in the cache
         self.keep = None  # [B, L] bool
         self.started = False
+        self.compactions = 0
         self.fast.release()  # a plain generate before may have left its buffers filled
         engine.reseed(seed)
 
     # ------------------------------------------------------------------------------ capacity
+    def _compact(self) -> None:
+        """Drop the holes: every row's attended columns move to the front, in order."""
+        n = self.fast.buffers.length
+        keep = self.keep[:, :n]
+        counts = keep.sum(1)  # [B]
+        W = int(counts.max())
+        index = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices[:, :W]  # kept columns first
+        self.fast.compact(index)
+        self.keep.zero_()
+        self.keep[:, :W] = torch.arange(W, device=self.dev)[None, :] < counts[:, None]
+        self.compactions += 1
+
     def _ensure(self, needed: int) -> None:
         """The buffers and the keep-mask hold at least ``needed`` columns."""
         cap = self.keep.shape[1]
@@ -68,13 +83,14 @@ class KVSession(TurnSession):
         for r, a in zip(rows, appended):
             if a is not None and a.numel():
                 self.pending[r] = torch.cat([self.pending[r], a.reshape(-1).long()])
+        named_rows = set(rows)
         named = torch.zeros(self.B, dtype=torch.bool, device=self.dev)
         named[rows] = True
         budget = torch.zeros(self.B, dtype=torch.long, device=self.dev)
         budget[rows] = torch.tensor([int(n) for n in max_new_tokens], dtype=torch.long, device=self.dev)
         steps = int(budget.max())
         # the chunk: each named row's pending tokens, left-padded; other rows feed nothing this call
-        feed = [self.pending[r] if bool(named[r]) else self.pending[r][:0] for r in range(self.B)]
+        feed = [self.pending[r] if r in named_rows else self.pending[r][:0] for r in range(self.B)]
         T = max(1, max(int(x.numel()) for x in feed))
         pad = self.params.pad_token_id
         ids = torch.full((self.B, T), pad, dtype=torch.long)
@@ -92,6 +108,9 @@ class KVSession(TurnSession):
             self.keep = torch.zeros((self.B, capacity), dtype=torch.bool, device=self.dev)
             self.started = True
         else:
+            if n + T + steps > self.keep.shape[1] and int(self.keep[:, :n].sum(1).max()) * 2 <= n:
+                self._compact()  # more than half of the columns are holes: drop them rather than grow
+                n = self.fast.buffers.length
             self._ensure(n + T + steps)
             logits = self.fast.extend(ids, chunk_keep, pos, self.keep[:, :n], capacity=self.keep.shape[1])
         self._ensure(n + T + steps)
