@@ -95,6 +95,9 @@ class Capabilities:
     platform: ``fn(*, inference, dims) -> (dict | None, list[str])``, what ``plan`` prints (None:
     nothing to render here) and one sentence per setting the target cannot serve, each with the fix.
     Empty: the engine renders nothing."""
+    lora: bool = False
+    """LoRA adapters (``actor.lora``): a train engine trains them with its base frozen and serves the
+    base as the reference policy; a rollout engine applies adapters synced from the trainer."""
     multi_turn_multi_rank: bool = True
     """Multi-turn rollouts (``rollout.multi_turn``) on instances of several ranks (rollout TP or
     EP > 1): the instance's leader runs the agent loop and mirrors every turn call to its peers."""
@@ -204,6 +207,9 @@ class EngineSpec:
     expert_tensor_parallel: Optional[int] = None
     """Train engines that split experts over TP as well (``Capabilities.expert_tensor_parallel``):
     the expert-TP size; None: the engine's default (TP)."""
+    lora: Any = None
+    """``actor.lora`` when enabled (actor: adapters trained, base frozen; rollout: the same adapters,
+    loaded from the trainer each step); None: no adapters."""
     inference: Any = None
     """Rollout engines: the recipe's ``rollout.inference`` settings, for engines that render them
     (``Capabilities.inference_settings``); None: the engine's defaults."""
@@ -403,6 +409,26 @@ class ReprefillSession(TurnSession):
             responses.append(resp)
             logps.append(lp)
         return RolloutOutput(responses, logps, out.metrics)
+
+
+class AdaptersOff:
+    """A LoRA actor seen as the reference model: every call goes to the actor, except ``forward``,
+    which runs its base (``base_forward``: adapters off). No second model is built or held."""
+
+    def __init__(self, actor: TrainEngine):
+        self._actor = actor
+
+    def __getattr__(self, name: str):
+        return getattr(self._actor, name)
+
+    def forward(self, batch: SeqBatch, *, with_entropy: bool = False):
+        return self._actor.base_forward(batch, with_entropy=with_entropy)
+
+    def offload(self) -> None:  # the actor's memory is the actor's to move
+        pass
+
+    def onload(self) -> None:
+        pass
 
 
 def reduce_closure_metric(key: str, values: Sequence[float]) -> float:

@@ -66,6 +66,8 @@ def kind_of(name: str) -> Kind:
     """The sharding kind of a parameter name; unknown names are an error, never silently replicated."""
     if _PER_EXPERT_RE.match(name):
         return "expert"
+    if ".lora_A." in name or ".lora_B." in name:
+        return "replicated"  # LoRA adapters: small, trained and synced whole (TP with LoRA is refused)
     module, leaf = _module_of(name)
     kind = RULES.get(f"{module}.{leaf}")
     if kind is None and leaf in ("weight", "bias"):

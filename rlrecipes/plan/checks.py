@@ -34,7 +34,7 @@ NODE_INDEPENDENT_RULES = {INFERENCE_RULE, "rollout PP = 1",
                           "engine keeps EP inside the TP group", "GRPO needs a group per prompt",
                           "engine runs this model here", "routing replay has what it needs",
                           "reshard strategy fits the placement", ROLLOUT_SPLIT_RULE, TRAIN_SPLIT_RULE,
-                          "multi-turn rollout has what it needs"}
+                          "multi-turn rollout has what it needs", "LoRA has what it needs"}
 
 
 @dataclass
@@ -246,6 +246,23 @@ def capability_checks(recipe: Recipe, dims: ModelDims, roles: dict[str, RoleLayo
                 v.append(Violation("engine keeps ref/critic on the actor layout",
                                    f"{role}.layout TP{lay.tp} PP{lay.pp} EP{lay.ep} differs from the actor's "
                                    f"TP{a.tp} PP{a.pp} EP{a.ep} (engine {train.name}); set {role}.layout: null"))
+    if recipe.actor.lora.enabled:
+        import importlib.util
+
+        rule = "LoRA has what it needs"
+        able = engines_that(lambda c: c.lora)
+        for key, name in (("actor.engine", recipe.actor.engine), ("rollout.engine", recipe.rollout.engine)):
+            if name in BACKENDS and not capabilities(name).lora:
+                v.append(Violation(rule, f"actor.lora.rank={recipe.actor.lora.rank}: {key}={name} does not train or "
+                                         f"apply LoRA adapters in this release; use {_engine_list(able, key)}, or "
+                                         "actor.lora.rank=0"))
+        for key, lay in (("actor.layout", recipe.actor.layout), ("rollout.layout", recipe.rollout.layout)):
+            if lay.tp > 1 or lay.ep > 1:
+                v.append(Violation(rule, f"actor.lora with {key} TP{lay.tp} EP{lay.ep}: adapters are trained and "
+                                         f"applied on unsharded layers (FSDP / data parallelism only); set {key} "
+                                         "tp: 1, ep: 1"))
+        if importlib.util.find_spec("peft") is None:
+            v.append(Violation(rule, "actor.lora needs PEFT, which is not installed: pip install -e '.[lora]'"))
     ro = recipe.rollout.layout
     if ro.pp != 1:
         v.append(Violation("rollout PP = 1", f"rollout.layout.pp is {ro.pp}; the rollout runs without pipeline stages"))

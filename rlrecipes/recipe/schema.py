@@ -276,6 +276,23 @@ class RolloutLayout(_Strict):
     """Expert-parallel size of the rollout (experts are routed here by the resharder)."""
 
 
+class LoraConfig(_Strict):
+    """LoRA adapters on the actor (PEFT); ``rank: 0`` is off."""
+
+    rank: int = Field(0, ge=0)
+    """Adapter rank r; 0: full-parameter training."""
+    alpha: float = Field(16.0, gt=0)
+    """Scale alpha (the update is alpha / r * B A)."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
+                                                               "gate_proj", "up_proj", "down_proj"])
+    """Linear layers (by name) that get adapters."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+
 class ActorConfig(_Strict):
     engine: Literal["native", "megatron"] = "native"
     """Training engine: native (HF + FSDP2 + DTensor TP/EP, any device) or megatron (megatron-core / MindSpeed)."""
@@ -290,6 +307,8 @@ class ActorConfig(_Strict):
     recompute: bool = True
     """Activation recomputation per decoder layer (native: activation checkpointing; megatron: full
     recompute); the planner's activation estimate uses it."""
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    """LoRA: adapters trained, the base frozen; the reference policy is the base (adapters off)."""
 
 
 class RefConfig(_Strict):

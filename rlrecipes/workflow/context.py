@@ -273,8 +273,10 @@ def build_engines(r: Recipe, role: Role, device: torch.device, pad_id: int) -> W
     alg, a = r.algorithm, r.actor.layout
     built = roles_of(r)
 
+    lora = r.actor.lora if r.actor.lora.enabled else None
+
     def spec(name: str, layout, **kw) -> EngineSpec:
-        return _spec(r, device, pad_id, name, layout, **kw)
+        return _spec(r, device, pad_id, name, layout, lora=lora if name in ("actor", "rollout") else None, **kw)
 
     rollout = None
     if role != Role.TRAIN:
@@ -286,7 +288,12 @@ def build_engines(r: Recipe, role: Role, device: torch.device, pad_id: int) -> W
     actor = build_train_engine(r.actor.engine, spec(
         "actor", a, lr=r.trainer.lr, weight_decay=r.actor.weight_decay, grad_clip=r.actor.grad_clip,
         recompute=r.actor.recompute, offload_optimizer=r.actor.offload_optimizer, routing_replay=alg.routing_replay))
-    ref = build_train_engine(r.actor.engine, spec("ref", r.ref.layout or a)) if built.ref else None
+    if built.ref and lora is not None:  # LoRA: the reference policy is the actor's base, adapters off
+        from ..engines.base import AdaptersOff
+
+        ref = AdaptersOff(actor)
+    else:
+        ref = build_train_engine(r.actor.engine, spec("ref", r.ref.layout or a)) if built.ref else None
     critic = build_train_engine(r.actor.engine, spec("critic", r.critic.layout or a, lr=r.critic.lr,
                                                      grad_clip=r.actor.grad_clip)) if built.critic else None
     return WorkerEngines(built, rollout, actor, ref, critic)

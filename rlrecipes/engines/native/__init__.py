@@ -17,6 +17,7 @@ FSDP all-gathers and reduce-scatters. ``plan`` applies the same rule (``Capabili
 CAPABILITIES = Capabilities(
     name="native", roles=frozenset({"train", "rollout"}), pipeline_parallel=False, expert_parallel=True,
     ep_within_tp=True, expert_tensor_parallel=False, separate_ref_layout=False, critic=True, routing_replay=True,
+    lora=True,  # PEFT adapters at TP1 / EP1 (FSDP2 or replicated DP); needs the lora extra
     memory_model="fsdp", small_model_bytes=SMALL_MODEL_BYTES, devices=("cpu", "cuda", "npu"),
     dtypes=("auto", "bf16", "fp16", "fp32"), requires=("transformers",), install="pip install -e .")
 

@@ -138,7 +138,7 @@ class NativeRolloutEngine(MeshRanks, base.RolloutEngine):
     def __init__(self, model: ModelSource, *, layout: tuple[int, int] = (1, 1),
                  device: torch.device | str | None = None, seed: int = 0, dtype: str | torch.dtype = "auto",
                  cache: str = "static", attn_implementation: str = "sdpa", decode: str = "fast",
-                 prefill: str = "fast"):
+                 prefill: str = "fast", lora=None):
         if cache not in ("static", "dynamic"):
             raise ValueError(f"cache={cache!r}: expected 'static' or 'dynamic'")
         if decode not in ("fast", "layers", "hf"):
@@ -152,6 +152,13 @@ class NativeRolloutEngine(MeshRanks, base.RolloutEngine):
         self.mesh = par.build_mesh(self.device.type, tp=tp, ep=ep)
         devmod.set_device(self.device)
         hf_model, self.dims = build_model(model, dtype=self.dtype, seed=seed, attn_implementation=attn_implementation)
+        if lora is not None:  # the same adapters as the actor's; only they arrive each step
+            if tp > 1 or ep > 1:
+                raise ValueError(f"rollout with LoRA adapters and TP{tp} EP{ep}: the native sampler applies "
+                                 "adapters on unsharded layers only; set rollout.layout tp: 1, ep: 1")
+            from .lora import inject
+
+            hf_model = inject(hf_model, lora)
         hf_model.to(self.device)
         self.model = par.parallelize(hf_model, self.mesh, fsdp=False)
         self.model.eval()
@@ -174,7 +181,8 @@ class NativeRolloutEngine(MeshRanks, base.RolloutEngine):
 
     @classmethod
     def create(cls, spec: base.EngineSpec) -> "NativeRolloutEngine":
-        eng = cls(spec.model, layout=(spec.tp, spec.ep), device=spec.device, seed=spec.seed, dtype=spec.dtype)
+        eng = cls(spec.model, layout=(spec.tp, spec.ep), device=spec.device, seed=spec.seed, dtype=spec.dtype,
+                  lora=spec.lora)
         if spec.routing_replay:
             eng.record_routing()
         return eng

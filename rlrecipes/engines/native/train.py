@@ -113,7 +113,7 @@ class NativeTrainEngine(EngineState, MeshRanks, base.TrainEngine):
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, fsdp: bool | None = None,
                  attn_implementation: str = "sdpa", micro_batch_size: int = 4, pad_token_id: int = 0,
                  max_tokens_per_micro_batch: int | None = None, recompute: bool = False,
-                 offload_optimizer: bool = False, small_model_bytes: int = SMALL_MODEL_BYTES):
+                 offload_optimizer: bool = False, small_model_bytes: int = SMALL_MODEL_BYTES, lora: Any = None):
         if role not in self.serves:
             raise ValueError(f"role={role!r}: {type(self).__name__} builds {' or '.join(map(repr, self.serves))}"
                              + (" (the critic is NativeValueEngine)" if role == "critic" else ""))
@@ -135,6 +135,14 @@ class NativeTrainEngine(EngineState, MeshRanks, base.TrainEngine):
             hf_model, self.dims = build_empty(self._source_folder, dtype=param_dtype,
                                               attn_implementation=attn_implementation)
             hf_model = self._adapt_model(hf_model)
+        self.lora = lora if lora is not None and getattr(lora, "enabled", True) else None
+        if self.lora is not None:
+            if tp > 1 or ep > 1:
+                raise ValueError(f"actor.lora with TP{tp} EP{ep}: the native engine trains LoRA adapters with "
+                                 "FSDP2 / data parallelism only (PEFT's LoRA layers are not DTensor-sharded here)")
+            from .lora import inject
+
+            hf_model = inject(hf_model, self.lora)
         low_precision = self.compute_dtype != param_dtype
         small = small_model(sum(p.numel() * p.element_size() for p in hf_model.parameters()), small_model_bytes)
         self.fsdp = bool(fsdp) if fsdp is not None else (low_precision or (self.mesh.dp > 1 and not small))
@@ -163,8 +171,9 @@ class NativeTrainEngine(EngineState, MeshRanks, base.TrainEngine):
         self.optimizer = None
         if self.trainable:
             self.model.train()
-            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=betas, eps=eps,
-                                               weight_decay=weight_decay)
+            # LoRA: the frozen base holds no gradients and no optimizer state
+            self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=lr,
+                                               betas=betas, eps=eps, weight_decay=weight_decay)
         else:
             self.model.eval()
             self.model.requires_grad_(False)
@@ -195,7 +204,7 @@ class NativeTrainEngine(EngineState, MeshRanks, base.TrainEngine):
                   micro_batch_size=spec.micro_batch_size, pad_token_id=spec.pad_token_id,
                   max_tokens_per_micro_batch=spec.max_tokens_per_micro_batch,
                   recompute=spec.recompute if spec.role != "ref" else False,
-                  offload_optimizer=spec.offload_optimizer)
+                  offload_optimizer=spec.offload_optimizer, lora=spec.lora if spec.role == "actor" else None)
         if spec.routing_replay and spec.role == "actor":
             eng.replay_routing()
         return eng
@@ -210,6 +219,8 @@ class NativeTrainEngine(EngineState, MeshRanks, base.TrainEngine):
     def param_specs(self) -> list:
         from rlrecipes.models import param_specs
 
+        if self.lora is not None:  # only the adapters move to the rollout (its base is loaded once)
+            return param_specs({n: t.shape for n, t in self.local_shards().items()})
         return param_specs(self.dims)
 
     # ----------------------------------------------------------------------------- model hooks
@@ -428,7 +439,19 @@ class NativeTrainEngine(EngineState, MeshRanks, base.TrainEngine):
         TP shard for column/row/vocab params, full tensor for replicated ones, the EP block for
         experts; the FSDP (DP) dimension all-gathered. Collective: call on every rank.
         """
-        return shard_ops.local_shards(self.model)
+        shards = shard_ops.local_shards(self.model)
+        if self.lora is not None:
+            from .lora import is_lora_name
+
+            return {n: t for n, t in shards.items() if is_lora_name(n)}
+        return shards
+
+    def base_forward(self, batch: SeqBatch, *, with_entropy: bool = False):
+        """LoRA: :meth:`forward` of the base model (adapters off), the reference policy."""
+        from .lora import adapters_off
+
+        with adapters_off(self.model):
+            return self.forward(batch, with_entropy=with_entropy)
 
     def weights_finite(self) -> bool:
         """Local check of this rank's shards (no gather)."""
@@ -444,16 +467,21 @@ class NativeTrainEngine(EngineState, MeshRanks, base.TrainEngine):
         writes, flushing a file every ``max_shard_bytes``): no rank ever holds the whole model."""
         from torch.distributed.tensor import DTensor
 
+        from .lora import base_name, is_lora_name, merged
+
         writer = HFFolderWriter(folder, self.config, dtype=dtype, max_shard_bytes=max_shard_bytes) \
             if dist.get_rank() == 0 else None
-        with torch.no_grad():
+        # LoRA: the merged model (base + adapters), under the base checkpoint's names
+        with torch.no_grad(), merged(self.model, enabled=self.lora is not None):
             for name, t in shard_ops.named_tensors(self.model):
+                if is_lora_name(name):
+                    continue
                 full = t.full_tensor() if isinstance(t, DTensor) else t.detach()
                 if writer is not None:
-                    writer.add(name, full)
+                    writer.add(base_name(name), full)
                 del full
-        if writer is not None:
-            writer.close(tokenizer_from=self._source_folder)
+            if writer is not None:  # (inside: a buffered tensor may be a view of a merged weight)
+                writer.close(tokenizer_from=self._source_folder)
         dist.barrier()
         return Path(folder)
 
