@@ -46,7 +46,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -60,6 +59,7 @@ import torch.distributed as dist  # noqa: E402
 
 from rlrecipes.agent import ParsedTurn, ToolCall, ToolFormat, ToolPool, ToolRegistry  # noqa: E402
 from rlrecipes.agent.loop import AgentLimits, AgentLoop, agent_metrics, agent_sums  # noqa: E402
+from benchmarks.rollout_vs_generate import ensure_process_group  # noqa: E402
 
 DIGITS = "0123456789"
 TOOL = "probe"
@@ -117,19 +117,6 @@ class CountingSession:
 
     def close(self) -> None:
         self.session.close()
-
-
-def ensure_process_group() -> bool:
-    """A 1-process gloo group when none exists (the native engine needs one). True if created."""
-    if dist.is_initialized():
-        return False
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    return True
 
 
 def sync(device: torch.device) -> None:
@@ -214,10 +201,6 @@ def main() -> None:
             out = eng.generate(prompts, params, seed=a.seed)
             sync(eng.device)
             wall = time.perf_counter() - t0
-            # release the KV cache, as the rollout stage does after every rollout: a turn session opened
-            # on an engine whose last ``generate`` left its static cache filled fails (see the report)
-            eng.sleep()
-            eng.wake()
             return {"wall_s": wall, "tokens": int(sum(x.numel() for x in out.responses))}
 
         for _ in range(a.warmup):

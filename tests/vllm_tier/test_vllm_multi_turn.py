@@ -28,6 +28,7 @@ from rlrecipes.agent.loop import AgentLimits, AgentLoop, segments  # noqa: E402
 from rlrecipes.agent.tools import ToolRegistry  # noqa: E402
 from rlrecipes.data import smoke_task_dataset  # noqa: E402
 from rlrecipes.data.smoke import build_smoke_tokenizer  # noqa: E402
+from test_vllm_engine import hf_logprobs  # noqa: E402  (same folder)
 from rlrecipes.engines.base import EngineSpec, ReprefillSession, SamplingParams  # noqa: E402
 from rlrecipes.engines.registry import build_rollout_engine  # noqa: E402
 from rlrecipes.models import SMOKE, hf_config  # noqa: E402
@@ -47,13 +48,6 @@ class SyncToolPool(ToolPool):
         futures = super().submit(calls, timeout_s)
         wait(futures)
         return futures
-
-
-def hf_logprobs(model, prompt, response):
-    ids = torch.cat([prompt, response])[None]
-    with torch.no_grad():
-        logits = model(ids).logits[0, len(prompt) - 1:-1].float()
-    return torch.log_softmax(logits, -1).gather(-1, response[:, None])[:, 0]
 
 
 @pytest.fixture(scope="module")
