@@ -107,9 +107,16 @@ class AgentLoop:
         self.coalesce_s = coalesce_s
         self.eos = {int(e) for e in eos_ids}
         self.tools = pool.registry.schemas()
+        self._stops: Optional[tuple[int, ...]] = None
 
     def stop_token_ids(self) -> tuple[int, ...]:
-        """Token ids of the format's stop strings (each must be one token of the tokenizer)."""
+        """Token ids of the format's stop strings (each must be one token of the tokenizer); computed
+        once."""
+        if self._stops is None:
+            self._stops = self._stop_token_ids()
+        return self._stops
+
+    def _stop_token_ids(self) -> tuple[int, ...]:
         out = []
         for text in self.fmt.stop_text():
             ids = self.tok(text, add_special_tokens=False)["input_ids"]

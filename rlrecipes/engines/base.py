@@ -161,6 +161,11 @@ class SamplingParams:
     """More tokens that end a sequence (kept in the response, like EOS): the multi-turn agent loop
     pauses a sample at a tool-call token of formats that call without an end-of-turn token."""
 
+    def ending_ids(self) -> list[int]:
+        """EOS and the stop tokens, sorted: every token that ends a sequence (kept in the response)."""
+        ids = {int(self.eos_token_id)} if self.eos_token_id is not None else set()
+        return sorted(ids | {int(t) for t in self.stop_token_ids})
+
 
 @dataclass
 class RolloutOutput:

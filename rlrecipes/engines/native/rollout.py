@@ -101,12 +101,6 @@ def sample_next(logits: torch.Tensor, *, temperature: float, top_k: int, top_p: 
     return tok, logp_all.gather(-1, tok[:, None]).squeeze(-1)
 
 
-def _stop_ids(params: SamplingParams) -> list[int]:
-    """EOS and the stop tokens: every token that ends a sequence (kept in the response)."""
-    ids = {int(params.eos_token_id)} if params.eos_token_id is not None else set()
-    return sorted(ids | {int(t) for t in params.stop_token_ids})
-
-
 class NativeRolloutEngine(MeshRanks, base.RolloutEngine):
     """Batched KV-cache sampler with its own (tp, ep) layout, ``dp = world // tp``, pp = 1.
 
@@ -313,7 +307,7 @@ class NativeRolloutEngine(MeshRanks, base.RolloutEngine):
             return super().open_session(prompts, params, seed=seed)
         from .session import KVSession
 
-        return KVSession(self, prompts, params, seed=seed, stop_ids=_stop_ids(params), sample_next=sample_next)
+        return KVSession(self, prompts, params, seed=seed, stop_ids=params.ending_ids(), sample_next=sample_next)
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[torch.Tensor], params: SamplingParams, *, seed: int) -> RolloutOutput:
@@ -321,7 +315,7 @@ class NativeRolloutEngine(MeshRanks, base.RolloutEngine):
             return RolloutOutput([], [])
         return self.sample(prompts, max_new_tokens=params.max_new_tokens, temperature=params.temperature,
                            top_p=params.top_p, top_k=max(params.top_k, 0),
-                           eos_token_id=_stop_ids(params), pad_token_id=params.pad_token_id, seed=seed)
+                           eos_token_id=params.ending_ids(), pad_token_id=params.pad_token_id, seed=seed)
 
     def sample(self, prompts: Sequence[torch.Tensor], *, max_new_tokens: int, temperature: float = 1.0,
                  top_p: float = 1.0, top_k: int = 0, eos_token_id: int | Sequence[int] | None = None,

@@ -335,10 +335,7 @@ class VllmRolloutEngine(base.RolloutEngine):
             return base.RolloutOutput([], [])
         # with DP attention an idle rank still steps with its instance (vLLM runs dummy batches on it)
         group_seed = int(seed) + 1_000_003 * self.dp_rank  # TP peers share it; DP groups differ
-        # EOS and the tool format's stop tokens (parenthesised: a conditional expression binds
-        # looser than |, and without them the stop tokens were dropped whenever EOS was set)
-        stop = sorted(({int(params.eos_token_id)} if params.eos_token_id is not None else set())
-                      | {int(t) for t in params.stop_token_ids}) or None
+        stop = params.ending_ids() or None  # EOS and the tool format's stop tokens
         sp = [VSP(max_tokens=int(params.max_new_tokens), temperature=float(params.temperature),
                   top_p=float(params.top_p), top_k=int(params.top_k) if params.top_k and params.top_k > 0 else -1,
                   logprobs=0, seed=group_seed + i, stop_token_ids=stop, ignore_eos=False, detokenize=False)
