@@ -314,6 +314,11 @@ class TrainEngine(_Parallel):
     def export_hf(self, folder: str | os.PathLike) -> Path:
         """Write the model as an HF folder (safetensors + config) that transformers loads. Collective."""
 
+    def export_adapter(self, folder: str | os.PathLike) -> Optional[Path]:
+        """LoRA: write the adapters as a PEFT adapter folder (``adapter_config.json`` +
+        ``adapter_model.safetensors``); None for an engine that trains the whole model. Collective."""
+        return None
+
 
 class RolloutEngine(_Parallel):
     """Generates responses in the ROLLOUT layout; its weights arrive from the resharder."""

@@ -112,6 +112,10 @@ class Context:
     """The policy version of the rollout weights (= the step whose update produced them)."""
     end_step: int = 0
     timer: StageTimer = field(default_factory=StageTimer)
+    synced_bytes: int = 0
+    """Weight bytes this worker's rollout engine received since the step began (``reshard/bytes``)."""
+    full_sync_bytes: int = 0
+    """LoRA: what a full-weight sync would hand this worker's rollout engine (``reshard/full_bytes``)."""
     agent: Optional["AgentLoop"] = None
     """Multi-turn rollouts, on workers that generate: the agent loop (``rollout.multi_turn``)."""
 
@@ -196,7 +200,26 @@ def build_context(rank: int, world: int, role: Role, recipe: Recipe, run_dir: Pa
                   reshard_plan, resharder, TensorCache(device, rank=rank), tuple(docks), progress)
     if engines.rollout is not None and data.tools is not None:
         ctx.agent = build_agent(recipe, data.tokenizer, data.tools)
+    if recipe.actor.lora.enabled and engines.rollout is not None:
+        ctx.full_sync_bytes = full_sync_bytes(recipe, role, engines, groups, rank)
     return ctx
+
+
+def full_sync_bytes(r: Recipe, role: Role, engines: WorkerEngines, groups, rank: int) -> int:
+    """The bytes a full-weight sync would hand this rank's rollout engine: the resharder's plan over
+    the whole model's specs (with LoRA only the adapters move; this is what they are compared with)."""
+    from ..models import param_specs
+
+    a, ro = r.actor.layout, r.rollout.layout
+    pp_layers = tuple(a.pp_layers) if a.pp_layers else None
+    specs = param_specs(r.model.dims(), pp_layers=pp_layers)
+    dtype_bytes = torch.finfo(engines.rollout.weight_dtype).bits // 8
+    if role == Role.BOTH:
+        plan = plan_reshard(Layout(a.tp, a.pp, a.ep, engines.actor.dp_size, pp_layers),
+                            Layout(ro.tp, 1, ro.ep, engines.rollout.dp_size), specs, dtype_bytes=dtype_bytes)
+    else:
+        plan = groups.reshard_plan(specs, dtype_bytes=dtype_bytes)
+    return int(plan.rollout_bytes(rank))
 
 
 def build_agent(r: Recipe, tokenizer, tools: "ToolRegistry") -> "AgentLoop":

@@ -280,10 +280,18 @@ def critic_update(ctx: Context, b: StageBatch) -> dict:
 
 
 # ------------------------------------------------------------------------------ weights
+def _counted(ctx: Context, buckets):
+    """The resharder's buckets on their way into the rollout engine, their bytes added to
+    ``ctx.synced_bytes`` (``reshard/bytes``: what the engine really received)."""
+    for bucket in buckets:
+        ctx.synced_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
+        yield bucket
+
+
 def reshard_weights(ctx: Context) -> None:
     """Train layout -> rollout layout, bucket by bucket, straight into the rollout engine."""
     ctx.actor.onload()
-    ctx.rollout.update_weights(ctx.resharder.reshard(ctx.actor.local_shards()))
+    ctx.rollout.update_weights(_counted(ctx, ctx.resharder.reshard(ctx.actor.local_shards())))
     if ctx.recipe.resharding.swap_optimizer or ctx.recipe.resharding.swap_grads:
         ctx.actor.offload()  # no-op on CPU; on accelerators frees the device for the KV cache
 
@@ -298,7 +306,7 @@ def send_weights(ctx: Context) -> None:
 
 def receive_weights(ctx: Context) -> None:
     """Disaggregated placement, a rollout rank: a new policy version, bucket by bucket into the engine."""
-    ctx.rollout.update_weights(ctx.resharder.reshard({}))
+    ctx.rollout.update_weights(_counted(ctx, ctx.resharder.reshard({})))
 
 
 @stage("reshard")

@@ -16,7 +16,8 @@ from .stage_io import StepState
 def step_facts(ctx: Context, st: StepState, trips0: int, wait0: float) -> dict:
     """This worker's small facts of the step, all-gathered for the row."""
     t, mem = ctx.timer, dev.memory_stats(ctx.device)
-    return {"starts": t.starts, "seconds": t.seconds, "compute": t.compute, "peak": mem.peak_bytes,
+    synced, ctx.synced_bytes = ctx.synced_bytes, 0
+    return {"synced": synced, "starts": t.starts, "seconds": t.seconds, "compute": t.compute, "peak": mem.peak_bytes,
             "dock_trips": ctx.dock.round_trips - trips0, "dock_wait": ctx.dock.wait_s - wait0,
             "dock_stage": t.dock_wait, "sums": st.sums, "maxes": st.maxes, "first_error": st.first_error}
 
@@ -100,7 +101,10 @@ def metrics_row(ctx: Context, st: StepState, gathered: list[dict], step_s: float
         **{k: v for k, v in upd.items() if k.startswith("rollout/")},
         "mem/peak_gb": round(max(g["peak"] for g in gathered) / 2 ** 30, 4),
         "reshard/min_bytes": ctx.reshard_plan.min_bytes(0),
+        "reshard/bytes": max(g["synced"] for g in gathered),  # the most any rollout engine received
     }
+    if ctx.full_sync_bytes:  # LoRA: what a full-weight sync would have moved (rank 0's rollout shard)
+        row["reshard/full_bytes"] = ctx.full_sync_bytes
     if r.rollout.multi_turn.enabled:  # the agent loop's numbers, over every sample generated this step
         from ..agent.loop import agent_metrics
 

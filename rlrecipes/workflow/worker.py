@@ -177,13 +177,17 @@ class Worker:
                     checkpoint.save(ctx, step, self.rows)
             except Exception as e:
                 raise self._fail(e, f"stage {ctx.stage!r} of step {step}") from e
-        if self.recipe.trainer.export_hf and end_step > start_step:
+        lora = self.recipe.actor.lora.enabled
+        if (self.recipe.trainer.export_hf or lora) and end_step > start_step:
             ctx.report("export")
             try:
                 self._require_finite(end_step - 1, "exported")
             except RuntimeError as e:
                 raise self._fail(e, "export") from e
-            self.export_hf(self.run_dir / "actor_hf")
+            if lora:  # the adapters (a PEFT folder), always; the merged model with trainer.export_hf
+                ctx.actor.export_adapter(self.run_dir / "actor_adapter")
+            if self.recipe.trainer.export_hf:
+                self.export_hf(self.run_dir / "actor_hf")
         ctx.report("done")
         return {"rank": self.rank, "last": last}
 

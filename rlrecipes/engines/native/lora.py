@@ -117,11 +117,26 @@ def write_adapter_folder(folder: str | os.PathLike, tensors: Mapping[str, torch.
     return folder
 
 
+def init_adapter(name: str, shape: tuple[int, ...], *, seed: int) -> torch.Tensor:
+    """The initial value of one adapter tensor where PEFT could not set it (a model built on the meta
+    device, then filled from a checkpoint): ``lora_B`` zeros (the model starts as its base),
+    ``lora_A`` PEFT's default (Kaiming-uniform, ``a = sqrt(5)``) from a generator seeded by ``seed``
+    and the name, so every rank draws the same tensor."""
+    import math
+    import zlib
+
+    if ".lora_B." in name:
+        return torch.zeros(shape)
+    g = torch.Generator().manual_seed((int(seed) * 1_000_003 + zlib.crc32(name.encode())) % 2 ** 63)
+    bound = 1.0 / math.sqrt(shape[-1])  # kaiming_uniform_(a=sqrt(5)) on [rank, in]: U(-1/sqrt(in), 1/sqrt(in))
+    return (torch.rand(shape, generator=g) * 2 - 1) * bound
+
+
 def base_name(name: str) -> str:
     """The HF checkpoint name of a base weight inside a LoRA layer (``q_proj.base_layer.weight`` ->
     ``q_proj.weight``)."""
     return name.replace(".base_layer.", ".")
 
 
-__all__ = ["adapter_config", "adapters_off", "base_name", "inject", "is_lora_name", "merged", "peft_config", "peft_key",
+__all__ = ["adapter_config", "adapters_off", "base_name", "init_adapter", "inject", "is_lora_name", "merged", "peft_config", "peft_key",
            "write_adapter_folder"]

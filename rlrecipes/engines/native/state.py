@@ -5,14 +5,21 @@ params, grads and optimizer state to host memory and back (``offload`` / ``onloa
 ``optimizer``, ``step``, ``device`` and ``_params()``."""
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 import os
 from pathlib import Path
 from typing import Any, Mapping
 
 import torch
+import torch.distributed as dist
 
 from rlrecipes import device as devmod
 from rlrecipes.core.swap import SwappedStorages
+
+
+BASE_MODEL_FILE = "base_model.json"
 
 
 class EngineState:
@@ -26,36 +33,84 @@ class EngineState:
         return not devmod.is_accelerator(self.device.type)
 
     # ----------------------------------------------------------------------------- checkpoints
+    def _state_options(self):
+        """LoRA: the frozen base stays out of checkpoints (the adapters and their optimizer state only;
+        the base is the model source, named in ``base_model.json``)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        frozen_out = getattr(self, "lora", None) is not None
+        return StateDictOptions(ignore_frozen_params=frozen_out, strict=not frozen_out)
+
     def state_dict(self) -> dict:
         """Model (+ optimizer) state for ``torch.distributed.checkpoint`` (DTensor-sharded)."""
         self._unpark_optimizer()
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
+        opts = self._state_options()
         if self.optimizer is not None:
-            msd, osd = get_state_dict(self.model, self.optimizer)
+            msd, osd = get_state_dict(self.model, self.optimizer, options=opts)
             return {"model": msd, "optim": osd, "step": torch.tensor(self.step)}
-        return {"model": get_model_state_dict(self.model), "step": torch.tensor(self.step)}
+        return {"model": get_model_state_dict(self.model, options=opts), "step": torch.tensor(self.step)}
 
     def load_state_dict(self, sd: Mapping[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
+        opts = self._state_options()
         if self.optimizer is not None and "optim" in sd:
-            set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+            set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"],
+                           options=opts)
         else:
-            set_model_state_dict(self.model, sd["model"])
+            set_model_state_dict(self.model, sd["model"], options=opts)
         self.step = int(sd.get("step", self.step))
 
+    def base_model_ref(self) -> dict | None:
+        """What a LoRA checkpoint's adapters sit on: the base model's source and the adapter config
+        (None without LoRA: the checkpoint holds the whole model)."""
+        lora = getattr(self, "lora", None)
+        if lora is None:
+            return None
+        folder = getattr(self, "_source_folder", None)
+        if folder is not None:  # the folder may move between machines; its config may not change
+            cfg = Path(folder) / "config.json"
+            source = {"config_sha256": hashlib.sha256(cfg.read_bytes()).hexdigest() if cfg.is_file() else None}
+        else:
+            source = {"smoke_dims": dataclasses.asdict(self.dims), "seed": int(self.seed)}
+        return {"base_model": source, "base_model_path": str(folder) if folder is not None else None, "lora": {k: getattr(lora, k) for k in ("rank", "alpha", "dropout")}
+                | {"target_modules": sorted(lora.target_modules)}}
+
     def save(self, path: str | os.PathLike) -> None:
-        """DCP save of model + optimizer into a directory (every rank writes its shards)."""
+        """DCP save of model + optimizer into a directory (every rank writes its shards); with LoRA the
+        adapters and their optimizer state, plus ``base_model.json`` naming the base."""
         import torch.distributed.checkpoint as dcp
 
         dcp.save(self.state_dict(), checkpoint_id=str(path))
+        ref = self.base_model_ref()
+        if ref is not None and (not dist.is_initialized() or dist.get_rank() == 0):
+            (Path(path) / BASE_MODEL_FILE).write_text(json.dumps(ref, indent=2))
+
+    def _check_base_model(self, path: Path) -> None:
+        """A LoRA checkpoint loads only onto the base and adapter shape it was trained with."""
+        ref, f = self.base_model_ref(), path / BASE_MODEL_FILE
+        if ref is None and f.is_file():
+            raise ValueError(f"{f}: this checkpoint holds LoRA adapters only; resume it with the run's "
+                             "actor.lora settings (actor.lora.rank > 0)")
+        if ref is None:
+            return
+        if not f.is_file():
+            raise ValueError(f"{path}: a full-model checkpoint (no {BASE_MODEL_FILE}) cannot resume a LoRA actor; "
+                             "resume it with actor.lora.rank=0")
+        saved = json.loads(f.read_text())
+        for key in ("base_model", "lora"):
+            if saved.get(key) != ref[key]:
+                raise ValueError(f"{f}: {key} is {saved.get(key)}, this run has {ref[key]}; resume with the "
+                                 "base model and actor.lora settings the checkpoint was trained with")
 
     def load(self, path: str | os.PathLike) -> None:
         import torch.distributed.checkpoint as dcp
 
         if not Path(path).is_dir():
             raise FileNotFoundError(f"checkpoint directory {str(path)!r} does not exist")
+        self._check_base_model(Path(path))
         sd = self.state_dict()
         if self.optimizer is not None and not sd["optim"].get("state"):
             # AdamW state is created lazily; materialise it so DCP has somewhere to load into.

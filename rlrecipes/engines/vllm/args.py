@@ -7,7 +7,8 @@ engine builds:
 - :func:`engine_args`: the exact ``vllm.LLM(**kwargs)`` arguments, with the environment under ``"env"``;
 - :func:`rank_env`: the per-rank environment of a data-parallel (DP attention) vLLM instance;
 - :func:`logprobs_problem`: sampling settings whose log-probs vLLM cannot report as the trainer scores them;
-- :func:`weight_update_problem`: vLLM / vllm-ascend lines whose weights cannot be reloaded in place.
+- :func:`weight_update_problem`: vLLM / vllm-ascend lines whose weights cannot be reloaded in place;
+- :func:`lora_problem`: LoRA adapters (``actor.lora``) vLLM cannot serve from the trainer's tensors.
 
 Layout. With ``enable_expert_parallel`` vLLM's expert-parallel group spans TP x DP of one instance
 (``vllm/distributed/parallel_state.py`` ``initialize_model_parallel``: ranks are laid out
@@ -34,6 +35,16 @@ VLLM_PIN = "0.32.0"
 ENV_DEFAULTS = frozenset({"VLLM_CPU_KVCACHE_SPACE", "VLLM_LOGGING_LEVEL"})
 #: vLLM's in-process log-prob mode that applies temperature (and top-k/top-p) before log_softmax
 LOGPROBS_MODE = "processed_logprobs"
+#: the ``max_lora_rank`` values vLLM accepts (``vllm/config/lora.py`` ``MaxLoRARanks``, a Literal that
+#: ``LoRAConfig`` validates; the same set at 0.32.0 and in the earlier copies of that file checked)
+LORA_MAX_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+#: ``actor.lora.target_modules`` the engine serves: the linear projections of the shipped families,
+#: which vLLM wraps with its LoRA layers (``get_supported_lora_modules``: every ``LinearBase``, fused
+#: ``qkv_proj`` / ``gate_up_proj`` / ``fused_qkv_a_proj`` unpacked by ``packed_modules_mapping``), and
+#: ``lm_head``, which the engine merges into the served head each sync (vLLM 0.32's Qwen2ForCausalLM
+#: declares no ``embedding_modules``, so it cannot take a head LoRA; ``rlrecipes/engines/vllm/lora.py``)
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "lm_head")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -111,6 +122,11 @@ def layout_rules(*, role: str, dims, tp: int, pp: int, ep: int, etp: Optional[in
                   weight_update_problem(platform=platform, moe=moe, vllm_ascend_version=version),
                   logprobs_problem(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, platform=platform,
                                    vllm_ascend_version=version)]
+        lora = recipe.actor.lora
+        if lora.enabled:
+            found.append(lora_problem(rank=lora.rank, target_modules=lora.target_modules,
+                                      tie_embeddings=bool(getattr(dims, "tie_embeddings", False)), moe=moe,
+                                      platform=platform))
     return [f"vllm rollout: {p}" for p in found if p]
 
 
@@ -193,11 +209,46 @@ def weight_update_problem(*, platform: str, moe: bool, vllm_version: Optional[st
 
 
 # ---------------------------------------------------------------------------------------------
+# LoRA
+def lora_max_rank(rank: int) -> int:
+    """vLLM's ``max_lora_rank`` for adapters of rank ``rank``: the smallest value it accepts that holds
+    them (its LoRA buffers are sized by it)."""
+    fits = [r for r in LORA_MAX_RANKS if r >= int(rank)]
+    if not fits:
+        raise ValueError(f"LoRA rank {rank} is above vLLM's largest max_lora_rank {LORA_MAX_RANKS[-1]}")
+    return fits[0]
+
+
+def lora_problem(*, rank: int, target_modules, tie_embeddings: bool = False, moe: bool = False,
+                 platform: str = "cpu") -> Optional[str]:
+    """None when the vLLM engine serves ``actor.lora`` adapters of ``rank`` on ``target_modules``
+    (built on the worker from the synced tensors); else the reason and the fix."""
+    if int(rank) > LORA_MAX_RANKS[-1]:
+        return (f"actor.lora.rank={rank} is above vLLM's largest max_lora_rank {LORA_MAX_RANKS[-1]} "
+                f"(vllm/config/lora.py MaxLoRARanks); use a rank <= {LORA_MAX_RANKS[-1]} or rollout.engine=native")
+    targets = list(target_modules or [])
+    odd = sorted(set(targets) - set(LORA_TARGETS))
+    if odd:
+        why = (" (PEFT's embedding LoRA: vLLM serves none for the shipped families)" if "embed_tokens" in odd else "")
+        return (f"actor.lora.target_modules {odd}: the vLLM rollout serves adapters on {list(LORA_TARGETS)} only{why}; "
+                "drop them or use rollout.engine=native")
+    if "lm_head" in targets and tie_embeddings:
+        return ("actor.lora.target_modules has lm_head on a model with tied embeddings: the vLLM rollout merges the "
+                "head adapter into the head weight, which is the input embedding too; drop lm_head or use "
+                "rollout.engine=native")
+    if moe and platform == "cpu":
+        return ("actor.lora on an MoE model: vLLM's CPU backend wraps the experts with its MoE LoRA layer, whose "
+                "kernels it lacks; use rollout.engine=native on CPU")
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
 # engine arguments
 def engine_args(*, tp: int, ep: int, world: int, platform: str, dtype: str, seed: int, load_format: str, model: str,
                 inference=None, vllm_ascend_version: Optional[str] = None, max_model_len: Optional[int] = None,
                 distributed: bool = True, is_mla: bool = False, moe: bool = False,
-                model_type: Optional[str] = None, vllm_version: Optional[str] = None) -> dict[str, Any]:
+                model_type: Optional[str] = None, vllm_version: Optional[str] = None, lora=None,
+                tie_embeddings: bool = False) -> dict[str, Any]:
     """The keyword arguments the engine passes to ``vllm.LLM(...)``, plus ``"env"``: the environment
     it sets before (the engine pops it). Raises ValueError / InferenceConfigError for what vLLM cannot
     serve.
@@ -205,7 +256,9 @@ def engine_args(*, tp: int, ep: int, world: int, platform: str, dtype: str, seed
     ``platform``: ``cpu``, ``cuda`` or ``ascend``; ``vllm_ascend_version``: the installed vllm-ascend
     (the recipe's ``inference.vllm_ascend_version`` is checked against it; neither: the pin);
     ``vllm_version``: the installed vLLM on cpu/cuda (default the pin); ``distributed``: the
-    workflow's torch.distributed world is up (``external_launcher``).
+    workflow's torch.distributed world is up (``external_launcher``); ``lora``: ``actor.lora`` when
+    adapters are served (one adapter slot, ``max_lora_rank`` from :func:`lora_max_rank`, LoRA dtype
+    ``auto``: the model's dtype, which ``LoRAConfig.verify_with_model_config`` resolves).
     """
     tp, ep, world = int(tp), int(ep), int(world)
     if platform not in ("cpu", "cuda", "ascend"):
@@ -241,6 +294,15 @@ def engine_args(*, tp: int, ep: int, world: int, platform: str, dtype: str, seed
         kw["data_parallel_size"] = d
     if max_model_len:
         kw["max_model_len"] = int(max_model_len)
+    if lora is not None and getattr(lora, "enabled", True):
+        if tp > 1 or ep > 1:
+            raise ValueError(f"vllm rollout with LoRA adapters and TP{tp} EP{ep}: adapters are trained and served on "
+                             "unsharded layers; set rollout.layout tp: 1, ep: 1")
+        problem = lora_problem(rank=lora.rank, target_modules=lora.target_modules, tie_embeddings=tie_embeddings,
+                               moe=moe, platform=platform)
+        if problem:
+            raise ValueError(f"vllm rollout: {problem}")
+        kw.update(enable_lora=True, max_loras=1, max_lora_rank=lora_max_rank(lora.rank), lora_dtype="auto")
     if vver >= (0, 11, 0):
         kw["logprobs_mode"] = LOGPROBS_MODE
 

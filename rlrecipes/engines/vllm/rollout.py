@@ -24,6 +24,14 @@ extra: one bucket x tp); under EP a rank feeds only its own experts, renamed to 
 the kernels' post-load processing (MoE repacking, MLA absorbed matrices, quantisation) is redone
 per layer exactly as vLLM's ``reload_weights`` does. The prefix cache is reset after every update.
 
+LoRA (``actor.lora``): built with one adapter slot (:func:`rlrecipes.engines.vllm.args.engine_args`),
+the engine receives only the adapters' tensors each step; :meth:`update_weights` builds the adapter on
+the worker from them (:func:`rlrecipes.engines.vllm.lora.load_adapter_in_place`, no adapter folder),
+replacing the served one under a fixed id, and every later :meth:`generate` passes its
+``LoRARequest``. Until the first sync it generates without one: B = 0 adapters are the base model.
+The base weights are the model folder's; a smoke model (no folder) gets the trainer's seeded
+initial weights written next to its config, since only adapters ever arrive.
+
 Log-probs: ``logprobs_mode="processed_logprobs"`` (vLLM >= 0.11) so the reported log-probs are
 ``log_softmax(logits / T)``, the trainer's; sampling settings they cannot match are refused
 (:func:`rlrecipes.engines.vllm.args.logprobs_problem`).
@@ -153,14 +161,26 @@ def set_logprobs_mode(worker, mode: str) -> Optional[str]:
 
 
 # ---------------------------------------------------------------------------------------------
-def _write_smoke_folder(dims, dtype: str, rank: int) -> str:
-    """A config-only HF folder for a smoke model (vLLM builds it with dummy weights)."""
+def _write_smoke_folder(dims, dtype: str, rank: int, base_seed: Optional[int] = None) -> str:
+    """An HF folder for a smoke model: its config only (vLLM builds it with dummy weights; the first
+    sync brings the trainer's), or with ``base_seed`` also the weights the native train engine
+    initialises from that seed (LoRA: the base never syncs, only the adapters do)."""
     from rlrecipes.models import hf_config
 
     folder = Path(tempfile.mkdtemp(prefix=f"rlrecipes-vllm-r{rank}-"))
     cfg = hf_config(dims)
     cfg.torch_dtype = dtype
     cfg.save_pretrained(folder)
+    if base_seed is not None:
+        from safetensors.torch import save_file
+
+        from rlrecipes.engines.native.loader import build_model
+
+        model, _ = build_model(dims, dtype=torch.float32, seed=int(base_seed))  # the trainer's fp32 build
+        tensors = {n: x.detach().contiguous().clone() for name, t in model.state_dict().items()
+                   for n, x in checkpoint_items(name, t)}
+        save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        del model
     return str(folder)
 
 
@@ -210,7 +230,7 @@ class VllmRolloutEngine(base.RolloutEngine):
     capabilities = CAPABILITIES
 
     def __init__(self, model, *, tp: int = 1, ep: int = 1, device: torch.device | None = None, seed: int = 0,
-                 dtype: str = "auto", inference=None, max_model_len: int | None = None):
+                 dtype: str = "auto", inference=None, max_model_len: int | None = None, lora=None):
         # the device comes from LOCAL_RANK (each worker sees its one device as index 0), never the global rank
         self.device = device or devmod.torch_device(devmod.resolve("auto"), int(os.environ.get("LOCAL_RANK", 0)))
         self.platform = devmod.inference_platform(self.device)
@@ -219,6 +239,8 @@ class VllmRolloutEngine(base.RolloutEngine):
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self._dtype = devmod.train_dtype(self.device, dtype)
         torch_name = str(self._dtype).removeprefix("torch.")
+        self.lora = lora if lora is not None and getattr(lora, "enabled", True) else None
+        self._model_name = str(model) if isinstance(model, (str, os.PathLike)) else None
         if isinstance(model, (str, os.PathLike)):
             folder, load_format = str(model), "auto"
             from transformers import AutoConfig
@@ -230,7 +252,10 @@ class VllmRolloutEngine(base.RolloutEngine):
         else:  # ModelDims of a smoke model
             from rlrecipes.models.families import get_family
 
-            folder, load_format = _write_smoke_folder(model, torch_name, self.rank), "dummy"
+            if self.lora is None:
+                folder, load_format = _write_smoke_folder(model, torch_name, self.rank), "dummy"
+            else:
+                folder, load_format = _write_smoke_folder(model, torch_name, self.rank, base_seed=seed), "auto"
             self.dims, model_type = model, get_family(model.family).model_type
         self.moe = bool(self.dims.is_moe)
         self._vllm_version = _installed_vllm_version()
@@ -239,7 +264,8 @@ class VllmRolloutEngine(base.RolloutEngine):
                              seed=int(seed), load_format=load_format, model=folder, inference=inference,
                              vllm_ascend_version=self._ascend_version, max_model_len=max_model_len,
                              distributed=dist.is_initialized(), is_mla=self.dims.is_mla, moe=self.moe,
-                             model_type=model_type, vllm_version=self._vllm_version)
+                             model_type=model_type, vllm_version=self._vllm_version, lora=self.lora,
+                             tie_embeddings=bool(self.dims.tie_embeddings))
         if self.platform == "ascend":  # the version the settings were rendered for (recipe pin checked)
             self._ascend_version = ascend_version(inference, self._ascend_version)
         for k, v in kwargs.pop("env").items():
@@ -270,6 +296,7 @@ class VllmRolloutEngine(base.RolloutEngine):
         self._tp_group = self._make_tp_groups() if self.tp > 1 else None
         self._asleep = self._weights_awake = False
         self._checked_sampling: set = set()
+        self._lora_request = None  # set by the first adapter sync; none before (B = 0: the base model)
 
     def _dp_master(self) -> tuple[str, int]:
         """(address, port) of this rank's vLLM instance's first rank (vLLM < 0.11 builds its DP
@@ -291,7 +318,7 @@ class VllmRolloutEngine(base.RolloutEngine):
     @classmethod
     def create(cls, spec: base.EngineSpec) -> "VllmRolloutEngine":
         return cls(spec.model, tp=spec.tp, ep=spec.ep, device=spec.device, seed=spec.seed, dtype=spec.dtype,
-                   inference=spec.inference, max_model_len=spec.max_model_len)
+                   inference=spec.inference, max_model_len=spec.max_model_len, lora=spec.lora)
 
     # ------------------------------------------------------------------ layout
     @property
@@ -341,7 +368,7 @@ class VllmRolloutEngine(base.RolloutEngine):
                   logprobs=0, seed=group_seed + i, stop_token_ids=stop, ignore_eos=False, detokenize=False)
               for i in range(len(prompts))]
         reqs = [TokensPrompt(prompt_token_ids=[int(t) for t in p.tolist()]) for p in prompts]
-        outs = self.llm.generate(reqs, sp, use_tqdm=False)
+        outs = self.llm.generate(reqs, sp, use_tqdm=False, lora_request=self._lora_request)
         responses, log_probs = [], []
         for o in outs:
             c = o.outputs[0]
@@ -390,9 +417,34 @@ class VllmRolloutEngine(base.RolloutEngine):
         if self._asleep and not self._weights_awake:
             self.llm.wake_up(tags=["weights"])  # weights back on device; the KV cache stays freed
             self._weights_awake = True
-        # in-process engine: the generator is consumed on this process's worker, bucket by bucket
-        self.llm.collective_rpc(load_weights_in_place, args=(self._stream(buckets),))
-        self.llm.reset_prefix_cache()
+        if self.lora is not None:
+            self._update_with_adapters(buckets)
+        else:
+            # in-process engine: the generator is consumed on this process's worker, bucket by bucket
+            self.llm.collective_rpc(load_weights_in_place, args=(self._stream(buckets),))
+        self.llm.reset_prefix_cache()  # cached blocks were computed with the old weights / adapter
+
+    def _update_with_adapters(self, buckets: Iterable[Sequence[tuple[str, torch.Tensor]]]) -> None:
+        """LoRA: the adapters' tensors (the resharder sends only them) become the served adapter;
+        base weights, should any arrive, are loaded in place first, as without LoRA."""
+        from rlrecipes.engines.native.lora import is_lora_name
+
+        from .lora import HEAD, forget_base_head, load_adapter_in_place, lora_request, peft_tensors, plain_adapter_config
+
+        adapters: list[tuple[str, torch.Tensor]] = []
+        base: list[tuple[str, torch.Tensor]] = []
+        for bucket in buckets:
+            for name, t in bucket:
+                (adapters if is_lora_name(name) else base).append((name, t))
+        if base:
+            self.llm.collective_rpc(load_weights_in_place, args=(self._stream([base]),))
+            if any(n.endswith(f"{HEAD}.weight") for n, _ in base):
+                self.llm.collective_rpc(forget_base_head)
+        if not adapters:
+            return
+        config = plain_adapter_config(self.lora, self._model_name)
+        held = self.llm.collective_rpc(load_adapter_in_place, args=(peft_tensors(adapters), config))
+        self._lora_request = lora_request() if held[0] else None  # 0: only a merged head adapter
 
     # ------------------------------------------------------------------ memory
     def sleep(self) -> None:
