@@ -201,12 +201,12 @@ def build_context(rank: int, world: int, role: Role, recipe: Recipe, run_dir: Pa
     if engines.rollout is not None and data.tools is not None:
         ctx.agent = build_agent(recipe, data.tokenizer, data.tools)
     if recipe.actor.lora.enabled and engines.rollout is not None:
-        ctx.full_sync_bytes = full_sync_bytes(recipe, role, engines, groups, rank)
+        ctx.full_sync_bytes = full_sync_bytes(recipe, role, engines, groups)
     return ctx
 
 
-def full_sync_bytes(r: Recipe, role: Role, engines: WorkerEngines, groups, rank: int) -> int:
-    """The bytes a full-weight sync would hand this rank's rollout engine: the resharder's plan over
+def full_sync_bytes(r: Recipe, role: Role, engines: WorkerEngines, groups) -> int:
+    """The most bytes a full-weight sync would hand a rollout engine: the resharder's plan over
     the whole model's specs (with LoRA only the adapters move; this is what they are compared with)."""
     from ..models import param_specs
 
@@ -219,7 +219,7 @@ def full_sync_bytes(r: Recipe, role: Role, engines: WorkerEngines, groups, rank:
                             Layout(ro.tp, 1, ro.ep, engines.rollout.dp_size), specs, dtype_bytes=dtype_bytes)
     else:
         plan = groups.reshard_plan(specs, dtype_bytes=dtype_bytes)
-    return int(plan.rollout_bytes(rank))
+    return max(int(plan.rollout_bytes(i)) for i in range(plan.world))  # the largest rollout shard
 
 
 def build_agent(r: Recipe, tokenizer, tools: "ToolRegistry") -> "AgentLoop":
@@ -338,7 +338,12 @@ def build_resharder(r: Recipe, role: Role, device: torch.device, engines: Worker
     from ..models import param_specs
 
     dtype = dev.train_dtype(device, r.model.dtype)
-    specs = param_specs(r.model.dims(), pp_layers=pp_layers)  # both sides plan from the same list
+    if r.actor.lora.enabled:  # only the adapters cross the bridge; both sides name them from the dims
+        from ..models.lora_shapes import lora_shapes
+
+        specs = param_specs(dict(lora_shapes(r.model.dims(), r.actor.lora)))
+    else:
+        specs = param_specs(r.model.dims(), pp_layers=pp_layers)  # both sides plan from the same list
     plan = groups.reshard_plan(specs, dtype_bytes=torch.finfo(dtype).bits // 8)
     return plan, Resharder(plan, r.resharding.strategy, bucket_mb=r.resharding.bucket_mb, group=bridge_group,
                            dtype=dtype, device=device)

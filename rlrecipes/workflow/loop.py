@@ -17,7 +17,7 @@ from ..metrics import StageTimer
 from .context import Context, Role
 from .stage_io import DockIO, StepState, step_io
 from .stages import RUNNERS, receive_weights
-from .step_metrics import metrics_row, step_facts
+from .step_metrics import metrics_row, step_facts, sync_metrics
 
 
 def run_stages(ctx: Context, io: DockIO) -> None:
@@ -94,6 +94,7 @@ def rollout_step(ctx: Context, step: int) -> None:
     st = StepState(step=step, target=r.trainer.global_batch)
     run_stages(ctx, step_io(ctx, st))
     ctx.dock.flush()
+    synced, ctx.synced_bytes = ctx.synced_bytes, 0
     agent = {}
     if ctx.agent is not None:  # the agent loop's numbers, summed over the rollout workers
         from ..agent.loop import agent_metrics
@@ -104,4 +105,5 @@ def rollout_step(ctx: Context, step: int) -> None:
         t = ctx.timer
         ctx.progress.rollout.remote(step, {
             "timing_s/rollout": round(t.seconds["rollout"], 4), "compute_s/rollout": round(t.compute["rollout"], 4),
-            "async/weights_wait_s": round(t_weights, 4), "async/policy_version": ctx.version, **agent})
+            "async/weights_wait_s": round(t_weights, 4), "async/policy_version": ctx.version, **agent,
+            **sync_metrics(ctx, synced)})

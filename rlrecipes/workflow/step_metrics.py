@@ -13,6 +13,12 @@ from .context import Context
 from .stage_io import StepState
 
 
+def sync_metrics(ctx: Context, synced: int) -> dict:
+    """``reshard/bytes``: the weight bytes a rollout engine received this step (the most any did);
+    with LoRA also ``reshard/full_bytes``, what a full-weight sync would have handed it."""
+    return {"reshard/bytes": int(synced), **({"reshard/full_bytes": ctx.full_sync_bytes} if ctx.full_sync_bytes else {})}
+
+
 def step_facts(ctx: Context, st: StepState, trips0: int, wait0: float) -> dict:
     """This worker's small facts of the step, all-gathered for the row."""
     t, mem = ctx.timer, dev.memory_stats(ctx.device)
@@ -101,10 +107,9 @@ def metrics_row(ctx: Context, st: StepState, gathered: list[dict], step_s: float
         **{k: v for k, v in upd.items() if k.startswith("rollout/")},
         "mem/peak_gb": round(max(g["peak"] for g in gathered) / 2 ** 30, 4),
         "reshard/min_bytes": ctx.reshard_plan.min_bytes(0),
-        "reshard/bytes": max(g["synced"] for g in gathered),  # the most any rollout engine received
     }
-    if ctx.full_sync_bytes:  # LoRA: what a full-weight sync would have moved (rank 0's rollout shard)
-        row["reshard/full_bytes"] = ctx.full_sync_bytes
+    if ctx.engines.rollout is not None:  # (disaggregated: the rollout workers report theirs)
+        row.update(sync_metrics(ctx, max(g["synced"] for g in gathered)))
     if r.rollout.multi_turn.enabled:  # the agent loop's numbers, over every sample generated this step
         from ..agent.loop import agent_metrics
 

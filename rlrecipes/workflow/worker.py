@@ -134,6 +134,7 @@ class Worker:
             send_weights(ctx)  # the first version crosses the bridge
         else:
             receive_weights(ctx)
+        ctx.synced_bytes = 0  # reshard/bytes: each step's own sync (this first one is setup)
         if role == Role.ROLLOUT:
             return {"rank": self.rank, "role": role.value, "device": str(device), "start_step": start_step}
         return {"rank": self.rank, "device": str(device), "start_step": start_step,

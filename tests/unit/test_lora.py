@@ -53,9 +53,10 @@ def test_only_adapters_train_and_the_base_is_the_reference(pg_loss):
     assert all(".lora_" in s.name and s.kind == "replicated" for s in actor.param_specs())
 
 
-def test_synced_adapters_give_the_rollout_the_trainers_log_probs(pg_loss):
-    actor = NativeTrainEngine(SMOKE["deepseek_v3"], role="actor", device="cpu", dtype="fp32", lr=1e-2, lora=LORA)
-    rollout = NativeRolloutEngine(SMOKE["deepseek_v3"], device="cpu", dtype="fp32", seed=0, lora=LORA)
+@pytest.mark.parametrize("family", ["qwen2", "deepseek_v3"])
+def test_synced_adapters_give_the_rollout_the_trainers_log_probs(pg_loss, family):
+    actor = NativeTrainEngine(SMOKE[family], role="actor", device="cpu", dtype="fp32", lr=1e-2, lora=LORA)
+    rollout = NativeRolloutEngine(SMOKE[family], device="cpu", dtype="fp32", seed=0, lora=LORA)
     _train(actor, pg_loss)
     shards = actor.local_shards()
     full = sum(t.numel() for t in rollout.local_shards().values())
@@ -89,8 +90,8 @@ def test_plan_refuses_lora_where_it_cannot_run():
 
     ok = build_plan(load_recipe("qwen25_7b", smoke=True, overrides=["actor.lora.rank=8"]))
     assert ok.ok, format_violations(ok)
-    for over, words in ((["rollout.engine=vllm"], "rollout.engine=vllm does not train or apply LoRA"),
-                        (["actor.layout.tp=2"], "actor.layout TP2 EP1")):
+    for over, words in ((["actor.layout.tp=2"], "actor.layout TP2 EP1"),
+                        (["rollout.layout.tp=2"], "rollout.layout TP2 EP1")):
         p = build_plan(load_recipe("qwen25_7b", smoke=True, overrides=["actor.lora.rank=8", *over]))
         assert not p.ok and words in format_violations(p), format_violations(p)
     meg = build_plan(load_recipe("qwen25_7b", overrides=["actor.lora.rank=8"]))  # the published layout: megatron
