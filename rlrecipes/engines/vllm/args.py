@@ -122,11 +122,10 @@ def layout_rules(*, role: str, dims, tp: int, pp: int, ep: int, etp: Optional[in
                   weight_update_problem(platform=platform, moe=moe, vllm_ascend_version=version),
                   logprobs_problem(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, platform=platform,
                                    vllm_ascend_version=version)]
+    if recipe is not None and recipe.actor.lora.enabled:
         lora = recipe.actor.lora
-        if lora.enabled:
-            found.append(lora_problem(rank=lora.rank, target_modules=lora.target_modules,
-                                      tie_embeddings=bool(getattr(dims, "tie_embeddings", False)), moe=moe,
-                                      platform=platform))
+        found.append(lora_problem(rank=lora.rank, target_modules=lora.target_modules, moe=moe, platform=platform,
+                                  tie_embeddings=bool(getattr(dims, "tie_embeddings", False))))
     return [f"vllm rollout: {p}" for p in found if p]
 
 
@@ -220,7 +219,7 @@ def lora_max_rank(rank: int) -> int:
 
 
 def lora_problem(*, rank: int, target_modules, tie_embeddings: bool = False, moe: bool = False,
-                 platform: str = "cpu") -> Optional[str]:
+                 platform: Optional[str] = "cpu") -> Optional[str]:
     """None when the vLLM engine serves ``actor.lora`` adapters of ``rank`` on ``target_modules``
     (built on the worker from the synced tensors); else the reason and the fix."""
     if int(rank) > LORA_MAX_RANKS[-1]:
@@ -237,8 +236,9 @@ def lora_problem(*, rank: int, target_modules, tie_embeddings: bool = False, moe
                 "head adapter into the head weight, which is the input embedding too; drop lm_head or use "
                 "rollout.engine=native")
     if moe and platform == "cpu":
-        return ("actor.lora on an MoE model: vLLM's CPU backend wraps the experts with its MoE LoRA layer, whose "
-                "kernels it lacks; use rollout.engine=native on CPU")
+        return ("actor.lora on an MoE model: with enable_lora vLLM wraps the experts in its MoE LoRA layer, whose "
+                "Triton kernels vLLM's CPU build lacks (every forward fails, adapters or not); use "
+                "rollout.engine=native on CPU")
     return None
 
 

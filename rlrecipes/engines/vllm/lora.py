@@ -21,7 +21,7 @@ input embeddings too, so that is refused).
 from __future__ import annotations
 
 import json
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 
@@ -103,7 +103,8 @@ def _check_modules(tensors: dict[str, torch.Tensor], expected: set[str], mapper,
         if ".experts" in module:
             ok = module[module.find(".experts") + 1:] in expected
         else:
-            ok = module.rsplit(".", 1)[-1] in expected or module.rsplit(".", 1)[-1] in (peft_helper.modules_to_save or ())
+            leaf = module.rsplit(".", 1)[-1]
+            ok = leaf in expected or leaf in (peft_helper.modules_to_save or ())
         if not ok:
             unexpected.append(module)
     if unexpected:
@@ -116,7 +117,7 @@ def _check_modules(tensors: dict[str, torch.Tensor], expected: set[str], mapper,
 
 
 def _head_param(model) -> torch.nn.Parameter:
-    params = dict(model.named_parameters())
+    params = dict(model.named_parameters(remove_duplicate=False))  # a tied head is listed under both names
     for name in (f"{HEAD}.weight", f"{HEAD}.base_layer.weight"):
         if name in params:
             return params[name]
@@ -124,9 +125,11 @@ def _head_param(model) -> torch.nn.Parameter:
 
 
 @torch.no_grad()
-def _merge_head(model, a: torch.Tensor, b: torch.Tensor, scaling: float) -> None:
-    """Served head = base head + ``scaling * B @ A`` (fp32), over the real vocabulary rows (vLLM pads
-    them); the base head is copied once, at the first merge."""
+def _merge_head(worker, model, a: torch.Tensor, b: torch.Tensor, scaling: float, load_weights: Callable) -> None:
+    """Served head = base head + ``scaling * B @ A`` (fp32) over the real vocabulary rows (vLLM pads
+    them), loaded like any weight (``load_weights``: the engine's ``load_weights_in_place``; the CPU
+    backend serves a packed copy of the head, made after loading); the base head is copied once, at
+    the first merge."""
     w = _head_param(model)
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
     if embed is not None and getattr(embed, "weight", None) is not None and embed.weight.data_ptr() == w.data_ptr():
@@ -138,27 +141,24 @@ def _merge_head(model, a: torch.Tensor, b: torch.Tensor, scaling: float) -> None
         setattr(model, _BASE_HEAD_ATTR, base)
     rows = b.shape[0]
     delta = scaling * (b.to(w.device, torch.float32) @ a.to(w.device, torch.float32))
-    w.data[:rows].copy_((base[:rows].float() + delta).to(w.dtype))
+    load_weights(worker, iter([(f"{HEAD}.weight", (base[:rows].float() + delta).to(w.dtype))]))
 
 
 def forget_base_head(worker) -> None:
     """New base head weights were loaded: the next head merge copies them as the base."""
-    from .rollout import _worker_and_model
-
-    _, model = _worker_and_model(worker)
+    model = _lora_managers(worker)[2].model
     if hasattr(model, _BASE_HEAD_ATTR):
         delattr(model, _BASE_HEAD_ATTR)
 
 
-def load_adapter_in_place(worker, tensors: dict[str, torch.Tensor], config: dict,
+def load_adapter_in_place(worker, tensors: dict[str, torch.Tensor], config: dict, load_weights: Callable,
                           adapter_id: int = ADAPTER_ID) -> int:
     """Build the adapter from ``tensors`` (PEFT names, host copies) and ``config`` (the adapter
     config dict) and serve it under ``adapter_id``, replacing the one there; an ``lm_head`` adapter
-    is merged into the head. Returns how many modules the LoRA adapter holds (0: none registered)."""
+    is merged into the head through ``load_weights`` (the engine's ``load_weights_in_place``).
+    Returns how many modules the LoRA adapter holds (0: none registered)."""
     from vllm.lora.lora_model import LoRAModel
     from vllm.lora.peft_helper import PEFTHelper
-
-    from .rollout import _worker_and_model
 
     _, wm, am = _lora_managers(worker)
     peft_helper = PEFTHelper.from_dict({**config, "vllm_max_position_embeddings": wm.max_position_embeddings})
@@ -189,7 +189,7 @@ def load_adapter_in_place(worker, tensors: dict[str, torch.Tensor], config: dict
                              "and one lora_B")
         a, b = a[0], b[0]
         _, scaling = peft_helper.get_rank_and_scaling(HEAD)
-        _merge_head(_worker_and_model(worker)[1], a, b, scaling)
+        _merge_head(worker, model, a, b, scaling, load_weights)
     wm.remove_adapter(adapter_id)
     if lora is None:
         return 0

@@ -429,7 +429,8 @@ class VllmRolloutEngine(base.RolloutEngine):
         base weights, should any arrive, are loaded in place first, as without LoRA."""
         from rlrecipes.engines.native.lora import is_lora_name
 
-        from .lora import HEAD, forget_base_head, load_adapter_in_place, lora_request, peft_tensors, plain_adapter_config
+        from .lora import (HEAD, forget_base_head, load_adapter_in_place, lora_request, peft_tensors,
+                           plain_adapter_config)
 
         adapters: list[tuple[str, torch.Tensor]] = []
         base: list[tuple[str, torch.Tensor]] = []
@@ -443,7 +444,8 @@ class VllmRolloutEngine(base.RolloutEngine):
         if not adapters:
             return
         config = plain_adapter_config(self.lora, self._model_name)
-        held = self.llm.collective_rpc(load_adapter_in_place, args=(peft_tensors(adapters), config))
+        held = self.llm.collective_rpc(load_adapter_in_place,
+                                       args=(peft_tensors(adapters), config, load_weights_in_place))
         self._lora_request = lora_request() if held[0] else None  # 0: only a merged head adapter
 
     # ------------------------------------------------------------------ memory
