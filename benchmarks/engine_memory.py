@@ -14,6 +14,16 @@ prints:
   recipe, layout and dtype; ``plan_total_bytes`` adds the weights;
 - ``load_s``, ``step_s``.
 
+The ``dp4-lora`` row is the same model and layout with LoRA adapters (``actor.lora.rank``, 8 by
+default, on the schema's default ``target_modules``): the base frozen in the engine's fp32 master
+dtype, gradients and Adam state for the adapters only, and the plan of that recipe
+(``actor.lora.rank=8``). It also prints ``lora_params`` (what PEFT created) and
+``step_over_full_param_step`` (its step peak over the full-parameter row's of the same layout, when
+that row ran in the same invocation). Its peak is the root unit's all-gather at the start of the
+second step's forward: the tied embedding (136M parameters, frozen, fp32) twice over (FSDP2's
+all-gather output and the unsharded parameter it is copied into) beside the previous step's
+activation memory, which the allocator still holds; ``plan`` models exactly that.
+
 Peak RSS is the kernel's high-water mark (``VmHWM``), reset before each phase by writing ``5`` to
 ``/proc/self/clear_refs``; the loader reads with positioned reads (no mmap), so page cache is not
 counted. Linux only. The ranks run with a fixed glibc mmap threshold (``MALLOC_MMAP_THRESHOLD_``,
@@ -22,7 +32,7 @@ gathered weight (17 MB here) stays resident in the heap, and RSS would measure t
 fragmentation (about +1 GB over a forward) rather than what the engine holds; an accelerator's
 caching allocator has no such effect.
 
-Usage: ``python benchmarks/engine_memory.py [--layouts dp4,tp2dp2] [--tokens 128]``
+Usage: ``python benchmarks/engine_memory.py [--layouts dp4,tp2dp2,dp4-lora] [--tokens 128] [--lora-rank 8]``
 """
 from __future__ import annotations
 
@@ -41,7 +51,7 @@ import torch
 QWEN25_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                   num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
                   tie_word_embeddings=True, rope_theta=1000000.0, rms_norm_eps=1e-6)
-LAYOUTS = {"dp4": 1, "tp2dp2": 2}  # name -> TP over 4 ranks
+LAYOUTS = {"dp4": (1, False), "tp2dp2": (2, False), "dp4-lora": (1, True)}  # name -> (TP over 4 ranks, LoRA)
 WORLD = 4
 
 
@@ -83,7 +93,13 @@ def pg_loss(logp, _ent, mb):
     return -(torch.where(m.bool(), logp * adv, 0.0)).sum() / m.sum().clamp(min=1), {}
 
 
-def _rank(rank: int, port: int, folder: str, tp: int, tokens: int, out: str) -> None:
+def _lora(rank: int):
+    from rlrecipes.recipe.schema import LoraConfig
+
+    return LoraConfig(rank=rank) if rank > 0 else None
+
+
+def _rank(rank: int, port: int, folder: str, tp: int, tokens: int, out: str, lora_rank: int = 0) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -100,7 +116,8 @@ def _rank(rank: int, port: int, folder: str, tp: int, tokens: int, out: str) -> 
 
     before = reset()
     t0 = time.perf_counter()
-    eng = NativeTrainEngine(folder, layout=(tp, 1), device="cpu", lr=1e-5, max_tokens_per_micro_batch=tokens)
+    eng = NativeTrainEngine(folder, layout=(tp, 1), device="cpu", lr=1e-5, max_tokens_per_micro_batch=tokens,
+                            lora=_lora(lora_rank))
     dist.barrier()
     load_s, load_extra = time.perf_counter() - t0, devmod.memory_stats(cpu).peak_bytes - before
     before = reset()
@@ -111,12 +128,13 @@ def _rank(rank: int, port: int, folder: str, tp: int, tokens: int, out: str) -> 
     step_s, step_extra = (time.perf_counter() - t0) / 2, devmod.memory_stats(cpu).peak_bytes - before
     Path(out, f"rank{rank}.json").write_text(json.dumps(
         {"load_extra": load_extra, "step_extra": step_extra, "load_s": load_s, "step_s": step_s,
-         "grad_norm": metrics["actor/grad_norm"], "params": sum(p.numel() for p in eng.model.parameters())}))
+         "grad_norm": metrics["actor/grad_norm"], "params": sum(p.numel() for p in eng.model.parameters()),
+         "trainable": sum(p.numel() for p in eng.model.parameters() if p.requires_grad)}))
     dist.destroy_process_group()
 
 
-def plan_estimate(folder: Path, tp: int, tokens: int):
-    """The planner's per-device training memory for this folder, layout and dtype (fp32 on CPU)."""
+def plan_estimate(folder: Path, tp: int, tokens: int, lora_rank: int = 0):
+    """The planner's per-device training memory for this folder, layout, dtype (fp32 on CPU) and LoRA rank."""
     from rlrecipes.plan import build_plan
     from rlrecipes.recipe import load_recipe
 
@@ -127,7 +145,8 @@ def plan_estimate(folder: Path, tp: int, tokens: int):
         "resources.device=cpu", "resources.nodes=1", f"resources.devices_per_node={WORLD}",
         "resources.device_memory_gb=64", "resources.dies_per_card=1", "actor.recompute=false",
         "actor.offload_optimizer=false", f"data.max_prompt_length={half}", f"rollout.sampling.max_new_tokens={half}",
-        f"trainer.max_tokens_per_micro_batch={tokens}", "trainer.global_batch=8", "trainer.mini_batch=8"])
+        f"trainer.max_tokens_per_micro_batch={tokens}", "trainer.global_batch=8", "trainer.mini_batch=8",
+        f"actor.lora.rank={lora_rank}"])
     return build_plan(recipe).train_memory
 
 
@@ -141,28 +160,38 @@ def _total_params(folder: Path) -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layouts", default="dp4,tp2dp2")
+    ap.add_argument("--layouts", default="dp4,tp2dp2,dp4-lora")
     ap.add_argument("--tokens", type=int, default=128, help="prompt + response tokens per rank in the step")
+    ap.add_argument("--lora-rank", type=int, default=8, help="adapter rank of the -lora rows")
     ap.add_argument("--folder", default=os.path.join(tempfile.gettempdir(), "rlrecipes-bench-qwen2-0.5b"))
     args = ap.parse_args()
     import torch.multiprocessing as mp
 
     folder = write_folder(Path(args.folder))
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(4 << 20))  # read by the spawned ranks' glibc
+    step_peaks: dict[int, int] = {}  # TP -> the full-parameter row's step peak
     for name in args.layouts.split(","):
-        tp = LAYOUTS[name]
+        tp, lora = LAYOUTS[name]
+        lora_rank = args.lora_rank if lora else 0
         with tempfile.TemporaryDirectory() as out, socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
             s.close()
-            mp.spawn(_rank, args=(port, str(folder), tp, args.tokens, out), nprocs=WORLD, join=True)
+            mp.spawn(_rank, args=(port, str(folder), tp, args.tokens, out, lora_rank), nprocs=WORLD, join=True)
             ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(WORLD)]
-        mem = plan_estimate(folder, tp, args.tokens)
+        mem = plan_estimate(folder, tp, args.tokens, lora_rank)
         n_params = _total_params(folder)
         full = n_params * 4
         load_extra = max(r["load_extra"] for r in ranks)
         step_extra = max(r["step_extra"] for r in ranks)
         est = mem.total - mem.weights
+        extra = {}
+        if lora:
+            extra = {"lora_rank": lora_rank, "lora_params": ranks[0]["trainable"]}
+            if tp in step_peaks:
+                extra["step_over_full_param_step"] = round(step_extra / step_peaks[tp], 3)
+        else:
+            step_peaks[tp] = step_extra
         print(json.dumps({
             "layout": name, "world": WORLD, "tp": tp, "dp": WORLD // tp, "dtype": "fp32", "params": n_params,
             "full_model_bytes": int(full), "load_peak_extra_bytes": int(load_extra),
@@ -170,7 +199,7 @@ def main() -> None:
             "plan_estimate_bytes": int(est), "step_over_plan": round(step_extra / est, 3),
             "plan_total_bytes": int(mem.total), "plan_breakdown_gib": mem.gib(),
             "load_s": round(max(r["load_s"] for r in ranks), 2), "step_s": round(max(r["step_s"] for r in ranks), 2),
-            "tokens_per_rank": args.tokens}), flush=True)
+            "tokens_per_rank": args.tokens, **extra}), flush=True)
 
 
 if __name__ == "__main__":

@@ -29,11 +29,14 @@ def render_plan(plan) -> None:
     for c in ("phase", "weights", "grads", "optimizer", "activations", "transient", "KV cache", "total"):
         m.add_column(c, justify="right" if c != "phase" else "left")
     labels = ("train group", "rollout group") if plan.disaggregated else ("train (actor)", "rollout")
-    for phase, mem in zip(labels, (plan.train_memory, plan.rollout_memory)):
+    rows = list(zip(labels, (plan.train_memory, plan.rollout_memory)))
+    if plan.ref_policy == "model":  # resident beside the actor on the train devices
+        rows.insert(1, ("+ ref (frozen)", plan.ref_memory))
+    for phase, mem in rows:
         g = mem.gib()
         m.add_row(phase, *(f"{g[k]:.2f}" for k in ("weights", "grads", "optimizer", "activations", "transient", "kv_cache", "total")))
     console.print(m)
-    for line in plan.placement_lines():
+    for line in plan.placement_lines() + plan.lora_lines():
         console.print(escape(line), highlight=False)
     console.print(f"reshard traffic per device per step: [bold]{plan.reshard_bytes_per_device / 2**30:.2f} GiB[/] "
                   f"received at most ({plan.reshard_method}; full model in bf16: {plan.reshard_full_bytes / 2**30:.1f} GiB)")

@@ -31,6 +31,7 @@ Nothing matched at all is PEFT's "target modules not found" error, raised here t
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Iterable
 
 from .dims import ModelDims
@@ -108,10 +109,16 @@ def lora_shapes(dims: ModelDims, lora: Any) -> list[tuple[str, tuple[int, ...]]]
 
     Raises ``ValueError`` where PEFT refuses the targets (see the module docstring); ``rank <= 0``
     (LoRA off) gives ``[]``."""
-    r = int(lora.rank)
+    dropout = float(getattr(lora, "dropout", 0.0) or 0.0) > 0
+    return list(_shapes(dims, int(lora.rank), tuple(lora.target_modules), dropout))
+
+
+@functools.lru_cache(maxsize=64)  # plan's nearest-node search plans the same recipe many times
+def _shapes(dims: ModelDims, r: int, target_modules: tuple[str, ...],
+            dropout: bool) -> tuple[tuple[str, tuple[int, ...]], ...]:
     if r <= 0:
-        return []
-    targets = list(lora.target_modules)
+        return ()
+    targets = list(target_modules)
     param_targets: dict[str, int] = {}
     if dims.family in PEFT_V5_MOE_FAMILIES:
         targets, param_targets = _convert_moe_targets(targets, r)
@@ -138,7 +145,7 @@ def lora_shapes(dims: ModelDims, lora: Any) -> list[tuple[str, tuple[int, ...]]]
         if hit is not None:
             module, _, leaf = name.rpartition(".")
             wrapped.setdefault(module, []).append((order, leaf, tuple(shape), param_targets[hit]))
-    if wrapped and float(getattr(lora, "dropout", 0.0) or 0.0) > 0:
+    if wrapped and dropout:
         raise ValueError(f"lora.ParamWrapper does not work with lora_dropout != 0: PEFT adapts the fused experts "
                          f"of {dims.family} as parameters; set actor.lora.dropout=0")
     for module, items in wrapped.items():
@@ -152,10 +159,10 @@ def lora_shapes(dims: ModelDims, lora: Any) -> list[tuple[str, tuple[int, ...]]]
                 a, b = (rank, in_f), (out_f, rank)
             found += [(order, 0, f"{prefix}.lora_A.{ADAPTER}.weight", a), (order, 1, f"{prefix}.lora_B.{ADAPTER}.weight", b)]
     if not found:
-        raise ValueError(f"Target modules {sorted(set(lora.target_modules))} not found in the base model "
+        raise ValueError(f"Target modules {sorted(set(target_modules))} not found in the base model "
                          f"({dims.family}); PEFT refuses an adapter that adapts nothing")
     found.sort(key=lambda x: (x[0], x[1]))
-    return [(name, shape) for _o, _s, name, shape in found]
+    return tuple((name, shape) for _o, _s, name, shape in found)
 
 
 def lora_numel(dims: ModelDims, lora: Any) -> int:

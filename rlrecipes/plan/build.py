@@ -27,9 +27,13 @@ from ..recipe import Recipe
 from .checks import (NODE_INDEPENDENT_RULES, PlanError, RoleLayout, Violation, capability_checks, dp_of,
                      engine_checks, engine_layout_violations, layout_violations, model_checks, ranks_text,
                      role_layouts, rollout_devices_that_fit, rollout_inference, where)
-from .memory import DTYPE_BYTES, GiB, Memory, kv_needed, rollout_memory, train_memory
+from .memory import DTYPE_BYTES, GiB, Memory, kv_needed, ref_memory, rollout_memory, train_memory
 from .agent import agent_checks
-from .reshard import exact_reshard_bytes, reshard_bytes
+from .reshard import full_reshard, lora_reshard, lora_specs, reshard_bytes
+
+
+def _size(n: float) -> str:
+    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / 2**20:.1f} MiB"
 
 
 @dataclass
@@ -68,6 +72,18 @@ class Plan:
     """Devices of the rollout group: the last ``rollout_devices`` ranks (= world when colocated)."""
     reshard_send_bytes_per_device: float = 0.0
     """disaggregated: the most bytes a train device sends per step (sources spread over replicas)."""
+    ref_memory: Memory = field(default_factory=Memory)
+    """The reference model's weights on a train device (none without a ref role, none with LoRA)."""
+    lora: Optional[dict] = None
+    """``actor.lora``: the adapters (rank, targets, tensors, parameters) and the per-step sync of the
+    adapters beside a full-weight sync (``reshard``: :class:`~.reshard.ReshardVolume` fields each)."""
+
+    @property
+    def ref_policy(self) -> str:
+        """``"model"`` (a reference engine), ``"adapters off"`` (LoRA: the actor's base) or ``""`` (none)."""
+        if "ref" not in self.roles:
+            return ""
+        return "adapters off" if self.lora is not None else "model"
 
     @property
     def ok(self) -> bool:
@@ -96,6 +112,38 @@ class Plan:
                  f"device at most ({self.reshard_method})"]
         return lines
 
+    def lora_lines(self) -> list[str]:
+        """Human-readable lines on LoRA (empty without it: the output is unchanged)."""
+        if self.lora is None:
+            return []
+        lo = self.lora
+        lines = [f"LoRA r={lo['rank']} on {', '.join(lo['target_modules'])}: "
+                 + (f"{lo['tensors']} adapter tensors, {lo['params'] / 1e6:.2f}M trainable parameters "
+                    f"({100 * lo['params'] / max(1, self.model_params):.2f} % of the model); " if "params" in lo else "")
+                 + "the base is frozen (kept in the engine's fp32 master dtype), gradients and optimizer state "
+                   "are the adapters' only"]
+        if self.ref_policy:
+            lines.append("reference policy: the actor's base with the adapters off (no reference weights)")
+        sync = lo.get("reshard")
+        if sync:
+            a, f = sync["adapters"], sync["full_weights"]
+            pct = f" (LoRA moves {100 * a['loaded'] / f['loaded']:.2f} % of it)" if f["loaded"] else ""
+            lines.append(f"reshard per step, adapters only: {_size(a['received'])} received by a device at most, "
+                         f"{_size(a['loaded'])} loaded into each rollout device ({a['method']}); a full-weight sync "
+                         f"would receive {_size(f['received'])} and load {_size(f['loaded'])}{pct}")
+        return lines
+
+    def lora_json(self) -> dict:
+        out = {k: v for k, v in self.lora.items() if k != "reshard"}
+        sync = self.lora.get("reshard")
+        if sync:
+            out["reshard"] = {side: {k: (v if k == "method" else int(round(v))) for k, v in sync[side].items()}
+                              for side in ("adapters", "full_weights")}
+            out["reshard"]["unit"] = "bytes"
+            full = sync["full_weights"]["loaded"]
+            out["reshard"]["loaded_fraction_of_full"] = round(sync["adapters"]["loaded"] / full, 6) if full else None
+        return out
+
     def to_json(self) -> dict:
         out = {
             "recipe": self.recipe, "ok": self.ok, "nodes": self.nodes, "devices_per_node": self.devices_per_node,
@@ -107,6 +155,8 @@ class Plan:
             "reshard_gib_per_device": round(self.reshard_bytes_per_device / GiB, 3),
             "reshard_full_model_gib": round(self.reshard_full_bytes / GiB, 3),
             "reshard_method": self.reshard_method,
+            **({"ref_policy": self.ref_policy, "ref_memory_gib": self.ref_memory.gib()} if self.ref_policy else {}),
+            **({"lora": self.lora_json()} if self.lora is not None else {}),
             "inference": self.inference,
             **({"agent": self.agent} if self.agent else {}),
             "changes": self.changes, "violations": [asdict(v) for v in self.violations],
@@ -204,11 +254,24 @@ def build_plan(recipe: Recipe, nodes: Optional[int] = None, devices_per_node: Op
                 device_memory_gb=res.device_memory_gb, roles=roles, global_batch=gb, mini_batch=mb, n_samples=n,
                 changes=changes, model_params=dims.total_params(), engines=engines, missing_here=missing_here,
                 placement=res.placement, train_devices=train_world, rollout_devices=rollout_world)
+    lora = recipe.actor.lora if recipe.actor.lora.enabled else None
+    if lora is not None:
+        plan.lora = {"rank": lora.rank, "alpha": lora.alpha, "target_modules": list(lora.target_modules)}
+        try:  # the tensors PEFT creates, and the resharder's rule for each
+            specs = lora_specs(dims, lora)
+            plan.lora.update(tensors=len(specs), params=sum(s.numel for s in specs))
+        except ValueError as e:
+            violations.append(Violation("LoRA has what it needs", f"actor.lora.target_modules on {dims.family}: {e}"))
+            lora = None
     if actor.dp is not None and train_caps is not None:
         plan.train_memory = train_memory(dims, actor, recipe, actor.dp, train_caps)
-        if plan.train_memory.total > device_bytes:
+        if "ref" in roles and roles["ref"].dp is not None:
+            plan.ref_memory = ref_memory(dims, roles["ref"], recipe, roles["ref"].dp, train_caps)
+        need = plan.train_memory.total + plan.ref_memory.total
+        if need > device_bytes:
+            ref = f" ({plan.ref_memory.total / GiB:.1f} GiB of it reference weights)" if plan.ref_memory.total else ""
             violations.append(Violation("training memory fits the device",
-                                        f"actor needs {plan.train_memory.total / GiB:.1f} GiB per device "
+                                        f"actor needs {need / GiB:.1f} GiB per device{ref} "
                                         f"> {res.device_memory_gb:g} GiB (raise TP/PP/EP, or set actor.offload_optimizer)"))
     rollout = roles["rollout"]
     if rollout.dp is not None:
@@ -234,9 +297,18 @@ def build_plan(recipe: Recipe, nodes: Optional[int] = None, devices_per_node: Op
     found, plan.agent = agent_checks(recipe)
     violations += found
     plan.violations = violations
+    full = None
     if _search and not violations:
+        full = full_reshard(dims, actor, rollout, res.placement)
         plan.reshard_bytes_per_device, plan.reshard_method, plan.reshard_send_bytes_per_device = \
-            exact_reshard_bytes(dims, actor, rollout, res.placement)
+            full.received, full.method, full.sent
+    if _search and lora is not None and actor.dp is not None and rollout.dp is not None:
+        # only the adapters move; a full-weight sync of the same layouts beside it, for the ratio
+        full = full or full_reshard(dims, actor, rollout, res.placement)
+        moved = lora_reshard(dims, lora, actor, rollout, res.placement)
+        plan.lora["reshard"] = {"adapters": asdict(moved), "full_weights": asdict(full)}
+        plan.reshard_bytes_per_device, plan.reshard_method, plan.reshard_send_bytes_per_device = \
+            moved.received, moved.method, moved.sent
     if _search and any(v.rule not in NODE_INDEPENDENT_RULES for v in violations):
         plan.nearest_valid_nodes = nearest_valid_nodes(recipe, nodes, dpn, keep_batch)
     return plan

@@ -11,18 +11,28 @@ A train engine names the model that describes it in its capabilities
   an fp32 DDP gradient buffer and a distributed optimizer over DP; experts also split over TP
   when the engine declares ``expert_tensor_parallel``.
 
+With ``actor.lora`` (only engines that declare ``Capabilities.lora`` pass ``plan``: the ``"fsdp"``
+model) the base is frozen: gradients, Adam state and FSDP's unsharded gradients / reduce buffers
+count the adapters only (:func:`lora_params`, from the tensors PEFT creates:
+:func:`rlrecipes.models.lora_shapes.lora_shapes`), and :func:`ref_memory` is nothing (the reference
+policy is the actor with its adapters off).
+
 :func:`rollout_memory` gives a rollout device's weights and the KV cache left in its budget,
 :func:`kv_needed` the KV cache a step's rows need. :func:`rlrecipes.plan.build.build_plan`
 compares them with the device.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass
+from types import SimpleNamespace
 from typing import Callable
 
 from .. import device as devmod
 from ..engines.base import Capabilities
 from ..models import ModelDims
+from ..models.lora_shapes import lora_shapes
+from ..models.sharding import layer_of
 from ..recipe import Recipe
 from .checks import RoleLayout
 
@@ -51,6 +61,47 @@ class Memory:
         d = {k: round(v / GiB, 2) for k, v in asdict(self).items()}
         d["total"] = round(self.total / GiB, 2)
         return d
+
+
+@dataclass(frozen=True)
+class LoraParams:
+    """The adapter parameters of a LoRA actor, by the FSDP unit that holds them."""
+
+    total: int = 0
+    max_layer: int = 0
+    """The most adapter parameters in one decoder layer (a unit in flight)."""
+    outside: int = 0
+    """Adapters outside the decoder layers (``lm_head`` / ``embed_tokens`` targets)."""
+
+
+def lora_params(dims: ModelDims, recipe: Recipe) -> LoraParams | None:
+    """``None`` without LoRA; else the adapters PEFT creates for ``actor.lora`` (none counted when
+    PEFT would refuse the targets: ``build_plan`` reports that as a violation)."""
+    lora = recipe.actor.lora
+    if not lora.enabled:
+        return None
+    return _lora_params(dims, lora.rank, tuple(lora.target_modules), lora.dropout)
+
+
+@functools.lru_cache(maxsize=64)  # plan's nearest-node search plans the same recipe many times
+def _lora_params(dims: ModelDims, rank: int, targets: tuple[str, ...], dropout: float) -> LoraParams:
+    try:
+        shapes = lora_shapes(dims, SimpleNamespace(rank=rank, target_modules=targets, dropout=dropout))
+    except ValueError:
+        return LoraParams()
+    per_layer: dict[int, int] = {}
+    outside = 0
+    for name, shape in shapes:
+        n = 1
+        for s in shape:
+            n *= s
+        layer = layer_of(name)
+        if layer is None:
+            outside += n
+        else:
+            per_layer[layer] = per_layer.get(layer, 0) + n
+    return LoraParams(total=sum(per_layer.values()) + outside, max_layer=max(per_layer.values(), default=0),
+                      outside=outside)
 
 
 def even_split(layers: int, pp: int) -> list[int]:
@@ -126,6 +177,16 @@ def fsdp_train_memory(dims: ModelDims, role: RoleLayout, recipe: Recipe, dp: int
     phase. A small model (at most ``caps.small_model_bytes`` of fp32 parameters) is replicated over
     DP in full precision, and kept gathered through a call under FSDP: the same rule the engine
     applies. Checked against the native engine's measurement by ``benchmarks/engine_memory.py``.
+
+    LoRA (``actor.lora``): the engine builds the whole model in its master dtype (fp32) and freezes
+    the base, so ``weights`` are the fp32 base plus adapters, sharded over DP like before; gradients,
+    Adam state, the unsharded gradients and reduce-scatter inputs of a unit in flight and the
+    optimizer temporary are the adapters' only; a frozen unit in flight is its gathered weights
+    (twice over while FSDP2 copies the all-gather output out), and a frozen tied embedding never
+    reduce-scatters, so its gathering at the start of forward is the peak of a large-vocabulary
+    model. Activations are unchanged: every adapted
+    Linear still saves its input (now for ``lora_A``'s gradient) and back-propagation still runs
+    through every layer to reach the first adapters.
     """
     c = devmod.compute_bytes(recipe.resources.device, recipe.model.dtype)
     tp, ep = role.tp, role.ep
@@ -136,14 +197,17 @@ def fsdp_train_memory(dims: ModelDims, role: RoleLayout, recipe: Recipe, dp: int
     layer_e = max(b for _, b in per_layer) / ep
     ne = sum(a for a, _ in per_layer) / tp + embed * (1 if dims.tie_embeddings else 2) + dims.hidden_size
     e = sum(b for _, b in per_layer) / ep
+    lora = lora_params(dims, recipe)
+    adapters = lora.total if lora else 0  # (LoRA is refused at TP/EP > 1: adapters are whole per DP rank)
     param_bytes = 4 * (sum(a + b for a, b in per_layer) + dims.vocab_size * dims.hidden_size
-                       * (1 if dims.tie_embeddings else 2) + dims.hidden_size)
+                       * (1 if dims.tie_embeddings else 2) + dims.hidden_size + adapters)
     small = param_bytes <= caps.small_model_bytes  # 0: nothing is small
     replicated = small and c == 4 and dp > 1
     local = ne + e if replicated else ne / dp + e / expert_dp  # this rank's part of every parameter
-    m = Memory(weights=4 * local, grads=4 * local)
+    trained = local if lora is None else (adapters if replicated else adapters / dp)
+    m = Memory(weights=4 * (local + (0 if lora is None else trained)), grads=4 * trained)
     if not recipe.actor.offload_optimizer:
-        m.optimizer = 8 * local
+        m.optimizer = 8 * trained
     tokens = micro_batch_tokens(recipe)
     width = dims.intermediate_size if not dims.is_moe else \
         dims.moe_intermediate_size * (dims.experts_per_token + dims.num_shared_experts)
@@ -163,18 +227,54 @@ def fsdp_train_memory(dims: ModelDims, role: RoleLayout, recipe: Recipe, dp: int
     # reduce-scatters; the activations are gone by then.
     reduce = 4 * (1 if devmod.is_accelerator(recipe.resources.device) else 2)
     unit = 2 * c + reduce
-    phases = [2 * (layer_ne + layer_e) * unit]  # backward, beside the activations
-    if dims.tie_embeddings:
-        phases += [embed * 2 * c, embed * (3 * c + reduce) - m.activations]
+    if lora is None:
+        phases = [2 * (layer_ne + layer_e) * unit]  # backward, beside the activations
+        if dims.tie_embeddings:
+            phases += [embed * 2 * c, embed * (3 * c + reduce) - m.activations]
+        else:
+            phases += [embed * unit]
+        in_flight_all = (ne + e) * unit
     else:
-        phases += [embed * unit]
-    phases.append(4 * local - m.activations)  # optimizer step: the foreach temporary, activations gone
+        # frozen units hold gathered weights only (the adapters' gradients and reduce buffers ride
+        # along), but a unit being gathered holds two copies for a moment: FSDP2's all-gather output
+        # and the unsharded parameters it is copied into. Backward: the unit computing and the next
+        # one gathering. The embedding's unit (tied: the root, with the head) gathers at the start
+        # of forward, while the previous step's activation memory is still held by the allocator
+        # (measured: benchmarks/engine_memory.py, dp4-lora)
+        phases = [3 * (layer_ne + layer_e) * c + 2 * lora.max_layer * unit, embed * 2 * c + lora.outside * unit]
+        in_flight_all = (ne + e) * c + adapters * unit
+    phases.append(4 * trained - m.activations)  # optimizer step: the foreach temporary, activations gone
     if replicated:  # no units in flight: the gradients' flat all-reduce buffer or the optimizer temporary
-        phases = [4 * local - m.activations]
+        phases = [4 * trained - m.activations]
     elif small:  # FSDP, every unit kept gathered (with its unsharded gradient) through the call
-        phases.append((ne + e) * unit)
+        phases.append(in_flight_all)
     m.transient = max(0.0, *phases)
     return m
+
+
+def ref_memory(dims: ModelDims, role: RoleLayout, recipe: Recipe, dp: int, caps: Capabilities) -> Memory:
+    """The reference model's weights on a train device, resident beside the actor (colocated or in
+    the train group). ``Memory()`` with LoRA: the reference policy is the actor's base with the
+    adapters off, no model of its own. Its forward pass runs outside the train step, so only the
+    weights add to the step's peak.
+
+    ``fsdp``: the native engine builds the reference in the compute dtype (no master copy), FSDP2
+    over DP unless the model is small (then whole per DP rank); ``pipeline``: the worst stage's
+    compute-dtype weights."""
+    if recipe.actor.lora.enabled:
+        return Memory()
+    if caps.memory_model == "pipeline":
+        pp_layers = role.pp_layers or even_split(dims.num_layers, role.pp)
+        if len(pp_layers) != role.pp or sum(pp_layers) != dims.num_layers:
+            pp_layers = even_split(dims.num_layers, role.pp)
+        etp = role.tp if caps.expert_tensor_parallel else 1
+        return Memory(weights=max(ne / role.tp + e / (role.ep * etp) for ne, e in stage_params(dims, pp_layers))
+                      * DTYPE_BYTES)
+    c = devmod.compute_bytes(recipe.resources.device, recipe.model.dtype)
+    experts = dims.expert_params()
+    ne, e = (dims.total_params() - experts) / role.tp, experts / role.ep
+    sharded = dp > 1 and not dims.total_params() * c <= caps.small_model_bytes
+    return Memory(weights=c * ((ne / dp + e / max(1, dp * role.tp // role.ep)) if sharded else ne + e))
 
 
 TRAIN_MEMORY_MODELS: dict[str, Callable[[ModelDims, RoleLayout, Recipe, int, Capabilities], Memory]] = {
@@ -213,5 +313,6 @@ def kv_needed(dims: ModelDims, role: RoleLayout, recipe: Recipe, rows_per_instan
     return seqs * seq * per_token
 
 
-__all__ = ["DTYPE_BYTES", "GiB", "Memory", "TRAIN_MEMORY_MODELS", "even_split", "fsdp_train_memory", "kv_needed",
-           "micro_batch_tokens", "pipeline_train_memory", "rollout_memory", "stage_params", "train_memory"]
+__all__ = ["DTYPE_BYTES", "GiB", "LoraParams", "Memory", "TRAIN_MEMORY_MODELS", "even_split", "fsdp_train_memory",
+           "kv_needed", "lora_params", "micro_batch_tokens", "pipeline_train_memory", "ref_memory", "rollout_memory",
+           "stage_params", "train_memory"]
