@@ -22,6 +22,8 @@ def render_plan(plan) -> None:
     for c in ("role", "engine", "TP", "PP", "EP", "DP", "layer split"):
         t.add_column(c, justify="left" if c in ("role", "engine", "layer split") else "right")
     for r in plan.roles.values():
+        if r.role == "ref" and plan.ref_policy == "adapters off":  # no engine: the actor's base (lora_lines)
+            continue
         t.add_row(r.role, plan.engines.get(r.role, "-"), str(r.tp), str(r.pp), str(r.ep),
                   "-" if r.dp is None else str(r.dp), ",".join(map(str, r.pp_layers)) if r.pp_layers else "even")
     console.print(t)
