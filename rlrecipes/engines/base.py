@@ -98,6 +98,10 @@ class Capabilities:
     lora: bool = False
     """LoRA adapters (``actor.lora``): a train engine trains them with its base frozen and serves the
     base as the reference policy; a rollout engine applies adapters synced from the trainer."""
+    sequence_parallel: str = ""
+    """How a train engine splits one sequence over ``layout.sp`` devices: ``"ulysses"`` (all-to-all
+    head-sharded attention), ``"context_parallel"`` (megatron's ``context_parallel_size``), or ``""``
+    (it cannot: ``plan`` refuses ``sp > 1``)."""
     multi_turn_multi_rank: bool = True
     """Multi-turn rollouts (``rollout.multi_turn``) on instances of several ranks (rollout TP or
     EP > 1): the instance's leader runs the agent loop and mirrors every turn call to its peers."""
@@ -189,6 +193,8 @@ class EngineSpec:
     tp: int = 1
     pp: int = 1
     ep: int = 1
+    sp: int = 1
+    """Sequence-parallel size (train roles): devices that split each sequence (``layout.sp``)."""
     pp_layers: Optional[list[int]] = None
     device: Optional[torch.device] = None
     dtype: str = "auto"

@@ -263,6 +263,10 @@ class TrainLayout(_Strict):
     """Pipeline-parallel size."""
     ep: int = Field(1, ge=1)
     """Expert-parallel size (carved out of dp*tp)."""
+    sp: int = Field(1, ge=1)
+    """Sequence-parallel size: each micro-batch's sequences are split over ``sp`` devices, which see
+    the same samples (carved out of DP: DP = devices / (tp * pp * sp)). The native engine runs
+    Ulysses (attention over all-to-all head shards); megatron runs it as ``context_parallel_size``."""
     pp_layers: Optional[list[int]] = None
     """Layers per pipeline stage, e.g. [7,7,8,8,8,8,8,7]; even split when null."""
 

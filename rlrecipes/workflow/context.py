@@ -275,7 +275,8 @@ def _spec(r: Recipe, device: torch.device, pad_id: int, role: str, layout, **kw)
     """The :class:`EngineSpec` of one role from the resolved recipe; ``kw`` sets the role's own fields."""
     # a folder wins over smoke dimensions: `--smoke model.path=<folder>` runs the smoke task on those weights
     return EngineSpec(model=r.model.path or r.model.dims(), role=role,
-                      tp=layout.tp, pp=layout.pp, ep=layout.ep, pp_layers=getattr(layout, "pp_layers", None),
+                      tp=layout.tp, pp=layout.pp, ep=layout.ep, sp=getattr(layout, "sp", 1),
+                      pp_layers=getattr(layout, "pp_layers", None),
                       device=device, dtype=r.model.dtype, seed=r.trainer.seed,
                       micro_batch_size=r.trainer.micro_batch,
                       max_tokens_per_micro_batch=r.trainer.max_tokens_per_micro_batch,

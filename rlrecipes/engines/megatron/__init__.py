@@ -18,6 +18,7 @@ from ..base import Capabilities
 CAPABILITIES = Capabilities(
     name="megatron", roles=frozenset({"train"}), pipeline_parallel=True, expert_parallel=True,
     expert_tensor_parallel=True, separate_ref_layout=False, critic=False, memory_model="pipeline",
+    sequence_parallel="context_parallel",  # layout.sp -> context_parallel_size (TransformerEngine or MindSpeed)
     devices=("cuda", "npu"),
     dtypes=("auto", "bf16", "fp16", "fp32"), requires=("megatron.core",),
     requires_by_device=(("npu", ("mindspeed", "torch_npu")),),

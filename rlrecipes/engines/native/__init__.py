@@ -18,6 +18,7 @@ CAPABILITIES = Capabilities(
     name="native", roles=frozenset({"train", "rollout"}), pipeline_parallel=False, expert_parallel=True,
     ep_within_tp=True, expert_tensor_parallel=False, separate_ref_layout=False, critic=True, routing_replay=True,
     lora=True,  # PEFT adapters at TP1 / EP1 (FSDP2 or replicated DP); needs the lora extra
+    sequence_parallel="ulysses",  # layout.sp: engines/native/ulysses.py
     memory_model="fsdp", small_model_bytes=SMALL_MODEL_BYTES, devices=("cpu", "cuda", "npu"),
     dtypes=("auto", "bf16", "fp16", "fp32"), requires=("transformers",), install="pip install -e .")
 
