@@ -41,13 +41,14 @@ class MeshRanks:
 
     @property
     def is_data_leader(self) -> bool:
-        return self.mesh.tp_rank == 0
+        return self.mesh.tp_rank == 0 and getattr(self.mesh, "sp_rank", 0) == 0
 
     def model_parallel_group(self):
-        """The TP group and its first global rank (TP peers see the same batch); ``(None, rank)`` at TP1."""
-        if self.mesh.tp == 1:
+        """The TP (x SP) group and its first global rank (its ranks see the same batch); ``(None, rank)``
+        when there is none."""
+        if getattr(self.mesh, "mp_size", self.mesh.tp) == 1:
             return None, dist.get_rank()
-        group = self.mesh.tp_mesh.get_group()
+        group = self.mesh.mp_mesh.get_group()
         return group, dist.get_global_rank(group, 0)
 
 

@@ -30,7 +30,7 @@ def allreduce_dp_grads(params: Sequence[torch.Tensor], mesh: MeshInfo,
     flat buffer per dtype (a missing gradient counts as zeros, so every rank sends the same
     layout). Each rank's local TP/EP shard is reduced with the DP peers holding the same shard.
     ``flag`` (a 0-dim number) rides in the first buffer and comes back summed over the group."""
-    group = mesh.dp_mesh.get_group()
+    group = mesh.grad_mesh.get_group()
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for p in params:
         if p.grad is None:
@@ -45,7 +45,7 @@ def allreduce_dp_grads(params: Sequence[torch.Tensor], mesh: MeshInfo,
         dist.all_reduce(flat, group=group)
         if flag is not None and summed is None:
             summed, flat = flat[-1].double(), flat[:-1]
-        flat /= mesh.dp
+        flat /= mesh.grad_size
         for g, v in zip(grads, torch.split(flat, [g.numel() for g in grads])):
             g.copy_(v.view_as(g))
     return summed if flag is not None else None
@@ -105,7 +105,7 @@ def finish_gradients(params: Sequence[torch.Tensor], mesh: MeshInfo, *, replicat
     of per-head norm grads), then ``[squared global grad norm, ranks whose loss was not finite]``
     (float64, ``bad``: this rank's 0/1), the same on every rank, in as few collectives as the
     layout allows."""
-    if replicated and mesh.dp == dist.get_world_size():
+    if replicated and mesh.grad_size == dist.get_world_size():
         # pure replicated DP: the flag rides in the gradients' one all-reduce, and every rank then
         # holds the whole averaged gradient (its norm is local)
         bad_all = allreduce_dp_grads(params, mesh, flag=bad)

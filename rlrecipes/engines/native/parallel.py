@@ -70,14 +70,47 @@ def tp_partial_grad(name: str) -> bool:
 class MeshInfo:
     """One engine's device mesh over the whole world (see module docstring for the rank order)."""
 
-    root: DeviceMesh  # ("dp", "etp", "ep")
+    root: DeviceMesh  # ("dp", "etp", "ep"); with sequence parallelism ("dp", "sp", "etp", "ep")
     tp: int
     ep: int
     dp: int
+    sp: int = 1
+    """Ulysses sequence-parallel ranks per DP group (``layout.sp``): they hold the same samples."""
 
     @property
     def dp_mesh(self) -> DeviceMesh:
         return self.root["dp"]
+
+    @property
+    def grad_mesh(self) -> DeviceMesh:
+        """The ranks whose gradients are averaged (FSDP2's shard mesh, replicated DP's all-reduce):
+        DP, and the SP ranks inside each DP group."""
+        return self.root["dpsp"] if self.sp > 1 else self.root["dp"]
+
+    @property
+    def grad_size(self) -> int:
+        return self.dp * self.sp
+
+    @property
+    def sp_group(self):
+        """The process group of this rank's SP peers (None at SP1)."""
+        return self.root["sp"].get_group() if self.sp > 1 else None
+
+    @property
+    def sp_rank(self) -> int:
+        r = self.__dict__.get("_sp_rank")
+        if r is None:
+            r = self.__dict__["_sp_rank"] = self.root["sp"].get_local_rank() if self.sp > 1 else 0
+        return r
+
+    @property
+    def mp_mesh(self) -> DeviceMesh:
+        """The ranks that hold the same samples: TP, and SP around it."""
+        return self.root["mp"] if self.sp > 1 else self.root["tp"]
+
+    @property
+    def mp_size(self) -> int:
+        return self.tp * self.sp
 
     @property
     def tp_mesh(self) -> DeviceMesh:
@@ -110,11 +143,12 @@ class MeshInfo:
 
     @property
     def world(self) -> int:
-        return self.tp * self.dp
+        return self.tp * self.dp * self.sp
 
 
-def build_mesh(device_type: str, tp: int = 1, ep: int = 1) -> MeshInfo:
-    """A (dp, tp) mesh with EP inside TP over the whole initialised world.
+def build_mesh(device_type: str, tp: int = 1, ep: int = 1, sp: int = 1) -> MeshInfo:
+    """A (dp, tp) mesh with EP inside TP over the whole initialised world; with ``sp > 1`` a
+    (dp, sp, tp) mesh, SP ranks between DP and TP (Megatron's order for context parallelism).
 
     Raises a clear error when the layout does not fit the world or ``ep`` does not divide ``tp``.
     """
@@ -125,15 +159,23 @@ def build_mesh(device_type: str, tp: int = 1, ep: int = 1) -> MeshInfo:
     world = dist.get_world_size()
     if tp < 1 or ep < 1:
         raise ValueError(f"layout tp={tp}, ep={ep}: both must be >= 1")
-    if world % tp:
-        raise ValueError(f"layout tp={tp} does not divide the world size {world}")
+    if sp < 1:
+        raise ValueError(f"layout sp={sp}: must be >= 1")
+    if world % (tp * sp):
+        raise ValueError(f"layout tp={tp} x sp={sp} does not divide the world size {world}")
     if tp % ep:
         raise ValueError(f"native engines run EP inside the TP group, so ep must divide tp: got "
                          f"tp={tp}, ep={ep}; use the megatron engine for EP across DP ranks")
-    dp = world // tp
-    root = init_device_mesh(device_type, (dp, tp // ep, ep), mesh_dim_names=("dp", "etp", "ep"))
+    dp = world // (tp * sp)
+    if sp == 1:
+        root = init_device_mesh(device_type, (dp, tp // ep, ep), mesh_dim_names=("dp", "etp", "ep"))
+        root["etp", "ep"]._flatten("tp")
+        return MeshInfo(root=root, tp=tp, ep=ep, dp=dp)
+    root = init_device_mesh(device_type, (dp, sp, tp // ep, ep), mesh_dim_names=("dp", "sp", "etp", "ep"))
     root["etp", "ep"]._flatten("tp")
-    return MeshInfo(root=root, tp=tp, ep=ep, dp=dp)
+    root["sp", "etp", "ep"]._flatten("mp")
+    root["dp", "sp"]._flatten("dpsp")
+    return MeshInfo(root=root, tp=tp, ep=ep, dp=dp, sp=sp)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -309,7 +351,7 @@ def parallelize(model: nn.Module, mesh: MeshInfo, *, fsdp: bool, mp_dtype: torch
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mp = MixedPrecisionPolicy(param_dtype=mp_dtype, reduce_dtype=torch.float32) if mp_dtype else None
-        kw = {"mesh": mesh.dp_mesh}
+        kw = {"mesh": mesh.grad_mesh}
         if mp is not None:
             kw["mp_policy"] = mp
         for layer in _decoder_layers(model):

@@ -113,7 +113,8 @@ class NativeTrainEngine(EngineState, MeshRanks, base.TrainEngine):
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, fsdp: bool | None = None,
                  attn_implementation: str = "sdpa", micro_batch_size: int = 4, pad_token_id: int = 0,
                  max_tokens_per_micro_batch: int | None = None, recompute: bool = False,
-                 offload_optimizer: bool = False, small_model_bytes: int = SMALL_MODEL_BYTES, lora: Any = None):
+                 offload_optimizer: bool = False, small_model_bytes: int = SMALL_MODEL_BYTES, lora: Any = None,
+                 sp: int = 1):
         if role not in self.serves:
             raise ValueError(f"role={role!r}: {type(self).__name__} builds {' or '.join(map(repr, self.serves))}"
                              + (" (the critic is NativeValueEngine)" if role == "critic" else ""))
@@ -122,7 +123,14 @@ class NativeTrainEngine(EngineState, MeshRanks, base.TrainEngine):
         self.role, self.device, self.seed = role, resolve_device(device), seed
         self.trainable = role != "ref"
         self.compute_dtype = _resolve_dtype(self.device, dtype)
-        self.mesh = par.build_mesh(self.device.type, tp=int(tp), ep=int(ep))
+        if int(sp) > 1:
+            if tp > 1 or ep > 1:
+                raise ValueError(f"{role}: layout.sp={sp} with TP{tp} EP{ep}: the native engine runs Ulysses sequence "
+                                 "parallelism at TP1 EP1 in this release; set tp: 1, ep: 1 or sp: 1")
+            from . import ulysses
+
+            attn_implementation = ulysses.register()  # attention over all-to-all head shards
+        self.mesh = par.build_mesh(self.device.type, tp=int(tp), ep=int(ep), sp=int(sp))
         devmod.set_device(self.device)
         torch.manual_seed(seed)
         param_dtype = torch.float32 if self.trainable else self.compute_dtype
@@ -145,8 +153,9 @@ class NativeTrainEngine(EngineState, MeshRanks, base.TrainEngine):
             hf_model = inject(hf_model, self.lora)
         low_precision = self.compute_dtype != param_dtype
         small = small_model(sum(p.numel() * p.element_size() for p in hf_model.parameters()), small_model_bytes)
-        self.fsdp = bool(fsdp) if fsdp is not None else (low_precision or (self.mesh.dp > 1 and not small))
-        self._replicated = not self.fsdp and self.mesh.dp > 1  # DP copies: gradients all-reduced
+        grad_ranks = self.mesh.grad_size  # DP, and the SP ranks inside each DP group
+        self.fsdp = bool(fsdp) if fsdp is not None else (low_precision or (grad_ranks > 1 and not small))
+        self._replicated = not self.fsdp and grad_ranks > 1  # DP (x SP) copies: gradients all-reduced
         if low_precision and not self.fsdp:
             raise ValueError("mixed precision training needs FSDP2 (fsdp=True) in the native engine")
         if recompute:
@@ -209,8 +218,12 @@ class NativeTrainEngine(EngineState, MeshRanks, base.TrainEngine):
                   micro_batch_size=spec.micro_batch_size, pad_token_id=spec.pad_token_id,
                   max_tokens_per_micro_batch=spec.max_tokens_per_micro_batch,
                   recompute=spec.recompute if spec.role != "ref" else False,
-                  offload_optimizer=spec.offload_optimizer, lora=spec.lora if spec.role == "actor" else None)
+                  offload_optimizer=spec.offload_optimizer, lora=spec.lora if spec.role == "actor" else None,
+                  sp=spec.sp)
         if spec.routing_replay and spec.role == "actor":
+            if spec.sp > 1:
+                raise ValueError("routing replay with layout.sp > 1: the recorded experts are not split along the "
+                                 "sequence in this release; set layout.sp: 1 or algorithm.routing_replay: false")
             eng.replay_routing()
         return eng
 
@@ -254,6 +267,8 @@ class NativeTrainEngine(EngineState, MeshRanks, base.TrainEngine):
 
     def _forward(self, mb: Mapping[str, Any], temperature: float = 1.0,
                  with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.mesh.sp > 1:
+            return self._forward_sp(mb, temperature, with_entropy)
         if "position_ids" in mb:
             return self._forward_packed(mb, temperature, with_entropy)
         input_ids = mb["input_ids"].to(self.device)  # [b, T]
@@ -285,6 +300,45 @@ class NativeTrainEngine(EngineState, MeshRanks, base.TrainEngine):
 
         return unpack(out), (unpack(ent) if ent is not None else None)
 
+    def _forward_sp(self, mb: Mapping[str, Any], temperature: float,
+                    with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Ulysses (``layout.sp``): this rank runs the model on its ``1 / sp`` of every row (attention
+        over all-to-all head shards, :mod:`.ulysses`), scores its own tokens, and the SP group's
+        pieces are gathered into whole rows; then the same columns as :meth:`_forward` /
+        :meth:`_forward_packed` are read out."""
+        from .ulysses import gather_sequence, pad_to, sequence_mask, sharded
+
+        sp, group, rank = self.mesh.sp, self.mesh.sp_group, self.mesh.sp_rank
+        ids = mb["input_ids"].to(self.device)  # [b, T]
+        T = ids.shape[1]
+        ids_p = pad_to(ids, sp, self.pad_token_id)  # [b, Tp]
+        if "position_ids" in mb:  # packed rows: attention stays inside each sample
+            pos_p = pad_to(mb["position_ids"].to(self.device), sp)
+            mask = sequence_mask(position_ids=pos_p)
+        else:
+            valid = mb["attention_mask"].to(self.device).bool()  # [b, T]
+            pos_p = pad_to((valid.long().cumsum(-1) - 1).clamp_(min=0), sp)
+            mask = sequence_mask(valid=pad_to(valid, sp, False))
+        targets = pad_to(torch.cat([ids[:, 1:], ids[:, :1]], 1), sp, self.pad_token_id)  # [b, Tp]: token t + 1
+        w = ids_p.shape[1] // sp
+        cols = slice(rank * w, (rank + 1) * w)
+        with sharded(group, sp, mask):
+            logits = self._logits(mb, input_ids=ids_p[:, cols], position_ids=pos_p[:, cols])  # [b, w, V]
+        out, ent = self._head_output(logits, targets[:, cols], temperature, with_entropy)  # [b, w]
+        out = gather_sequence(out, group, sp, rank)[:, :T]  # [b, T]: position t scores token t + 1
+        ent = gather_sequence(ent, group, sp, rank)[:, :T] if ent is not None else None
+        if "position_ids" in mb:
+            pick = (mb["keep_rows"].to(self.device), mb["logit_index"].to(self.device)[mb["keep_cols"].to(self.device)])
+            rows, cols_r = mb["unpack_rows"].to(self.device), mb["unpack_cols"].to(self.device)
+            shape = tuple(mb["response_mask"].shape)  # [b, R]
+
+            def unpack(t):
+                return torch.zeros(shape, dtype=t.dtype, device=t.device).index_put((rows, cols_r), t[pick])
+
+            return unpack(out), (unpack(ent) if ent is not None else None)
+        R = response_len_of(mb)
+        return out[:, T - R - 1:T - 1], (ent[:, T - R - 1:T - 1] if ent is not None else None)
+
     def _logits(self, mb: Mapping[str, Any], **inputs) -> torch.Tensor:
         routing = getattr(self, "routing", None)
         if routing is not None and "routed_experts" in mb:
@@ -301,7 +355,7 @@ class NativeTrainEngine(EngineState, MeshRanks, base.TrainEngine):
         # the count is agreed over DP ranks only: TP peers hold the same batch (the data contract).
         # Replicated DP runs no collective in a forward: inference needs no agreement; training
         # keeps it, so "mean" loss scaling divides by the same count everywhere
-        collective = self.mesh.dp > 1 and (training or not self._replicated)
+        collective = self.mesh.grad_size > 1 and (training or not self._replicated)
         if self.max_tokens_per_micro_batch:
             return packed_micro_batches(batch, self.max_tokens_per_micro_batch, self.pad_token_id,
                                         varlen=self._varlen_attention, collective=collective)
@@ -411,7 +465,9 @@ class NativeTrainEngine(EngineState, MeshRanks, base.TrainEngine):
                     self.model.set_requires_gradient_sync(i == n - 1)
                 logp, ent = self._forward(mb, temperature, with_entropy)
                 loss, metrics = loss_fn(logp, ent, mb)
-                (loss / n if loss_scale == "mean" else loss).backward()
+                # SP: every rank of the group computes the whole loss, its gradients are its tokens'
+                # share, and the gradient mean runs over DP x SP ranks: x sp makes it the SP sum
+                ((loss / n if loss_scale == "mean" else loss) * self.mesh.sp).backward()
                 losses.append(loss.detach().float())
                 for k, v in (metrics or {}).items():
                     acc[k].append(float(v))
