@@ -215,7 +215,7 @@ def full_sync_bytes(r: Recipe, role: Role, engines: WorkerEngines, groups) -> in
     specs = param_specs(r.model.dims(), pp_layers=pp_layers)
     dtype_bytes = torch.finfo(engines.rollout.weight_dtype).bits // 8
     if role == Role.BOTH:
-        plan = plan_reshard(Layout(a.tp, a.pp, a.ep, engines.actor.dp_size, pp_layers),
+        plan = plan_reshard(Layout(a.tp, a.pp, a.ep, engines.actor.dp_size * a.sp, pp_layers),
                             Layout(ro.tp, 1, ro.ep, engines.rollout.dp_size), specs, dtype_bytes=dtype_bytes)
     else:
         plan = groups.reshard_plan(specs, dtype_bytes=dtype_bytes)
@@ -332,7 +332,8 @@ def build_resharder(r: Recipe, role: Role, device: torch.device, engines: Worker
     pp_layers = tuple(a.pp_layers) if a.pp_layers else None
     if role == Role.BOTH:
         actor, roll = engines.actor, engines.rollout
-        plan = plan_reshard(Layout(a.tp, a.pp, a.ep, actor.dp_size, pp_layers), Layout(ro.tp, 1, ro.ep, roll.dp_size),
+        # SP ranks hold the same weight shards as their DP group: to the resharder they are more DP replicas
+        plan = plan_reshard(Layout(a.tp, a.pp, a.ep, actor.dp_size * a.sp, pp_layers), Layout(ro.tp, 1, ro.ep, roll.dp_size),
                             actor.param_specs(), dtype_bytes=torch.finfo(roll.weight_dtype).bits // 8)
         return plan, Resharder(plan, r.resharding.strategy, bucket_mb=r.resharding.bucket_mb,
                                group=actor.reshard_group())
