@@ -18,6 +18,10 @@ Decisions (the upstream lines behind each are in docs/upstream_contracts.md):
 * **optimizer offload**: megatron's ``HybridDeviceOptimizer`` with every parameter on the host
   (``optimizer_offload_fraction=1.0``; megatron's default 0.0 offloads nothing) and the
   precision-aware optimizer path it reuses (Megatron-LM's own argument check requires it).
+* **context parallelism** (``layout.sp`` = ``context_parallel_size``, carved out of DP): every
+  layer's core attention must be TransformerEngine's ``DotProductAttention`` on CUDA (megatron's own
+  asserts CP size 1) or MindSpeed's CP attention on Ascend (``megatron_cp_algo``, :func:`mindspeed_args`);
+  rows are padded to ``2 * cp`` load-balanced chunks (cp.py, :func:`padded_length`).
 * **fp16**: megatron's dynamic loss scaler, starting at 2**16 (megatron's default 2**32 makes the
   first ~16 steps overflow and skip, most of a short RL run); the engine wires
   ``config.grad_scale_func = optimizer.scale_loss`` so the schedule scales the loss.
@@ -29,6 +33,7 @@ from typing import Any, Mapping, Optional
 import torch
 
 from ...models import ModelDims
+from . import cp as cpmod
 from .convert import rope_theta, transformer_config
 from .shard import Ranks, layout_errors
 
@@ -61,7 +66,7 @@ def parallel_kwargs(r: Ranks, dtype: torch.dtype) -> dict[str, Any]:
     allows with the all-to-all token dispatcher only (set for dense models too, where it is unused)."""
     kw: dict[str, Any] = dict(tensor_model_parallel_size=r.tp, pipeline_model_parallel_size=r.pp,
                               expert_model_parallel_size=r.ep, expert_tensor_parallel_size=r.etp,
-                              sequence_parallel=sequence_parallel(r.tp))
+                              context_parallel_size=r.cp, sequence_parallel=sequence_parallel(r.tp))
     if r.pp > 1:
         kw.update(pipeline_dtype=dtype, variable_seq_lengths=True, moe_token_dispatcher_type="alltoall",
                   pipeline_model_parallel_layout=pipeline_layout(r.pp_layers))
@@ -109,9 +114,13 @@ def ddp_config_kwargs() -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------- rows
-def padded_length(length: int, tp: int) -> int:
+def padded_length(length: int, tp: int, cp: int = 1) -> int:
     """The micro-batch length megatron gets: ``length`` rounded up to a multiple of TP under
-    sequence parallelism (megatron splits the sequence evenly over TP), unchanged otherwise."""
+    sequence parallelism (megatron splits the sequence evenly over TP), unchanged otherwise; with
+    context parallelism ``cp > 1``, to ``2 * cp`` equal chunks whose pairs divide by TP
+    (:func:`cp.padded_length`)."""
+    if int(cp) > 1:
+        return cpmod.padded_length(length, tp, cp)
     m = int(tp) if sequence_parallel(tp) else 1
     return -(-int(length) // m) * m
 
@@ -158,13 +167,41 @@ def mla_core_attention(device: str, have_te: bool) -> str:
     return "te" if device == "cuda" and have_te else "local"
 
 
+def cp_attention_problem(device: str, sp: int, have_te: bool) -> Optional[str]:
+    """Why megatron cannot run context parallelism ``sp`` on ``device`` as the engine builds it, with
+    the fix; None when it can. megatron's local ``DotProductAttention`` asserts a CP size of 1 and
+    TransformerEngine's is the CP attention on CUDA; on Ascend MindSpeed provides it (its absence is
+    refused by :func:`layout_problems` already)."""
+    if int(sp) > 1 and device != "npu" and not have_te:
+        return (f"layout.sp={sp} on the megatron engine is megatron's context parallelism, whose attention is "
+                "TransformerEngine's DotProductAttention (megatron's local attention refuses context_parallel_size "
+                "> 1): install TransformerEngine (pip install --no-build-isolation 'transformer-engine[pytorch]'), "
+                "set layout.sp: 1, or use the native engine (actor.engine: native, Ulysses sequence parallelism)")
+    return None
+
+
+def core_attention(device: str, have_te: bool, sp: int = 1) -> str:
+    """The core attention the engine's layer spec gets (``model.decoder_block_spec``): with context
+    parallelism on CUDA, ``"te"`` in every layer (TransformerEngine's ``DotProductAttention``, the one
+    megatron-core class that runs CP; raises :func:`cp_attention_problem` without TE); on Ascend
+    ``"local"`` (the spec's own slot, into which MindSpeed patches its CP attention, see
+    :func:`mindspeed_args`); without CP, :func:`mla_core_attention` (MLA layers only)."""
+    why = cp_attention_problem(device, sp, have_te)
+    if why:
+        raise RuntimeError(why)
+    if int(sp) > 1:
+        return "local" if device == "npu" else "te"
+    return mla_core_attention(device, have_te)
+
+
 def layout_problems(dims: ModelDims, *, tp: int, pp: int, ep: int, etp: Optional[int] = None, device: str,
                     have_te: bool, have_mindspeed: bool, pp_layers=None, offload_optimizer: bool = False,
-                    megatron_core: Optional[str] = None) -> list[str]:
+                    megatron_core: Optional[str] = None, sp: int = 1) -> list[str]:
     """Sentences naming what megatron-core (as this engine drives it) cannot do with this model and
     layout on ``device``, each with its fix; empty when it can. Pure: ``plan`` calls it with what
     the cluster has (``have_te``: ``transformer_engine`` importable; ``have_mindspeed``: MindSpeed;
-    ``megatron_core``: the installed version string, when known)."""
+    ``megatron_core``: the installed version string, when known; ``sp``: ``layout.sp``, megatron's
+    context-parallel size)."""
     out: list[str] = []
     etp = int(etp or tp)
     if device not in ("cuda", "npu"):
@@ -177,6 +214,9 @@ def layout_problems(dims: ModelDims, *, tp: int, pp: int, ep: int, etp: Optional
             layout_errors(dims, r)]
     if pp > dims.num_layers:
         out.append(f"PP{pp} has more stages than the model's {dims.num_layers} layers; lower actor.layout.pp")
+    why = cp_attention_problem(device, sp, have_te) if device in ("cuda", "npu") else None
+    if why:
+        out.append(why)
     if offload_optimizer and not have_te and not (device == "npu" and have_mindspeed) and \
             megatron_core is not None and _version(megatron_core) < (0, 19):
         # on NPU, MindSpeed's pre-patches answer importlib.metadata.version("transformer-engine") with
@@ -220,10 +260,16 @@ def plan_rules(*, role: str, dims: ModelDims, tp: int, pp: int, ep: int, etp: Op
     lay = getattr(lay, "layout", None) or (recipe.actor.layout if recipe is not None else None)
     pp_layers = getattr(lay, "pp_layers", None)
     offload = bool(recipe.actor.offload_optimizer) if recipe is not None and role == "actor" else False
+    # context parallelism (layout.sp -> context_parallel_size): layout_problems refuses it without the
+    # attention that runs it (TransformerEngine's on CUDA, never assumed for another machine; MindSpeed's
+    # on Ascend, part of the supported stack). megatron-core cuts every row into 2 x CP load-balanced
+    # chunks (seq_length % (2 * cp) == 0, Megatron-LM's argument check): the engine pads rows to it
+    # (cp.padded_length), so no recipe length is refused; plan counts the padding in its memory model
+    sp = int(getattr(lay, "sp", 1) or 1)
     return layout_problems(dims, tp=tp, pp=pp, ep=ep, etp=etp, device=device,
                            have_te=have("transformer_engine") if installed else False,
                            have_mindspeed=have("mindspeed") if installed else True, pp_layers=pp_layers,
-                           offload_optimizer=offload, megatron_core=mcore)
+                           offload_optimizer=offload, megatron_core=mcore, sp=sp)
 
 
 def _version(text: str) -> tuple[int, ...]:
@@ -236,8 +282,22 @@ def _version(text: str) -> tuple[int, ...]:
     return tuple(parts)
 
 
-def mindspeed_args(dims: ModelDims) -> dict[str, Any]:
-    """MindSpeed feature arguments for the model: none. MindSpeed reads its arguments from
+#: MindSpeed (core_r0.16.0) arguments for megatron-core context parallelism: ring attention with the
+#: load-balanced split the engine feeds (``megatron_cp_algo``; MindSpeed's ``ulysses_cp_algo`` splits
+#: the sequence contiguously instead), a causal mask, one ring window, no extra send/recv group, and
+#: ``use_flash_attn`` (MindSpeed's own argument check sets it for CP; without it MindSpeed's causal
+#: mask would be built from Megatron-LM's ``seq_length`` / ``micro_batch_size``, which the engine has not)
+MINDSPEED_CP_ARGS = dict(context_parallel_algo="megatron_cp_algo", attention_mask_type="causal", cp_window_size=1,
+                         use_cp_send_recv_overlap=False, use_flash_attn=True)
+
+
+def mindspeed_args(dims: ModelDims, cp: int = 1) -> dict[str, Any]:
+    """MindSpeed feature arguments for the model and layout: with context parallelism ``cp > 1``,
+    ``context_parallel_size`` and :data:`MINDSPEED_CP_ARGS` (the engine passes them to
+    ``mindspeed.megatron_adaptor.repatch`` before megatron's parallel state is initialised: MindSpeed's
+    ``ContextParallelFeature`` registers its CP attention, its ``initialize_model_parallel`` wrapper
+    and its RoPE slicing only when ``context_parallel_size > 1`` at patch time, and MindSpeed imports
+    with its defaults, CP 1); nothing without CP. MindSpeed reads its arguments from
     ``sys.argv`` when ``mindspeed.megatron_adaptor`` is first imported (``args_utils.get_mindspeed_args``)
     and ``mindspeed.megatron_adaptor.repatch(dict)`` re-applies its patches with changed ones. Its MLA
     feature (``--multi-head-latent-attention``) replaces megatron's ``MultiLatentAttention.__init__``
@@ -245,4 +305,6 @@ def mindspeed_args(dims: ModelDims) -> dict[str, Any]:
     original context length from ``config.max_position_embeddings``, a field megatron-core's config
     does not have; the engine's own MLA adapter (model.py) makes that patch unnecessary, so it is
     left off."""
+    if int(cp) > 1:
+        return dict(context_parallel_size=int(cp), **MINDSPEED_CP_ARGS)
     return {}

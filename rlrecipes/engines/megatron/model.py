@@ -15,6 +15,11 @@ first layers) and keeps the pipeline stage's layers. Two module classes in it ar
   to it, which the local ``DotProductAttention`` does not take; :func:`mla_local_attention` is that
   class taking them (q/k and v head sizes differ; its output per head is ``kv_channels`` =
   ``v_head_dim``, set by the config), or TransformerEngine's attention where ``core_attention="te"``;
+* with context parallelism (``context_parallel_size > 1``) and ``core_attention="te"``, every layer's
+  core attention: TransformerEngine's ``DotProductAttention``, megatron-core's only CP attention (the
+  local one asserts CP 1). Only that slot changes: the rest of the spec, hence every weight name, stays
+  the local spec's (megatron's full TE spec would fuse the norms into the linears and rename them). On
+  Ascend the slot keeps the spec's class, into which MindSpeed patches its CP attention;
 * MLA's q / kv down projections: megatron's duplicated ``Linear`` instead of ``ColumnParallelLinear``
   (:func:`mla_down_projection`: the column-parallel path loses part of the RoPE key gradient with
   TP > 1); their weights are then whole on every TP rank, as in the HF sharding table.
@@ -123,8 +128,9 @@ def core_attention_class(kind: str):
 
 def decoder_block_spec(config, *, pp_rank: Optional[int] = None, core_attention: Any = "local"):
     """The stage's decoder block spec (megatron's ``get_gpt_decoder_block_spec``, local modules, RMSNorm)
-    with the engine's norm and, for MLA, its core attention and duplicated down projections (module
-    docstring). ``pp_rank``: the pipeline stage (megatron's parallel state by default);
+    with the engine's norm and, for MLA, its core attention and duplicated down projections; with
+    context parallelism in ``config`` and a non-local ``core_attention``, that core attention in every
+    layer (module docstring). ``pp_rank``: the pipeline stage (megatron's parallel state by default);
     ``core_attention``: ``"local"``, ``"te"`` or a class."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.transformer.dot_product_attention import DotProductAttention
@@ -133,9 +139,11 @@ def decoder_block_spec(config, *, pp_rank: Optional[int] = None, core_attention:
     spec = get_gpt_decoder_block_spec(config, pp_rank=pp_rank, **block_spec_kwargs())
     table: dict = {c: RMSNorm for c in _megatron_norms()}
     fields: dict = {}
-    if getattr(config, "multi_latent_attention", False):
+    mla = bool(getattr(config, "multi_latent_attention", False))
+    if mla or (int(getattr(config, "context_parallel_size", 1) or 1) > 1 and core_attention != "local"):
         table[DotProductAttention] = core_attention if isinstance(core_attention, type) else \
             core_attention_class(core_attention)
+    if mla:
         linear = mla_down_projection()
         fields[MLASelfAttentionSubmodules] = dict(linear_q_down_proj=linear, linear_kv_down_proj=linear)
     return _replace_classes(spec, table, fields)
@@ -188,12 +196,13 @@ def transformer_config(dims: ModelDims, config_kwargs: Mapping[str, Any], *, cpu
 def build_gpt(dims: ModelDims, *, hf_config=None, ranks: Optional[Ranks] = None, dtype: torch.dtype = torch.float32,
               recompute: bool = False, training: bool = True, cpu_init: bool = False,
               pre_process: bool = True, post_process: bool = True, overrides: Optional[Mapping[str, Any]] = None,
-              core_attention: Any = "local", pp_rank: Optional[int] = None):
+              core_attention: Any = "local", pp_rank: Optional[int] = None, pg_collection: Any = None):
     """``GPTModel`` of one pipeline stage, configured exactly as the engine configures it
     (:func:`layout.engine_config_kwargs`, then ``overrides``), with :func:`decoder_block_spec`.
     ``hf_config``: the HF config (object or ``config.json`` dict); ``ranks``: the layout (TP1 PP1 EP1
     by default); ``cpu_init``: build on the host (``use_cpu_initialization``). The vocabulary is
-    padded to a multiple of TP (``shard.padded_vocab``)."""
+    padded to a multiple of TP (``shard.padded_vocab``); ``pg_collection``: megatron's process groups
+    for the model (its parallel state's by default)."""
     from megatron.core.models.gpt import GPTModel
 
     megatron_compat()
@@ -205,6 +214,8 @@ def build_gpt(dims: ModelDims, *, hf_config=None, ranks: Optional[Ranks] = None,
     spec = decoder_block_spec(config, pp_rank=pp_rank, core_attention=core_attention)
     model_kw = gpt_model_kwargs(dims, rope_theta=rope_theta(hf))
     model_kw["vocab_size"] = padded_vocab(dims.vocab_size, r.tp)
+    if pg_collection is not None:
+        model_kw["pg_collection"] = pg_collection
     return GPTModel(config, spec, pre_process=pre_process, post_process=post_process, **model_kw)
 
 

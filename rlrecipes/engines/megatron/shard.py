@@ -52,6 +52,9 @@ class Ranks:
     ep_rank: int = 0
     etp: int = 1
     etp_rank: int = 0
+    cp: int = 1
+    """context-parallel size (``layout.sp``): CP peers hold the same weights, so no slice depends on it"""
+    cp_rank: int = 0
 
     @property
     def pp(self) -> int:

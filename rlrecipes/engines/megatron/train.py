@@ -10,12 +10,20 @@ column 0, padding after it; ``layout.right_align``) under megatron's causal mask
 multiple of TP for sequence parallelism (on whenever TP > 1; ``layout.py``); log-probs come from
 fp32 log-softmax over the vocabulary-parallel logits on the last stage and are broadcast to every
 stage, so each rank of the model-parallel group returns them.
+
+Context parallelism (``EngineSpec.sp`` = megatron's ``context_parallel_size``, carved out of DP):
+each CP rank gets the load-balanced half-chunk pair of every row (``cp.py``), computes the log-probs
+of its own columns and all-gathers them over the CP group (autograd-aware), so CP peers return the
+same log-probs and compute the same loss, and see the same micro-batches as their TP / PP peers: the
+data group (``model_parallel_group``) is TP x CP x PP. Attention: TransformerEngine's on CUDA,
+MindSpeed's ``megatron_cp_algo`` on Ascend (``layout.core_attention`` / ``layout.mindspeed_args``).
 """
 from __future__ import annotations
 
 import importlib.util
 import math
 import os
+import sys
 from collections import defaultdict
 from functools import partial
 from pathlib import Path
@@ -34,28 +42,59 @@ from ..base import LossFn, SeqBatch
 from ..native import batching
 from ..native.loader import build_empty, build_model, source_folder
 from ..native.train import resolve_device
+from . import cp as cpmod
 from . import shard, state
-from .layout import (ddp_config_kwargs, layout_problems, leading_padding, mla_core_attention, optimizer_config_kwargs,  # noqa: F401
-                     padded_length, parallel_kwargs, pipeline_layout, response_logit_index, right_align)
+from .layout import (core_attention, ddp_config_kwargs, layout_problems, leading_padding,  # noqa: F401
+                     mindspeed_args, mla_core_attention, optimizer_config_kwargs, padded_length, parallel_kwargs,
+                     pipeline_layout, response_logit_index, right_align)
 from .model import build_gpt, load_megatron_state
 
 
-def _init_parallel(tp: int, pp: int, ep: int, etp: int, seed: int) -> None:
+def _init_parallel(tp: int, pp: int, ep: int, etp: int, seed: int, cp: int = 1) -> None:
     from megatron.core import parallel_state, tensor_parallel
 
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep,
+        parallel_state.initialize_model_parallel(tp, pp, context_parallel_size=cp, expert_model_parallel_size=ep,
                                                  expert_tensor_parallel_size=etp)
     else:
         have = (parallel_state.get_tensor_model_parallel_world_size(),
                 parallel_state.get_pipeline_model_parallel_world_size(),
                 parallel_state.get_expert_model_parallel_world_size(),
-                parallel_state.get_expert_tensor_parallel_world_size())
-        if have != (tp, pp, ep, etp):
-            raise ValueError(f"megatron's parallel state is TP{have[0]} PP{have[1]} EP{have[2]} ETP{have[3]} in this "
-                             f"process; this engine wants TP{tp} PP{pp} EP{ep} ETP{etp} (megatron holds one layout "
-                             "per process: give ref/critic the actor's layout)")
+                parallel_state.get_expert_tensor_parallel_world_size(),
+                parallel_state.get_context_parallel_world_size())
+        if have != (tp, pp, ep, etp, cp):
+            raise ValueError(f"megatron's parallel state is TP{have[0]} PP{have[1]} EP{have[2]} ETP{have[3]} "
+                             f"CP{have[4]} in this process; this engine wants TP{tp} PP{pp} EP{ep} ETP{etp} CP{cp} "
+                             "(megatron holds one layout per process: give ref/critic the actor's layout)")
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def _mindspeed_repatch(args: Mapping[str, Any]) -> None:
+    """Re-apply MindSpeed's patches with ``args`` (``layout.mindspeed_args``) where its adaptor is loaded
+    (Ascend; ``device.prepare_megatron`` imported it with its defaults). ``repatch`` re-applies the
+    pre-patches too, among them ``torch.compile`` -> a pass-through: restored afterwards, as at import
+    (docs/upstream_contracts.md, MindSpeed import order)."""
+    if not args or "mindspeed.megatron_adaptor" not in sys.modules:
+        return
+    from mindspeed.megatron_adaptor import repatch
+
+    compile_ = torch.compile
+    try:
+        repatch(dict(args))
+    finally:
+        torch.compile = compile_
+
+
+def _data_group(world: int, tp: int, cp: int, pp: int):
+    """``(group, leader)``: the process group of this rank's TP x CP x PP peers (one DP rank, the same
+    micro-batches) and its first global rank; megatron has no such group (its model-parallel group is
+    TP x PP). Collective: every rank creates every group, in the same order."""
+    me, mine = dist.get_rank(), None
+    for ranks in cpmod.data_peer_ranks(world, tp, cp, pp):
+        group = dist.new_group(ranks)
+        if me in ranks:
+            mine = (group, ranks[0])
+    return mine
 
 
 def _source(model):
@@ -79,9 +118,9 @@ class MegatronTrainEngine(base.TrainEngine):
     def __init__(self, model, *, role: str = "actor", layout=(1, 1), pp: int = 1, pp_layers=None,
                  etp: Optional[int] = None, device=None, lr: float = 1e-6, weight_decay: float = 0.0,
                  grad_clip: float = 1.0, seed: int = 0, dtype: str = "auto", micro_batch_size: int = 4,
-                 pad_token_id: int = 0, recompute: bool = False, offload_optimizer: bool = False):
+                 pad_token_id: int = 0, recompute: bool = False, offload_optimizer: bool = False, sp: int = 1):
         tp, ep = (tuple(int(x) for x in layout) + (1,))[:2]
-        etp = int(etp or tp)
+        etp, sp = int(etp or tp), int(sp or 1)
         self.device = resolve_device(device)
         read, self.dims, self.hf_config, self._folder = _source(model)  # HF dims and slices: no megatron import
         pp_layers = tuple(int(n) for n in pp_layers) if pp_layers else tuple(split_layers(self.dims.num_layers, pp))
@@ -93,35 +132,40 @@ class MegatronTrainEngine(base.TrainEngine):
             mcore: Optional[str] = version("megatron-core")
         except PackageNotFoundError:
             mcore = None
+        have_te = importlib.util.find_spec("transformer_engine") is not None
         problems = layout_problems(self.dims, tp=tp, pp=pp, ep=ep, etp=etp, device=self.device.type,
-                                   have_te=importlib.util.find_spec("transformer_engine") is not None,
-                                   have_mindspeed=importlib.util.find_spec("mindspeed") is not None,
+                                   have_te=have_te, have_mindspeed=importlib.util.find_spec("mindspeed") is not None,
                                    pp_layers=pp_layers, offload_optimizer=offload_optimizer and role != "ref",
-                                   megatron_core=mcore)
+                                   megatron_core=mcore, sp=sp)
         if problems:  # the rules plan checked (layout.plan_rules): only reached when plan was skipped
             raise RuntimeError("; ".join(problems))
+        attention = core_attention(self.device.type, have_te, sp)  # TE's with CP on CUDA (checked above)
         devmod.prepare_megatron(self.device)  # MindSpeed's adaptor on Ascend, before any megatron import
+        _mindspeed_repatch(mindspeed_args(self.dims, sp))  # MindSpeed's CP attention (Ascend, sp > 1)
         devmod.set_device(self.device)
         shard.check_layout(self.dims, shard.Ranks(tp=tp, pp_layers=pp_layers, ep=ep, etp=etp))
         world = dist.get_world_size()
-        if world % (tp * pp) or (world // pp) % (ep * etp):
-            raise ValueError(f"megatron layout TP{tp} PP{pp} EP{ep} ETP{etp} does not fit {world} ranks: TP*PP must "
-                             f"divide the world and EP*ETP the {world // max(pp, 1)} ranks of a stage")
-        _init_parallel(tp, pp, ep, etp, seed)
+        if world % (tp * pp * sp) or (world // pp) % (ep * etp):
+            raise ValueError(f"megatron layout TP{tp} PP{pp} CP{sp} EP{ep} ETP{etp} does not fit {world} ranks: "
+                             f"TP*PP*CP must divide the world and EP*ETP the {world // max(pp, 1)} ranks of a stage")
+        _init_parallel(tp, pp, ep, etp, seed, sp)
         from megatron.core import parallel_state as ps
 
         self.ranks = shard.Ranks(tp=tp, tp_rank=ps.get_tensor_model_parallel_rank(), pp_layers=pp_layers,
                                  pp_rank=ps.get_pipeline_model_parallel_rank(), ep=ep,
                                  ep_rank=ps.get_expert_model_parallel_rank(), etp=etp,
-                                 etp_rank=ps.get_expert_tensor_parallel_rank())
+                                 etp_rank=ps.get_expert_tensor_parallel_rank(), cp=sp,
+                                 cp_rank=ps.get_context_parallel_rank() if sp > 1 else 0)
+        self._data_peers = _data_group(world, tp, sp, pp) if sp > 1 else None
+        # the resharder's DP counts the CP ranks (megatron's order: TP fastest, then CP, then DP; CP
+        # peers hold the same weights as DP peers do)
         self.layout = Layout(tp, pp, ep, world // (tp * pp), pp_layers if pp > 1 else None)
         self.role, self.trainable = role, role != "ref"
         self.compute_dtype = devmod.train_dtype(self.device, dtype)
-        have_te = importlib.util.find_spec("transformer_engine") is not None
         self.model = build_gpt(self.dims, hf_config=self.hf_config, ranks=self.ranks, dtype=self.compute_dtype,
                                recompute=recompute, training=self.trainable,
                                pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
-                               core_attention=mla_core_attention(self.device.type, have_te)).to(self.device)
+                               core_attention=attention).to(self.device)
         load_megatron_state(self.model, shard.megatron_shard(read, self.dims, self.ranks))
         del read
         self.micro_batch_size, self.pad_token_id = int(micro_batch_size), int(pad_token_id)
@@ -142,7 +186,7 @@ class MegatronTrainEngine(base.TrainEngine):
                    weight_decay=spec.weight_decay, grad_clip=spec.grad_clip, seed=spec.seed, dtype=spec.dtype,
                    micro_batch_size=spec.micro_batch_size, pad_token_id=spec.pad_token_id,
                    recompute=spec.recompute if spec.role != "ref" else False,
-                   offload_optimizer=spec.offload_optimizer)
+                   offload_optimizer=spec.offload_optimizer, sp=getattr(spec, "sp", 1))
 
     # ------------------------------------------------------------------ setup
     def _build_optimizer(self, lr, weight_decay, grad_clip, offload) -> None:
@@ -164,35 +208,54 @@ class MegatronTrainEngine(base.TrainEngine):
 
     # ------------------------------------------------------------------ batches
     def _length(self, mb: Mapping[str, Any]) -> int:
-        """The columns megatron gets for ``mb``: its width, a multiple of TP under sequence parallelism."""
-        return padded_length(int(mb["input_ids"].shape[1]), self.ranks.tp)
+        """The columns megatron gets for ``mb``: its width, a multiple of TP under sequence parallelism,
+        of ``2 * cp`` chunks under context parallelism (``layout.padded_length``)."""
+        return padded_length(int(mb["input_ids"].shape[1]), self.ranks.tp, self.ranks.cp)
 
     def _device_batch(self, mb: Mapping[str, Any]) -> dict:
         """Padded rows -> megatron inputs: right-aligned ids ``[b, T']`` (``layout.right_align``: the
-        causal mask alone is then exact, so no mask is passed) and positions."""
+        causal mask alone is then exact, so no mask is passed) and positions; with CP this rank's
+        load-balanced columns of both, ``[b, T' / cp]`` (``cp.split``; megatron slices RoPE alike)."""
         ids, _ = right_align(mb["input_ids"], mb["attention_mask"], self._length(mb), self.pad_token_id)
-        ids = ids.to(self.device)
-        pos = torch.arange(ids.shape[1], device=self.device).expand_as(ids)
-        return {"ids": ids, "pos": pos}
+        pos = torch.arange(ids.shape[1]).expand_as(ids)
+        r = self.ranks
+        ids, pos = cpmod.split(ids, r.cp, r.cp_rank), cpmod.split(pos, r.cp, r.cp_rank)
+        return {"ids": ids.to(self.device), "pos": pos.to(self.device)}
 
-    def _logprobs(self, logits: torch.Tensor, mb: Mapping[str, Any], with_entropy: bool):
-        """Log-probs (+ entropy) of the response tokens from this TP rank's vocabulary shard of the
-        right-aligned logits ``[b, T', vocab / tp]`` (the padding ids past the real vocabulary are
-        left out)."""
-        R = mb["response_mask"].shape[1]
-        P = mb["input_ids"].shape[1] - R
-        ids = mb["input_ids"].to(logits.device)[:, -R:]
-        lead = leading_padding(mb["attention_mask"].to(logits.device))  # [b]: how far each row moved left
-        idx = response_logit_index(lead, P, R)  # [b, R]
-        logits = logits.gather(1, idx[..., None].expand(-1, -1, logits.shape[-1]))  # [b, R, vocab / tp]
+    def _token_logprobs(self, logits: torch.Tensor, labels: torch.Tensor, with_entropy: bool):
+        """Log-probs (+ entropy) of ``labels [b, n]`` from this TP rank's vocabulary shard of the logits
+        ``[b, n, vocab / tp]`` (the padding ids past the real vocabulary are left out)."""
         a, b, _ = shard.vocab_range(self.dims.vocab_size, self.ranks)
         if self.ranks.tp == 1:
-            return logprobs_and_entropy(logits[..., :b], ids, with_entropy=with_entropy)
+            return logprobs_and_entropy(logits[..., :b], labels, with_entropy=with_entropy)
         from megatron.core import parallel_state as ps
 
-        return vocab_parallel_logprobs_and_entropy(logits[..., :b - a], ids, vocab_start=a,
+        return vocab_parallel_logprobs_and_entropy(logits[..., :b - a], labels, vocab_start=a,
                                                    group=ps.get_tensor_model_parallel_group(),
                                                    with_entropy=with_entropy)
+
+    def _logprobs(self, logits: torch.Tensor, mb: Mapping[str, Any], with_entropy: bool):
+        """Log-probs (+ entropy) ``[b, R]`` of the response tokens from the right-aligned logits
+        ``[b, T', vocab / tp]``. With CP (logits ``[b, T' / cp, vocab / tp]``, this rank's columns):
+        every local column's next-token log-prob, gathered over the CP group into ``[b, T']``
+        (``cp.gather``, autograd-aware), then the response columns as without CP."""
+        R = mb["response_mask"].shape[1]
+        P = mb["input_ids"].shape[1] - R
+        lead = leading_padding(mb["attention_mask"].to(logits.device))  # [b]: how far each row moved left
+        idx = response_logit_index(lead, P, R)  # [b, R]
+        r = self.ranks
+        if r.cp > 1:
+            from megatron.core import parallel_state as ps
+
+            ids, _ = right_align(mb["input_ids"], mb["attention_mask"], self._length(mb), self.pad_token_id)
+            labels = cpmod.split(cpmod.next_token_labels(ids, self.pad_token_id), r.cp, r.cp_rank)
+            logp, ent = self._token_logprobs(logits, labels.to(logits.device), with_entropy)  # [b, T' / cp]
+            group = ps.get_context_parallel_group()
+            logp, ent = (cpmod.gather(t, group, r.cp, r.cp_rank) for t in (logp, ent))  # [b, T']
+            return logp.gather(1, idx), (ent.gather(1, idx) if ent is not None else None)
+        ids = mb["input_ids"].to(logits.device)[:, -R:]
+        logits = logits.gather(1, idx[..., None].expand(-1, -1, logits.shape[-1]))  # [b, R, vocab / tp]
+        return self._token_logprobs(logits, ids, with_entropy)
 
     def _run(self, mbs: list[dict], step_fn, *, forward_only: bool) -> list:
         """Every micro-batch through megatron's schedule (1F1B over the stages when PP > 1); ``step_fn``
@@ -265,6 +328,22 @@ class MegatronTrainEngine(base.TrainEngine):
             outs, ents = list(got[:len(lens)]), (list(got[len(lens):]) if with_entropy else ents)
         return outs, (ents if with_entropy else None)
 
+    def _micro_batch_loss(self, mb, logits, *, loss_fn: LossFn, n: int, with_entropy: bool, losses: list,
+                          acc: dict):
+        """The loss of one micro-batch on the last stage, as megatron's schedule wants it: ``(loss * n,
+        {"loss": ...})``; the closure's loss and metrics are recorded in ``losses`` / ``acc``. With CP
+        every CP rank computes the same loss from the gathered log-probs."""
+        logp, ent = self._logprobs(logits.float(), mb, with_entropy)
+        cols = {k: (v.to(logp.device) if torch.is_tensor(v) else v) for k, v in mb.items()}
+        loss, metrics = loss_fn(logp, ent, cols)
+        losses.append(float(loss.detach()))
+        for k, v in (metrics or {}).items():
+            acc[k].append(float(v))
+        # the schedule divides a 2-tuple loss by the micro-batch count (the closure's loss is already its
+        # share) and multiplies it by the CP size, which DDP's 1 / (DP * CP) gradient average divides out
+        # again: each CP rank's gradient is the part of its own tokens (cp.py)
+        return loss * n, {"loss": loss.detach()}
+
     def train_step(self, batch: SeqBatch, loss_fn: LossFn, *, with_entropy: bool = False) -> dict:
         if not self.trainable:
             raise RuntimeError(f"training on a {self.role!r} engine: only actor/critic engines train")
@@ -278,16 +357,8 @@ class MegatronTrainEngine(base.TrainEngine):
         acc: dict[str, list[float]] = defaultdict(list)
         losses: list[float] = []
 
-        def step_loss(mb, logits):
-            logp, ent = self._logprobs(logits.float(), mb, with_entropy)
-            cols = {k: (v.to(logp.device) if torch.is_tensor(v) else v) for k, v in mb.items()}
-            loss, metrics = loss_fn(logp, ent, cols)
-            losses.append(float(loss.detach()))
-            for k, v in (metrics or {}).items():
-                acc[k].append(float(v))
-            # the schedule divides by the micro-batch count; the closure's loss is already its share
-            return loss * n, {"loss": loss.detach()}
-
+        step_loss = partial(self._micro_batch_loss, loss_fn=loss_fn, n=n, with_entropy=with_entropy, losses=losses,
+                            acc=acc)
         self._run(mbs, step_loss, forward_only=False)
         losses, acc = self._object_from_last_stage((losses, dict(acc)))  # the loss lives on the last stage
         bad = torch.tensor([0.0 if all(math.isfinite(x) for x in losses) else 1.0], device=self.device)
@@ -340,15 +411,19 @@ class MegatronTrainEngine(base.TrainEngine):
         return out
 
     def model_parallel_group(self):
+        """The ranks that see the same micro-batches: TP x PP peers (megatron's model-parallel group),
+        and with CP their CP peers too (:func:`_data_group`)."""
         from megatron.core import parallel_state as ps
 
+        if self.ranks.cp > 1:
+            return self._data_peers
         if self.ranks.tp * self.ranks.pp == 1:
             return None, dist.get_rank()
         group = ps.get_model_parallel_group()
         return group, dist.get_global_rank(group, 0)
 
     @property
-    def dp_rank(self) -> int:
+    def dp_rank(self) -> int:  # megatron's DP rank without CP: CP peers share it
         from megatron.core import parallel_state
 
         return parallel_state.get_data_parallel_rank()
