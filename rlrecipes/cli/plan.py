@@ -19,12 +19,14 @@ def render_plan(plan) -> None:
             f"{plan.global_batch} x {plan.n_samples} (mini-batch {plan.mini_batch})")
     console.print(head)
     t = Table(title="layouts")
-    for c in ("role", "engine", "TP", "PP", "EP", "DP", "layer split"):
+    sp = any(r.sp > 1 for r in plan.roles.values())  # the SP column only where a role splits sequences
+    for c in ("role", "engine", "TP", "PP", "EP") + (("SP",) if sp else ()) + ("DP", "layer split"):
         t.add_column(c, justify="left" if c in ("role", "engine", "layer split") else "right")
     for r in plan.roles.values():
         if r.role == "ref" and plan.ref_policy == "adapters off":  # no engine: the actor's base (lora_lines)
             continue
         t.add_row(r.role, plan.engines.get(r.role, "-"), str(r.tp), str(r.pp), str(r.ep),
+                  *((str(r.sp) if r.role != "rollout" else "-",) if sp else ()),
                   "-" if r.dp is None else str(r.dp), ",".join(map(str, r.pp_layers)) if r.pp_layers else "even")
     console.print(t)
     m = Table(title=f"estimated memory per device, GiB (device: {plan.device_memory_gb:g} GiB)")
@@ -38,7 +40,7 @@ def render_plan(plan) -> None:
         g = mem.gib()
         m.add_row(phase, *(f"{g[k]:.2f}" for k in ("weights", "grads", "optimizer", "activations", "transient", "kv_cache", "total")))
     console.print(m)
-    for line in plan.placement_lines() + plan.lora_lines():
+    for line in plan.placement_lines() + plan.lora_lines() + plan.sequence_lines():
         console.print(escape(line), highlight=False)
     console.print(f"reshard traffic per device per step: [bold]{plan.reshard_bytes_per_device / 2**30:.2f} GiB[/] "
                   f"received at most ({plan.reshard_method}; full model in bf16: {plan.reshard_full_bytes / 2**30:.1f} GiB)")

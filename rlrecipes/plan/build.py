@@ -26,10 +26,14 @@ from ..engines.registry import BACKENDS, capabilities
 from ..recipe import Recipe
 from .checks import (NODE_INDEPENDENT_RULES, PlanError, RoleLayout, Violation, capability_checks, dp_of,
                      engine_checks, engine_layout_violations, layout_violations, model_checks, ranks_text,
-                     role_layouts, rollout_devices_that_fit, rollout_inference, where)
-from .memory import DTYPE_BYTES, GiB, Memory, kv_needed, ref_memory, rollout_memory, train_memory
+                     role_layouts, rollout_devices_that_fit, rollout_inference, sequence_checks, where)
+from .long_context import kv_check, sequence_summary
+from .memory import DTYPE_BYTES, GiB, Memory, node_independent_bytes, ref_memory, rollout_memory, train_memory
 from .agent import agent_checks
 from .reshard import full_reshard, lora_reshard, lora_specs, reshard_bytes
+
+
+MEMORY_RULE = "training memory fits the device"
 
 
 def _size(n: float) -> str:
@@ -77,6 +81,17 @@ class Plan:
     lora: Optional[dict] = None
     """``actor.lora``: the adapters (rank, targets, tensors, parameters) and the per-step sync of the
     adapters beside a full-weight sync (``reshard``: :class:`~.reshard.ReshardVolume` fields each)."""
+    sequence: Optional[dict] = None
+    """Long sequences (set when a train role has ``sp > 1``): the longest sample, and per train role
+    its SP and the tokens of a row one rank holds (:func:`~.long_context.sequence_summary`)."""
+    notes: list[str] = field(default_factory=list)
+    """What the plan passes but the run should know (e.g. the rollout KV cache holds fewer longest
+    sequences than a rollout rank runs at once)."""
+    suggestions: list[str] = field(default_factory=list)
+    """Fixes the plan found for its violations (the smallest ``actor.layout.sp`` whose memory fits)."""
+    node_independent: set = field(default_factory=set, repr=False)
+    """Rules this plan breaks on any node count beyond :data:`~.checks.NODE_INDEPENDENT_RULES` (a train
+    memory whose unshardable part exceeds the device): the nearest-node search skips them."""
 
     @property
     def ref_policy(self) -> str:
@@ -133,6 +148,20 @@ class Plan:
                          f"would receive {_size(f['received'])} and load {_size(f['loaded'])}{pct}")
         return lines
 
+    def sequence_lines(self) -> list[str]:
+        """Human-readable lines on long sequences and the notes (empty without them)."""
+        lines = []
+        if self.sequence:
+            same: dict[tuple, list[str]] = {}  # roles on the same split: one entry
+            for name, r in self.sequence["roles"].items():
+                if r["sp"] > 1:
+                    same.setdefault((r["sp"], r["tokens_per_rank"], r["row_tokens"]), []).append(name)
+            parts = [f"{', '.join(names)} SP{sp}: {per} tokens of a {row}-token row per rank"
+                     for (sp, per, row), names in same.items()]
+            lines.append(f"long sequences: {self.sequence['longest_sample']} tokens per sample at most; "
+                         + "; ".join(parts))
+        return lines + self.notes
+
     def lora_json(self) -> dict:
         out = {k: v for k, v in self.lora.items() if k != "reshard"}
         sync = self.lora.get("reshard")
@@ -162,6 +191,9 @@ class Plan:
             "changes": self.changes, "violations": [asdict(v) for v in self.violations],
             "nearest_valid_nodes": self.nearest_valid_nodes,
             "engines": self.engines, "missing_here": self.missing_here,
+            **({"sequence": self.sequence} if self.sequence else {}),
+            **({"notes": self.notes} if self.notes else {}),
+            **({"suggestions": self.suggestions} if self.suggestions else {}),
         }
         if self.disaggregated:  # colocated JSON is unchanged
             T, R = self.train_devices, self.rollout_devices
@@ -189,7 +221,6 @@ def build_plan(recipe: Recipe, nodes: Optional[int] = None, devices_per_node: Op
     world = nodes * dpn
     dims = recipe.model.dims()
 
-    a = recipe.actor.layout
     disagg = res.placement == "disaggregated"
     roles, train_world, rollout_world, split_violations = role_layouts(recipe, world)
 
@@ -205,6 +236,7 @@ def build_plan(recipe: Recipe, nodes: Optional[int] = None, devices_per_node: Op
     caps = {role: capabilities(name) for role, name in engines.items() if name in BACKENDS}
     train_caps = caps.get("actor")
     violations += capability_checks(recipe, dims, roles, caps)
+    violations += sequence_checks(recipe, dims, roles, caps)
     fits = rollout_devices_that_fit(world, roles) if disagg else []
     for role in roles.values():
         if role.world < 1:  # no training device left (reported above)
@@ -223,16 +255,17 @@ def build_plan(recipe: Recipe, nodes: Optional[int] = None, devices_per_node: Op
     pinned_world = res.nodes * res.devices_per_node
     pinned_train = pinned_world - (rollout_world if disagg else 0)  # the rollout group keeps its size
     if world != pinned_world:
-        if pinned_train > 0 and pinned_train % (a.tp * a.pp) == 0 and actor.dp is not None:
-            pinned_dp = pinned_train // (a.tp * a.pp)
+        if pinned_train > 0 and pinned_train % actor.model_parallel == 0 and actor.dp is not None:
+            pinned_dp = pinned_train // actor.model_parallel
             changes.append(f"{res.nodes} x {res.devices_per_node} -> {nodes} x {dpn} devices: world "
                            f"{pinned_world} -> {world}" + (f" (train group {pinned_train} -> {train_world}, rollout "
                                                           f"group {rollout_world})" if disagg else ""))
             for role in roles.values():
-                old = (rollout_world if role.role == "rollout" else pinned_train) // (role.tp * role.pp) \
-                    if disagg else pinned_world // (role.tp * role.pp)
+                old = (rollout_world if role.role == "rollout" else pinned_train) // role.model_parallel \
+                    if disagg else pinned_world // role.model_parallel
                 if role.dp is not None and role.dp != old:
-                    changes.append(f"{role.role} DP {old} -> {role.dp} (TP/PP/EP unchanged)")
+                    changes.append(f"{role.role} DP {old} -> {role.dp} (TP/PP/EP{'/SP' if role.sp > 1 else ''} "
+                                   "unchanged)")
             if not keep_batch and actor.dp != pinned_dp and gb % pinned_dp == 0 and mb % pinned_dp == 0:
                 new_gb, new_mb = gb // pinned_dp * actor.dp, mb // pinned_dp * actor.dp
                 if new_gb != gb:
@@ -270,23 +303,30 @@ def build_plan(recipe: Recipe, nodes: Optional[int] = None, devices_per_node: Op
         need = plan.train_memory.total + plan.ref_memory.total
         if need > device_bytes:
             ref = f" ({plan.ref_memory.total / GiB:.1f} GiB of it reference weights)" if plan.ref_memory.total else ""
-            violations.append(Violation("training memory fits the device",
+            sp = " or actor.layout.sp (splits each sequence)" if train_caps.sequence_parallel else ""
+            floor = node_independent_bytes(plan.train_memory, plan.ref_memory, train_caps)
+            more = f"; {floor / GiB:.1f} GiB of it no node count shrinks" if floor > device_bytes else ""
+            if more:
+                plan.node_independent.add(MEMORY_RULE)  # the nearest-node search cannot help
+            violations.append(Violation(MEMORY_RULE,
                                         f"actor needs {need / GiB:.1f} GiB per device{ref} "
-                                        f"> {res.device_memory_gb:g} GiB (raise TP/PP/EP, or set actor.offload_optimizer)"))
+                                        f"> {res.device_memory_gb:g} GiB{more} (raise TP/PP/EP{sp}, or set "
+                                        f"actor.offload_optimizer)"))
+    if any(r.sp > 1 for r in roles.values()):
+        plan.sequence = sequence_summary(recipe, roles, train_caps.memory_model if train_caps else "")
     rollout = roles["rollout"]
     if rollout.dp is not None:
         plan.rollout_memory = rollout_memory(dims, rollout, recipe, device_bytes)
         budget = device_bytes * recipe.rollout.inference.gpu_memory_utilization
-        instances = max(1, rollout.world // (rollout.tp * max(1, rollout.ep // rollout.tp)))
-        need_kv = kv_needed(dims, rollout, recipe, gb * n / instances)
         if plan.rollout_memory.weights > budget:
             violations.append(Violation("rollout weights fit the device",
                                         f"rollout weights {plan.rollout_memory.weights / GiB:.1f} GiB > "
                                         f"{budget / GiB:.1f} GiB budget (gpu_memory_utilization "
                                         f"{recipe.rollout.inference.gpu_memory_utilization}); raise rollout TP/EP"))
-        elif plan.rollout_memory.kv_cache < min(need_kv, 0.05 * device_bytes):
-            violations.append(Violation("KV cache fits the device",
-                                        f"only {plan.rollout_memory.kv_cache / GiB:.1f} GiB left for the KV cache"))
+        else:  # per rollout rank, at the longest sample
+            _, found, note = kv_check(dims, rollout, recipe, gb * n, plan.rollout_memory.kv_cache, device_bytes)
+            violations += found
+            plan.notes += [note] if note else []
         if actor.dp is not None:
             plan.reshard_bytes_per_device = reshard_bytes(dims, actor, rollout, res.placement)
             if disagg:  # the rollout group's bytes spread over the train devices
@@ -309,9 +349,48 @@ def build_plan(recipe: Recipe, nodes: Optional[int] = None, devices_per_node: Op
         plan.lora["reshard"] = {"adapters": asdict(moved), "full_weights": asdict(full)}
         plan.reshard_bytes_per_device, plan.reshard_method, plan.reshard_send_bytes_per_device = \
             moved.received, moved.method, moved.sent
-    if _search and any(v.rule not in NODE_INDEPENDENT_RULES for v in violations):
+    if _search and any(v.rule not in NODE_INDEPENDENT_RULES | plan.node_independent for v in violations):
         plan.nearest_valid_nodes = nearest_valid_nodes(recipe, nodes, dpn, keep_batch)
+    if _search and any(v.rule == MEMORY_RULE for v in violations):
+        plan.suggestions += sp_suggestion(recipe, plan, keep_batch)
     return plan
+
+
+def sp_suggestion(recipe: Recipe, plan: Plan, keep_batch: bool = False, limit: int = 64) -> list[str]:
+    """When the training memory does not fit: the smallest ``actor.layout.sp`` (Ulysses / context
+    parallelism, ``Capabilities.sequence_parallel``) that fits on the plan's node count and brings
+    no violation the plan did not have. Cheap: the SP sizes that divide the train devices' DP, one
+    plan each (no search inside); empty when the engine cannot split sequences."""
+    caps = capabilities(recipe.actor.engine) if recipe.actor.engine in BACKENDS else None
+    actor = plan.roles["actor"]
+    if caps is None or not caps.sequence_parallel:
+        return []
+    what = "Ulysses" if caps.sequence_parallel == "ulysses" else caps.sequence_parallel.replace("_", " ")
+    others = {v.rule for v in plan.violations} - {MEMORY_RULE}
+    replicas = actor.world // (actor.tp * actor.pp) if actor.world % (actor.tp * actor.pp) == 0 else 0
+    tried, blocked = [], None
+    for sp in range(actor.sp + 1, min(limit, replicas) + 1):
+        if replicas % sp:
+            continue
+        r = recipe.model_copy(deep=True)
+        r.actor.layout.sp = sp
+        for role in ("ref", "critic"):  # a separate layout splits its sequences the same way
+            if getattr(r, role).layout is not None:
+                getattr(r, role).layout.sp = sp
+        p = build_plan(r, plan.nodes, plan.devices_per_node, keep_batch, _search=False)
+        need = (p.train_memory.total + p.ref_memory.total) / GiB
+        tried.append(sp)
+        new = [v for v in p.violations if v.rule not in others]
+        if not new:
+            return [f"training memory does not fit at sp={actor.sp}: actor.layout.sp={sp} fits ({need:.1f} GiB of "
+                    f"{plan.device_memory_gb:g} GiB per device; {what}, actor DP {p.roles['actor'].dp})"]
+        if blocked is None and all(v.rule != MEMORY_RULE for v in new):  # fits, but breaks another rule
+            blocked = f"actor.layout.sp={sp} would fit ({need:.1f} GiB) but: {new[0]}"
+    if not tried:
+        return []
+    return [f"training memory does not fit at sp={actor.sp}, and no actor.layout.sp up to {max(tried)} fits on "
+            f"{plan.nodes} node(s) with every other rule kept ({what})" + (f"; {blocked}" if blocked else
+                                                                          "; lower trainer.micro_batch")]
 
 
 def nearest_valid_nodes(recipe: Recipe, nodes: int, devices_per_node: int, keep_batch: bool = False,
@@ -328,9 +407,10 @@ def format_violations(plan: Plan) -> str:
     lines = [f"{plan.recipe} on {plan.nodes} node(s) x {plan.devices_per_node} devices = {plan.world}: "
              f"{len(plan.violations)} rule(s) violated"]
     lines += [f"  - {v}" for v in plan.violations]
+    lines += [f"  {s}" for s in plan.suggestions]
     if plan.nearest_valid_nodes:
         lines.append(f"  nearest valid node counts: {', '.join(map(str, plan.nearest_valid_nodes))}")
-    elif all(v.rule in NODE_INDEPENDENT_RULES for v in plan.violations):
+    elif all(v.rule in NODE_INDEPENDENT_RULES | plan.node_independent for v in plan.violations):
         lines.append("  no node count fixes these; change the recipe as each line says")
     else:
         lines.append("  no node count up to the search limit satisfies every rule; change the layout in the recipe")
@@ -359,4 +439,5 @@ def refuse_missing_engines(plan: Plan) -> None:
         raise err
 
 
-__all__ = ["Plan", "build_plan", "format_violations", "nearest_valid_nodes", "refuse_missing_engines", "resolve"]
+__all__ = ["MEMORY_RULE", "Plan", "build_plan", "format_violations", "nearest_valid_nodes", "refuse_missing_engines",
+           "resolve", "sp_suggestion"]

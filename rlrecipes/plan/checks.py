@@ -27,6 +27,12 @@ from ..recipe.roles import roles_of
 ROLLOUT_SPLIT_RULE = "rollout TP*PP divides resources.rollout_devices"
 TRAIN_SPLIT_RULE = "train TP*PP divides world - resources.rollout_devices at some node count"
 INFERENCE_RULE = "inference settings supported by the rollout engine"
+# long sequences (layout.sp; rules in .long_context)
+SP_ENGINE_RULE = "engine splits sequences (layout.sp)"
+SP_LAYOUT_RULE = "engine runs sequence parallelism with this layout"
+SP_HEADS_RULE = "attention heads divide by TP*SP"
+CONTEXT_RULE = "the longest sample fits the model's context"
+KV_LONGEST_RULE = "KV cache holds the longest sample"
 # Rules no node count can fix: the nearest-valid-node search is skipped when only these fail.
 NODE_INDEPENDENT_RULES = {INFERENCE_RULE, "rollout PP = 1",
                           "engine keeps ref/critic on the actor layout", "engine serves the role here",
@@ -34,12 +40,15 @@ NODE_INDEPENDENT_RULES = {INFERENCE_RULE, "rollout PP = 1",
                           "engine keeps EP inside the TP group", "GRPO needs a group per prompt",
                           "engine runs this model here", "routing replay has what it needs",
                           "reshard strategy fits the placement", ROLLOUT_SPLIT_RULE, TRAIN_SPLIT_RULE,
-                          "multi-turn rollout has what it needs", "LoRA has what it needs"}
+                          "multi-turn rollout has what it needs", "LoRA has what it needs",
+                          SP_ENGINE_RULE, SP_LAYOUT_RULE, SP_HEADS_RULE, CONTEXT_RULE, KV_LONGEST_RULE}
 
 
 @dataclass
 class RoleLayout:
-    """One role's layout and the devices it spans (``world``); ``dp`` is set once TP x PP divides them."""
+    """One role's layout and the devices it spans (``world``); ``dp`` is set once TP x PP x SP divides
+    them. ``sp`` (``layout.sp``, train roles): devices that split each sequence and see the same
+    samples, carved out of DP: ``world = tp * pp * sp * dp``."""
 
     role: str
     tp: int
@@ -48,10 +57,16 @@ class RoleLayout:
     dp: Optional[int]
     world: int
     pp_layers: Optional[list[int]] = None
+    sp: int = 1
+
+    @property
+    def model_parallel(self) -> int:
+        """Devices of one data-parallel replica: TP x PP x SP."""
+        return self.tp * self.pp * self.sp
 
     def describe(self) -> str:
         dp = "?" if self.dp is None else self.dp
-        s = f"TP{self.tp} PP{self.pp} EP{self.ep} DP{dp}"
+        s = f"TP{self.tp} PP{self.pp} EP{self.ep}" + (f" SP{self.sp}" if self.sp > 1 else "") + f" DP{dp}"
         if self.pp_layers and self.pp > 1:
             s += f" layers {','.join(map(str, self.pp_layers))}"
         return s
@@ -86,25 +101,37 @@ def _engine_list(names: list[str], key: str, sep: str = ": ") -> str:
 # ---------------------------------------------------------------------------------------------
 # one role's layout
 # ---------------------------------------------------------------------------------------------
+def _sizes(role: RoleLayout) -> str:
+    """``"TP4 x PP2"`` (``" x SP2"`` added when the role splits sequences)."""
+    return f"TP{role.tp} x PP{role.pp}" + (f" x SP{role.sp}" if role.sp > 1 else "")
+
+
 def divisibility_violations(role: RoleLayout, where: Optional[tuple[str, str]] = None) -> list[Violation]:
-    """TP x PP divides the role's devices, and EP divides DP x TP. ``where`` = (rule, the role's
-    device set and the fix) under disaggregated placement (:func:`where`); the default names the
-    role's device count. Shared by :func:`layout_violations` and ``placement_groups``."""
-    k = role.tp * role.pp
+    """TP x PP (x SP) divides the role's devices, and EP divides DP x SP x TP (the experts are carved
+    out of every rank of a pipeline stage, SP ranks included). ``where`` = (rule, the role's device set
+    and the fix) under disaggregated placement (:func:`where`); the default names the role's device
+    count. Shared by :func:`layout_violations` and ``placement_groups``."""
+    k = role.model_parallel
     if role.world % k:
-        return [Violation(where[0] if where else "TP*PP divides the world",
-                          f"{role.role}: TP{role.tp} x PP{role.pp} = {k} does not divide "
-                          f"{where[1] if where else f'{role.world} devices'}")]
+        rule = "TP*PP divides the world" if role.sp == 1 else "TP*PP*SP divides the world"
+        fix = ""
+        if role.sp > 1 and not where and role.world % (role.tp * role.pp) == 0 and role.world > role.tp * role.pp:
+            fix = f"; use an sp that divides {role.world // (role.tp * role.pp)}"
+        return [Violation(where[0] if where else rule,
+                          f"{role.role}: {_sizes(role)} = {k} does not divide "
+                          f"{where[1] if where else f'{role.world} devices'}{fix}")]
     dp = role.world // k
-    if (dp * role.tp) % role.ep:
+    if (dp * role.sp * role.tp) % role.ep:
+        sp = f" x SP{role.sp}" if role.sp > 1 else ""
         return [Violation("EP divides DP*TP",
-                          f"{role.role}: EP{role.ep} does not divide DP{dp} x TP{role.tp} = {dp * role.tp}")]
+                          f"{role.role}: EP{role.ep} does not divide DP{dp}{sp} x TP{role.tp} = "
+                          f"{dp * role.sp * role.tp}")]
     return []
 
 
 def dp_of(role: RoleLayout) -> Optional[int]:
-    """The role's DP size when TP x PP divides its devices, else None."""
-    k = role.tp * role.pp
+    """The role's DP size when TP x PP x SP divides its devices, else None."""
+    k = role.model_parallel
     return role.world // k if role.world % k == 0 else None
 
 
@@ -139,10 +166,13 @@ def layout_violations(role: RoleLayout, dims: ModelDims, caps: Capabilities,
                            f"with pipeline parallelism ({_engine_list(with_pp, 'actor.engine')})"))
     if not caps.expert_parallel and role.ep != 1:
         v.append(Violation("engine has expert parallelism", f"{name}: EP{role.ep} with engine {caps.name}; use ep: 1"))
-    if caps.expert_tensor_parallel and name != "rollout" and role.ep > 1 and dp is not None and dp % role.ep:
+    if caps.expert_tensor_parallel and name != "rollout" and role.ep > 1 and dp is not None and \
+            (dp * role.sp) % role.ep:
+        ranks = f"DP{dp} x SP{role.sp} = {dp * role.sp}" if role.sp > 1 else f"DP{dp}"
         v.append(Violation("engine places EP groups across DP",
-                           f"{name}: EP{role.ep} does not divide DP{dp} (engine {caps.name} splits experts over "
-                           f"TP as well, so the EP groups span data-parallel ranks); use an ep that divides {dp}"))
+                           f"{name}: EP{role.ep} does not divide {ranks} (engine {caps.name} splits experts over "
+                           f"TP as well, so the EP groups span data-parallel ranks); use an ep that divides "
+                           f"{dp * role.sp}"))
     if caps.ep_within_tp and role.ep > 1 and role.tp % role.ep:
         v.append(Violation("engine keeps EP inside the TP group",
                            f"{name}: EP{role.ep} does not divide TP{role.tp} (engine {caps.name}); "
@@ -242,10 +272,11 @@ def capability_checks(recipe: Recipe, dims: ModelDims, roles: dict[str, RoleLayo
     if train is not None and not train.separate_ref_layout:
         for role in ("ref", "critic"):
             lay = getattr(recipe, role).layout
-            if role in roles and lay is not None and (lay.tp, lay.pp, lay.ep) != (a.tp, a.pp, a.ep):
+            if role in roles and lay is not None and (lay.tp, lay.pp, lay.ep, lay.sp) != (a.tp, a.pp, a.ep, a.sp):
+                sp, asp = (f" SP{lay.sp}", f" SP{a.sp}") if (lay.sp, a.sp) != (1, 1) else ("", "")
                 v.append(Violation("engine keeps ref/critic on the actor layout",
-                                   f"{role}.layout TP{lay.tp} PP{lay.pp} EP{lay.ep} differs from the actor's "
-                                   f"TP{a.tp} PP{a.pp} EP{a.ep} (engine {train.name}); set {role}.layout: null"))
+                                   f"{role}.layout TP{lay.tp} PP{lay.pp} EP{lay.ep}{sp} differs from the actor's "
+                                   f"TP{a.tp} PP{a.pp} EP{a.ep}{asp} (engine {train.name}); set {role}.layout: null"))
     if recipe.actor.lora.enabled:
         import importlib.util
 
@@ -266,6 +297,63 @@ def capability_checks(recipe: Recipe, dims: ModelDims, roles: dict[str, RoleLayo
     ro = recipe.rollout.layout
     if ro.pp != 1:
         v.append(Violation("rollout PP = 1", f"rollout.layout.pp is {ro.pp}; the rollout runs without pipeline stages"))
+    return v
+
+
+def sequence_checks(recipe: Recipe, dims: ModelDims, roles: dict[str, RoleLayout],
+                    caps: dict[str, Capabilities]) -> list[Violation]:
+    """Long sequences: the longest sample against the model's context, and what ``layout.sp`` asks
+    of the train engine (``Capabilities.sequence_parallel``). ``"ulysses"`` gives every SP rank whole
+    attention heads (``heads % (tp * sp) == 0``; KV heads fewer than ``sp`` are repeated) and, in this
+    release, runs at TP1 EP1 without routing replay. ``"context_parallel"``'s own needs (fused
+    attention, megatron's chunking of rows) are the engine's layout rules."""
+    v: list[Violation] = []
+    longest = recipe.data.max_prompt_length + recipe.rollout.max_response_len
+    if longest > dims.max_position_embeddings:
+        key = "rollout.multi_turn.max_response_tokens" if recipe.rollout.multi_turn.enabled else \
+            "rollout.sampling.max_new_tokens"
+        room = dims.max_position_embeddings - recipe.data.max_prompt_length
+        v.append(Violation(CONTEXT_RULE, f"data.max_prompt_length + {key} = {recipe.data.max_prompt_length} + "
+                                         f"{recipe.rollout.max_response_len} = {longest} tokens > the "
+                                         f"{dims.max_position_embeddings} positions of the model "
+                                         f"(max_position_embeddings); the rollout serves no longer sequences: "
+                                         f"lower {key} to {max(1, room)} or less"))
+    train = caps.get("actor")
+    if train is None:
+        return v
+    done: set[str] = set()
+    for name, role in roles.items():
+        if name == "rollout" or role.sp == 1:
+            continue
+        key = f"{name}.layout" if name == "actor" or getattr(recipe, name).layout is not None else "actor.layout"
+        if key in done:  # a role on the actor's layout: reported once, under the actor's key
+            continue
+        done.add(key)
+        kind = train.sequence_parallel
+        if not kind:
+            able = engines_that(lambda c: bool(c.sequence_parallel) and "train" in c.roles)
+            v.append(Violation(SP_ENGINE_RULE, f"{key}.sp={role.sp}: engine {train.name} cannot split a sequence "
+                                               f"over devices; set {key}.sp=1, or use "
+                                               f"{_engine_list(able, 'actor.engine')}"))
+            continue
+        if kind != "ulysses":
+            continue
+        if role.tp > 1 or role.ep > 1:
+            v.append(Violation(SP_LAYOUT_RULE, f"{key}.sp={role.sp} with TP{role.tp} EP{role.ep}: engine {train.name} "
+                                               f"runs Ulysses sequence parallelism at TP1 EP1 in this release; set "
+                                               f"{key}.tp=1 and {key}.ep=1 (SP takes their place for long "
+                                               f"sequences), or {key}.sp=1"))
+        if recipe.algorithm.routing_replay:
+            v.append(Violation(SP_LAYOUT_RULE, f"{key}.sp={role.sp} with algorithm.routing_replay: engine "
+                                               f"{train.name} does not split the recorded experts along the sequence "
+                                               f"in this release; set algorithm.routing_replay=false or {key}.sp=1"))
+        if dims.num_heads % (role.tp * role.sp):
+            per = dims.num_heads // role.tp if dims.num_heads % role.tp == 0 else 0
+            fits = [k for k in range(2, per + 1) if per % k == 0][:6]
+            fix = f"use {key}.sp in {', '.join(map(str, fits))}" if fits else f"set {key}.sp=1"
+            v.append(Violation(SP_HEADS_RULE, f"{key}.sp={role.sp}: the {dims.num_heads} attention heads do not "
+                                              f"split over TP{role.tp} x SP{role.sp} = {role.tp * role.sp} ranks "
+                                              f"(Ulysses gives every SP rank whole heads); {fix}"))
     return v
 
 
@@ -305,22 +393,22 @@ def role_layouts(recipe: Recipe, world: int) -> tuple[dict[str, RoleLayout], int
     and the placement's own violations. The roles are :func:`~rlrecipes.recipe.roles.roles_of`'s."""
     T, R, violations = split_devices(recipe, world)
     a = recipe.actor.layout
-    roles = {"actor": RoleLayout("actor", a.tp, a.pp, a.ep, None, T, a.pp_layers)}
+    roles = {"actor": RoleLayout("actor", a.tp, a.pp, a.ep, None, T, a.pp_layers, a.sp)}
     built = roles_of(recipe, strict=False)  # the workers build exactly these
     if built.ref:
         r = recipe.ref.layout or a
-        roles["ref"] = RoleLayout("ref", r.tp, r.pp, r.ep, None, T, r.pp_layers)
+        roles["ref"] = RoleLayout("ref", r.tp, r.pp, r.ep, None, T, r.pp_layers, r.sp)
     if built.critic:
         c = recipe.critic.layout or a
-        roles["critic"] = RoleLayout("critic", c.tp, c.pp, c.ep, None, T, c.pp_layers)
+        roles["critic"] = RoleLayout("critic", c.tp, c.pp, c.ep, None, T, c.pp_layers, c.sp)
     ro = recipe.rollout.layout
     roles["rollout"] = RoleLayout("rollout", ro.tp, ro.pp, ro.ep, None, R)
     return roles, T, R, violations
 
 
 def rollout_devices_that_fit(world: int, roles: dict[str, RoleLayout]) -> list[int]:
-    """Values of resources.rollout_devices in [1, world) with which every role's TP x PP divides its group."""
-    train = [r.tp * r.pp for r in roles.values() if r.role != "rollout"]
+    """Values of resources.rollout_devices in [1, world) with which every role's TP x PP (x SP) divides its group."""
+    train = [r.model_parallel for r in roles.values() if r.role != "rollout"]
     roll = roles["rollout"].tp * roles["rollout"].pp
     return [R for R in range(1, world) if R % roll == 0 and all((world - R) % k == 0 for k in train)]
 
@@ -328,7 +416,7 @@ def rollout_devices_that_fit(world: int, roles: dict[str, RoleLayout]) -> list[i
 def where(role: RoleLayout, world: int, fits: list[int], devices_per_node: int) -> tuple[str, str]:
     """(rule, the device set of a disaggregated role and the fix) for the TP*PP rule. The rule is
     node-independent when no node count can fix it (the nearest-node search is then skipped)."""
-    k = role.tp * role.pp
+    k = role.model_parallel
     T, R = (role.world, world - role.world) if role.role != "rollout" else (world - role.world, role.world)
     near = sorted(fits, key=lambda x: (abs(x - R), x))[:2]
     fix = (f"set resources.rollout_devices={' or '.join(map(str, sorted(near)))}" if near else
@@ -337,11 +425,13 @@ def where(role: RoleLayout, world: int, fits: list[int], devices_per_node: int) 
         return ROLLOUT_SPLIT_RULE, f"resources.rollout_devices={R}; {fix}, or a rollout.layout.tp that divides {R}"
     # n * devices_per_node - R = 0 (mod k) has a solution n iff gcd(devices_per_node, k) divides R
     rule = "TP*PP divides the world" if R % math.gcd(devices_per_node, k) == 0 else TRAIN_SPLIT_RULE
+    sp = " x SP" if role.sp > 1 else ""
     return rule, (f"the {T} training devices (world {world} - resources.rollout_devices={R}); {fix}, "
-                  f"or a {role.role}.layout whose TP x PP divides {T}")
+                  f"or a {role.role}.layout whose TP x PP{sp} divides {T}")
 
 
-__all__ = ["INFERENCE_RULE", "NODE_INDEPENDENT_RULES", "PlanError", "ROLLOUT_SPLIT_RULE", "RoleLayout",
-           "TRAIN_SPLIT_RULE", "Violation", "capability_checks", "divisibility_violations", "dp_of",
-           "engine_checks", "engine_layout_violations", "layout_violations", "model_checks", "ranks_text",
-           "role_layouts", "rollout_devices_that_fit", "rollout_inference", "split_devices", "where"]
+__all__ = ["CONTEXT_RULE", "INFERENCE_RULE", "KV_LONGEST_RULE", "NODE_INDEPENDENT_RULES", "PlanError",
+           "ROLLOUT_SPLIT_RULE", "RoleLayout", "SP_ENGINE_RULE", "SP_HEADS_RULE", "SP_LAYOUT_RULE", "TRAIN_SPLIT_RULE",
+           "Violation", "capability_checks", "divisibility_violations", "dp_of", "engine_checks",
+           "engine_layout_violations", "layout_violations", "model_checks", "ranks_text", "role_layouts",
+           "rollout_devices_that_fit", "rollout_inference", "sequence_checks", "split_devices", "where"]

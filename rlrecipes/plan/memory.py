@@ -18,12 +18,17 @@ count the adapters only (:func:`lora_params`, from the tensors PEFT creates:
 policy is the actor with its adapters off).
 
 :func:`rollout_memory` gives a rollout device's weights and the KV cache left in its budget,
-:func:`kv_needed` the KV cache a step's rows need. :func:`rlrecipes.plan.build.build_plan`
+:func:`kv_needed` the KV cache a rollout rank's rows need. :func:`rlrecipes.plan.build.build_plan`
 compares them with the device.
+
+Sequence parallelism (``layout.sp``): both train models count the activations, the layer in flight
+and the logits for the tokens one SP / CP rank holds (:mod:`.long_context`), and shard what DP
+shards over DP x SP (FSDP2 over the ``dp x sp`` ranks; megatron's distributed optimizer over DP x CP).
 """
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import asdict, dataclass
 from types import SimpleNamespace
 from typing import Callable
@@ -35,6 +40,8 @@ from ..models.lora_shapes import lora_shapes
 from ..models.sharding import layer_of
 from ..recipe import Recipe
 from .checks import RoleLayout
+from .long_context import (kv_token_bytes, layer_bytes, local_attention_bytes, logits_bytes, longest_sample,
+                           mask_bytes, packed_tokens, padded_row, rank_tokens)
 
 GiB = 1024 ** 3
 DTYPE_BYTES = 2  # weights and activations in bf16 on accelerators
@@ -129,34 +136,60 @@ def stage_params(dims: ModelDims, pp_layers: list[int]) -> list[tuple[float, flo
 
 
 def micro_batch_tokens(recipe: Recipe) -> int:
-    """Tokens in one micro-batch: the token budget when packing, else micro_batch padded rows."""
-    seq = recipe.data.max_prompt_length + recipe.rollout.max_response_len
-    return recipe.trainer.max_tokens_per_micro_batch or recipe.trainer.micro_batch * seq
+    """Tokens in one micro-batch of an engine that packs: the token budget, but at least one whole
+    sample (a longer sample gets a micro-batch of its own); without a budget, micro_batch padded rows."""
+    return packed_tokens(recipe)
 
 
 def pipeline_train_memory(dims: ModelDims, role: RoleLayout, recipe: Recipe, dp: int, caps: Capabilities) -> Memory:
     """The worst pipeline stage of a megatron-style engine: compute-dtype weights, an fp32 DDP
-    gradient buffer, fp32 master + Adam over DP (distributed optimizer), activations per layer."""
+    gradient buffer, fp32 master + Adam over DP x CP (distributed optimizer), and activations.
+
+    A micro-batch is ``trainer.micro_batch`` rows padded to the longest sample (megatron packs
+    nothing), rounded up to megatron's multiple (:func:`~.long_context.padded_row`); a CP rank holds
+    ``1 / sp`` of every row, a TP rank ``1 / tp`` of its hidden states (sequence parallelism).
+    Under 1F1B stage ``s`` of ``pp`` keeps ``pp - s`` micro-batches in flight: with recomputation
+    each layer's input per micro-batch (``activations``), and in ``transient`` the one layer rebuilt
+    in backward with its attention; without, every layer's activations. megatron's local attention
+    (``sp = 1``) holds ``[rows, heads / tp, T, T]`` scores; with context parallelism the fused
+    attention it needs holds none. The last stage adds the logits: compute-dtype ``[tokens,
+    vocab / tp]``, their fp32 copy and the fp32 response slice the log-probs keep for backward."""
     pp_layers = role.pp_layers or even_split(dims.num_layers, role.pp)
     if len(pp_layers) != role.pp or sum(pp_layers) != dims.num_layers:
         pp_layers = even_split(dims.num_layers, role.pp)
     worst = Memory()
-    seq = recipe.data.max_prompt_length + recipe.rollout.max_response_len
+    c = devmod.compute_bytes(recipe.resources.device, recipe.model.dtype)
+    rows, sp, tp = recipe.trainer.micro_batch, role.sp, role.tp
+    T = padded_row(longest_sample(recipe), sp, tp)
+    tokens = rows * T / sp  # this CP rank's tokens of the micro-batch
+    hidden_split = tp > 1  # megatron's sequence parallelism whenever TP > 1
+    kept = tokens * c * dims.hidden_size / (tp if hidden_split else 1)  # one layer's input
+    full = layer_bytes(dims, tokens, c, tp, hidden_split)
+    attention = 0.0 if sp > 1 else local_attention_bytes(rows, dims.num_heads / tp, T, c)
+    probs = 0.0 if sp > 1 else rows * dims.num_heads / tp * float(T) * T * c  # saved without recompute
+    samples = recipe.trainer.mini_batch * recipe.trainer.n_samples_per_prompt / max(1, dp)
+    micro_batches = max(1, math.ceil(samples / rows))
+    shard = dp * sp  # megatron's distributed optimizer and gradient reduce run over DP x CP
     etp = role.tp if caps.expert_tensor_parallel else 1  # experts split over TP as well
     for s, (ne, e) in enumerate(stage_params(dims, pp_layers)):
         params = ne / role.tp + e / (role.ep * etp)
-        expert_dp = max(1, dp * role.tp // (role.ep * etp))
+        expert_dp = max(1, shard * role.tp // (role.ep * etp))
         m = Memory()
         m.weights = params * DTYPE_BYTES
         m.grads = params * 4  # the DDP gradient buffer in fp32 (grad_reduce_in_fp32, as megatron engines set)
         if not recipe.actor.offload_optimizer:
-            # fp32 master + Adam m, v, sharded over DP (distributed optimizer)
-            m.optimizer = 12 * (ne / role.tp / dp + e / (role.ep * etp) / expert_dp)
+            # fp32 master + Adam m, v, sharded over DP x CP (distributed optimizer)
+            m.optimizer = 12 * (ne / role.tp / shard + e / (role.ep * etp) / expert_dp)
         layers = pp_layers[s]
-        per_layer = recipe.trainer.micro_batch * seq * dims.hidden_size * DTYPE_BYTES / role.tp
-        # with recomputation only each layer's input is kept; without, ~16 activations per layer
-        m.activations = per_layer * layers * (1 if recipe.actor.recompute else 16) + \
-            recipe.trainer.micro_batch * seq * dims.vocab_size * 4 / role.tp  # fp32 logits
+        in_flight = min(role.pp - s, micro_batches)
+        if recipe.actor.recompute:
+            m.activations = kept * layers * in_flight
+            m.transient = full + attention
+        else:
+            m.activations = (full + probs) * layers * in_flight
+            m.transient = attention
+        if s == len(pp_layers) - 1:
+            m.activations += logits_bytes(dims, tokens, tp, c + 8)
         if m.total > worst.total:
             worst = m
     return worst
@@ -172,6 +205,11 @@ def fsdp_train_memory(dims: ModelDims, role: RoleLayout, recipe: Recipe, dp: int
       compute dtype, its unsharded gradient and the reduce-scatter input); a tied embedding stays
       gathered in the root unit through backward and reduce-scatters at its very end;
     * optimizer step: one fp32 temporary per parameter (the foreach ``sqrt`` of the second moment).
+
+    Activations and logits count the tokens of this rank: a micro-batch holds the token budget but
+    at least one whole sample, and with ``layout.sp`` (Ulysses) a rank holds ``1 / sp`` of every row;
+    FSDP2 then shards over the DP x SP ranks. The attention mask over whole rows (SDPA's boolean
+    ``[rows, 1, T, T]``, the same on every SP rank) sits beside the backward phases in ``transient``.
 
     ``activations`` holds the saved activations and logits, ``transient`` the rest of the worst
     phase. A small model (at most ``caps.small_model_bytes`` of fp32 parameters) is replicated over
@@ -190,7 +228,8 @@ def fsdp_train_memory(dims: ModelDims, role: RoleLayout, recipe: Recipe, dp: int
     """
     c = devmod.compute_bytes(recipe.resources.device, recipe.model.dtype)
     tp, ep = role.tp, role.ep
-    expert_dp = max(1, dp * tp // ep)
+    shard = dp * role.sp  # FSDP2 / replication over the DP x SP ranks
+    expert_dp = max(1, shard * tp // ep)
     embed = dims.vocab_size * dims.hidden_size / tp
     per_layer = [dims.layer_params(i) for i in range(dims.num_layers)]  # (non-expert, expert)
     layer_ne = max(a for a, _ in per_layer) / tp
@@ -202,23 +241,26 @@ def fsdp_train_memory(dims: ModelDims, role: RoleLayout, recipe: Recipe, dp: int
     param_bytes = 4 * (sum(a + b for a, b in per_layer) + dims.vocab_size * dims.hidden_size
                        * (1 if dims.tie_embeddings else 2) + dims.hidden_size + adapters)
     small = param_bytes <= caps.small_model_bytes  # 0: nothing is small
-    replicated = small and c == 4 and dp > 1
-    local = ne + e if replicated else ne / dp + e / expert_dp  # this rank's part of every parameter
-    trained = local if lora is None else (adapters if replicated else adapters / dp)
+    replicated = small and c == 4 and shard > 1
+    local = ne + e if replicated else ne / shard + e / expert_dp  # this rank's part of every parameter
+    trained = local if lora is None else (adapters if replicated else adapters / shard)
     m = Memory(weights=4 * (local + (0 if lora is None else trained)), grads=4 * trained)
     if not recipe.actor.offload_optimizer:
         m.optimizer = 8 * trained
-    tokens = micro_batch_tokens(recipe)
-    width = dims.intermediate_size if not dims.is_moe else \
-        dims.moe_intermediate_size * (dims.experts_per_token + dims.num_shared_experts)
+    whole = micro_batch_tokens(recipe)
+    tokens = rank_tokens(whole, role.sp)  # this SP rank's part of every row
     # per layer without recompute: ~10 hidden-sized tensors per token (replicated over TP: no
     # sequence parallelism) and ~4 of the MLP width (split over TP); with recompute, each layer's
     # input, plus one layer rebuilt during its backward
-    full_layer = tokens * c * (10 * dims.hidden_size + 4 * width / tp)
+    full_layer = layer_bytes(dims, tokens, c, tp, hidden_split=False)
     kept = tokens * c * dims.hidden_size
     act = (kept * dims.num_layers + full_layer) if recipe.actor.recompute else full_layer * dims.num_layers
-    logits = tokens * dims.vocab_size / tp * (c + 4)  # compute-dtype logits, fp32 chunks saved for backward
+    # the HF head writes [tokens, vocab] logits in the compute dtype; the chunked log-probs' fp32
+    # chunks stay saved for backward (together as large as the logits in fp32)
+    logits = logits_bytes(dims, tokens, tp, c + 4)
     m.activations = act + logits
+    # the attention mask over whole rows (every SP rank builds the same), beside the backward phases
+    mask = mask_bytes(whole, min(longest_sample(recipe), whole))
     # FSDP units: gathered params (c), unsharded grad (c), the fp32 reduce-scatter input (4; on CPU
     # gloo reduces through one more buffer of that size, measured); two decoder layers in flight.
     # Untied, the embedding and the head are units of their own, gathered only around their use.
@@ -227,10 +269,12 @@ def fsdp_train_memory(dims: ModelDims, role: RoleLayout, recipe: Recipe, dp: int
     # reduce-scatters; the activations are gone by then.
     reduce = 4 * (1 if devmod.is_accelerator(recipe.resources.device) else 2)
     unit = 2 * c + reduce
+    after: list[float] = []
     if lora is None:
         phases = [2 * (layer_ne + layer_e) * unit]  # backward, beside the activations
         if dims.tie_embeddings:
-            phases += [embed * 2 * c, embed * (3 * c + reduce) - m.activations]
+            phases += [embed * 2 * c]
+            after = [embed * (3 * c + reduce) - m.activations]  # activations (and the mask) gone
         else:
             phases += [embed * unit]
         in_flight_all = (ne + e) * unit
@@ -243,11 +287,12 @@ def fsdp_train_memory(dims: ModelDims, role: RoleLayout, recipe: Recipe, dp: int
         # (measured: benchmarks/engine_memory.py, dp4-lora)
         phases = [3 * (layer_ne + layer_e) * c + 2 * lora.max_layer * unit, embed * 2 * c + lora.outside * unit]
         in_flight_all = (ne + e) * c + adapters * unit
-    phases.append(4 * trained - m.activations)  # optimizer step: the foreach temporary, activations gone
-    if replicated:  # no units in flight: the gradients' flat all-reduce buffer or the optimizer temporary
-        phases = [4 * trained - m.activations]
-    elif small:  # FSDP, every unit kept gathered (with its unsharded gradient) through the call
+    if small:  # FSDP, every unit kept gathered (with its unsharded gradient) through the call
         phases.append(in_flight_all)
+    if replicated:  # no units in flight: the gradients' flat all-reduce buffer or the optimizer temporary
+        phases, after = [0.0], []
+    phases = [p + mask for p in phases] + after
+    phases.append(4 * trained - m.activations)  # optimizer step: the foreach temporary, activations gone
     m.transient = max(0.0, *phases)
     return m
 
@@ -273,8 +318,9 @@ def ref_memory(dims: ModelDims, role: RoleLayout, recipe: Recipe, dp: int, caps:
     c = devmod.compute_bytes(recipe.resources.device, recipe.model.dtype)
     experts = dims.expert_params()
     ne, e = (dims.total_params() - experts) / role.tp, experts / role.ep
-    sharded = dp > 1 and not dims.total_params() * c <= caps.small_model_bytes
-    return Memory(weights=c * ((ne / dp + e / max(1, dp * role.tp // role.ep)) if sharded else ne + e))
+    shard = dp * role.sp  # FSDP2 over DP x SP
+    sharded = shard > 1 and not dims.total_params() * c <= caps.small_model_bytes
+    return Memory(weights=c * ((ne / shard + e / max(1, shard * role.tp // role.ep)) if sharded else ne + e))
 
 
 TRAIN_MEMORY_MODELS: dict[str, Callable[[ModelDims, RoleLayout, Recipe, int, Capabilities], Memory]] = {
@@ -293,6 +339,16 @@ def train_memory(dims: ModelDims, role: RoleLayout, recipe: Recipe, dp: int, cap
     return model(dims, role, recipe, dp, caps)
 
 
+def node_independent_bytes(train: Memory, ref: Memory, caps: Capabilities) -> float:
+    """A lower bound of a train device's memory on any node count (more DP shards only the rest):
+    ``pipeline``: the stage's weights, gradient buffer, activations, the layer in flight and the
+    reference weights (only the distributed optimizer shards over DP); ``fsdp``: the activations
+    (weights, gradients, Adam state and the reference shard over DP)."""
+    if caps.memory_model == "pipeline":
+        return train.weights + train.grads + train.activations + train.transient + ref.total
+    return train.activations
+
+
 def rollout_memory(dims: ModelDims, role: RoleLayout, recipe: Recipe, device_bytes: float) -> Memory:
     """A rollout device's weights (TP / EP shards) and the KV cache its memory budget leaves."""
     total, experts = dims.total_params(), dims.expert_params()
@@ -304,15 +360,12 @@ def rollout_memory(dims: ModelDims, role: RoleLayout, recipe: Recipe, device_byt
 
 
 def kv_needed(dims: ModelDims, role: RoleLayout, recipe: Recipe, rows_per_instance: float) -> float:
-    """KV cache bytes one rollout instance needs for its share of a step's rows (at most max_num_seqs at once)."""
-    seq = recipe.data.max_prompt_length + recipe.rollout.max_response_len
+    """KV cache bytes a device of one rollout rank (an attention-TP group scheduling its own rows)
+    needs for its share of a step's rows at the longest sample (at most max_num_seqs at once)."""
     seqs = min(recipe.rollout.inference.max_num_seqs, max(1.0, rows_per_instance))
-    per_token = dims.kv_bytes_per_token(DTYPE_BYTES)
-    if not dims.is_mla:  # MLA's latent cache is replicated across TP; GQA heads are split
-        per_token /= role.tp
-    return seqs * seq * per_token
+    return seqs * longest_sample(recipe) * kv_token_bytes(dims, role.tp)
 
 
 __all__ = ["DTYPE_BYTES", "GiB", "LoraParams", "Memory", "TRAIN_MEMORY_MODELS", "even_split", "fsdp_train_memory",
-           "kv_needed", "lora_params", "micro_batch_tokens", "pipeline_train_memory", "ref_memory", "rollout_memory",
-           "stage_params", "train_memory"]
+           "kv_needed", "lora_params", "micro_batch_tokens", "node_independent_bytes", "pipeline_train_memory",
+           "ref_memory", "rollout_memory", "stage_params", "train_memory"]

@@ -54,7 +54,8 @@ class PlacementGroups:
         from ..core.resharder import Layout
 
         a, r = self.roles["actor"], self.roles["rollout"]
-        return (Layout(a.tp, a.pp, a.ep, a.dp, tuple(a.pp_layers) if a.pp_layers else None),
+        # SP ranks hold the same weight shards as their DP group: to the resharder they are more DP replicas
+        return (Layout(a.tp, a.pp, a.ep, a.dp * a.sp, tuple(a.pp_layers) if a.pp_layers else None),
                 Layout(r.tp, 1, r.ep, r.dp))
 
     def reshard_plan(self, specs, dtype_bytes: int = 2):
@@ -72,9 +73,9 @@ def placement_groups(recipe: Recipe, world: Optional[int] = None) -> PlacementGr
 
     Colocated: one group, every role on ``range(world)``. Disaggregated: train roles on
     ``range(world - rollout_devices)``, the rollout on the last ``rollout_devices`` ranks; each
-    role's DP from its own group. Raises :class:`~.checks.PlanError` (naming the key and the fix)
-    when the split or a layout's TP x PP x EP does not fit its group; the engine, memory and batch
-    rules are ``build_plan``'s.
+    role's DP from its own group (``world / (tp * pp * sp)``). Raises :class:`~.checks.PlanError`
+    (naming the key and the fix) when the split or a layout's TP x PP (x SP) x EP does not fit its
+    group; the engine, memory and batch rules are ``build_plan``'s.
     """
     res = recipe.resources
     world = world if world is not None else res.nodes * res.devices_per_node

@@ -47,7 +47,9 @@ def reshard_bytes(dims: ModelDims, train: RoleLayout, rollout: RoleLayout, place
 def _layouts(train: RoleLayout, rollout: RoleLayout):
     from ..core.resharder import Layout
 
-    return (Layout(train.tp, train.pp, train.ep, train.dp, tuple(train.pp_layers) if train.pp_layers else None),
+    # SP ranks hold the same weight shards as their DP group: to the resharder they are more DP replicas
+    return (Layout(train.tp, train.pp, train.ep, train.dp * train.sp,
+                   tuple(train.pp_layers) if train.pp_layers else None),
             Layout(rollout.tp, 1, rollout.ep, rollout.dp))
 
 

@@ -478,8 +478,8 @@ class TrainerConfig(_Strict):
     """Samples per forward/backward on one DP rank (gradient accumulation), when no token budget is set."""
     max_tokens_per_micro_batch: Optional[int] = Field(None, ge=1)
     """Dynamic batching: pack unpadded samples into micro-batches of at most this many prompt + response
-    tokens (replaces micro_batch; null: fixed micro_batch samples, padded). At least
-    data.max_prompt_length + rollout.sampling.max_new_tokens."""
+    tokens (replaces micro_batch; null: fixed micro_batch samples, padded). A longer sample (a 32K
+    response) forms a micro-batch of its own; ``plan`` counts at least one whole sample per micro-batch."""
     lr: float = Field(1e-6, gt=0)
     """Actor AdamW learning rate."""
     warmup_steps: int = Field(0, ge=0)
@@ -555,12 +555,6 @@ class Recipe(_Strict):
             raise ValueError(f"algorithm.max_staleness={self.algorithm.max_staleness} needs rollout and training on "
                              f"their own devices: set resources.placement=disaggregated (with resources.rollout_devices), "
                              f"or algorithm.max_staleness=0 for synchronous on-policy training")
-        budget, longest = self.trainer.max_tokens_per_micro_batch, \
-            self.data.max_prompt_length + self.rollout.sampling.max_new_tokens
-        if budget is not None and budget < longest:
-            raise ValueError(f"trainer.max_tokens_per_micro_batch={budget} is below the longest sample, "
-                             f"data.max_prompt_length + rollout.sampling.max_new_tokens = {longest}; "
-                             f"set it to at least {longest} (or null for fixed micro_batch samples)")
         return self
 
     # convenience -------------------------------------------------------------------------------
