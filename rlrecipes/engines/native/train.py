@@ -35,14 +35,15 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from rlrecipes import device as devmod
-from rlrecipes.algos.logprobs import logprobs_and_entropy, vocab_parallel_logprobs_and_entropy
 from rlrecipes.core.swap import SwappedStorages
 from rlrecipes.engines import base
 from rlrecipes.engines.base import LossFn, SeqBatch
 from rlrecipes.engines.native import CAPABILITIES, SMALL_MODEL_BYTES, small_model
 from rlrecipes.engines.native import parallel as par
 from rlrecipes.engines.native import grads as grad_ops
+from rlrecipes.engines.native import head as head_ops
 from rlrecipes.engines.native import shards as shard_ops
+from rlrecipes.engines.native.forward import TokenScores, response_len_of
 from rlrecipes.engines.native.state import EngineState
 from rlrecipes.engines.native.batching import MeshRanks, micro_batches, packed_micro_batches, rows_to_samples
 from rlrecipes.engines.native.loader import (HFFolderWriter, ModelSource, build_empty, build_model, materialize,
@@ -61,17 +62,8 @@ def _resolve_dtype(dev: torch.device, dtype: str | torch.dtype) -> torch.dtype:
     return dtype if isinstance(dtype, torch.dtype) else devmod.train_dtype(dev, dtype)
 
 
-def response_len_of(mb: Mapping[str, Any]) -> int:
-    for key in ("response_mask", "responses"):
-        if key in mb:
-            return int(mb[key].shape[-1])
-    if "response_len" in mb:
-        return int(mb["response_len"])
-    raise KeyError("micro-batch needs 'response_mask' [b, R], 'responses' [b, R] or 'response_len'; "
-                   f"got keys {sorted(mb)}")
 
-
-class NativeTrainEngine(EngineState, MeshRanks, base.TrainEngine):
+class NativeTrainEngine(TokenScores, EngineState, MeshRanks, base.TrainEngine):
     """HF model + DTensor TP + EP (inside TP) + FSDP2 over a (dp, tp) DeviceMesh of the whole world.
 
     Args:
@@ -114,7 +106,7 @@ class NativeTrainEngine(EngineState, MeshRanks, base.TrainEngine):
                  attn_implementation: str = "sdpa", micro_batch_size: int = 4, pad_token_id: int = 0,
                  max_tokens_per_micro_batch: int | None = None, recompute: bool = False,
                  offload_optimizer: bool = False, small_model_bytes: int = SMALL_MODEL_BYTES, lora: Any = None,
-                 sp: int = 1):
+                 sp: int = 1, head_chunk_tokens: int = head_ops.DEFAULT_CHUNK_TOKENS):
         if role not in self.serves:
             raise ValueError(f"role={role!r}: {type(self).__name__} builds {' or '.join(map(repr, self.serves))}"
                              + (" (the critic is NativeValueEngine)" if role == "critic" else ""))
@@ -173,6 +165,12 @@ class NativeTrainEngine(EngineState, MeshRanks, base.TrainEngine):
                                      replicate_head=role == "critic", vocab_parallel_head=self._vocab_parallel)
         if self._vocab_parallel:
             self._vocab_start = self.mesh.tp_rank * -(-self.dims.vocab_size // self.mesh.tp)
+        # the LM head straight from hidden states, chunk_tokens at a time (head.py): no [tokens, V]
+        # logits, forward or backward. Not the critic (a value head), not an untied vocab-parallel
+        # head under FSDP (head_ops.unsupported says why); 0 turns it off
+        self._head_chunk = int(head_chunk_tokens)
+        self._chunk_head = (role != "critic" and self._head_chunk > 0
+                            and head_ops.unsupported(self.model, vocab_parallel=self._vocab_parallel) is None)
         if self._source_folder is not None:
             named = shard_ops.named_tensors(self.model)
             if self.lora is not None:  # a LoRA layer's base weight is the checkpoint's weight
@@ -255,99 +253,6 @@ class NativeTrainEngine(EngineState, MeshRanks, base.TrainEngine):
             if is_lora_name(name):
                 return init_adapter(name, shape, seed=self.seed)
         return None
-
-    def _head_output(self, logits: torch.Tensor, targets: torch.Tensor, temperature: float,
-                     with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if self._vocab_parallel:  # logits: this rank's vocabulary shard [b, R, V / tp]
-            return vocab_parallel_logprobs_and_entropy(logits, targets, vocab_start=self._vocab_start,
-                                                       group=self.mesh.tp_mesh.get_group(),
-                                                       temperature=temperature, with_entropy=with_entropy)
-        # chunked: no full fp32 [b, R, V] log-softmax (GBs per micro-batch at a 152k vocabulary)
-        return logprobs_and_entropy(logits, targets, temperature=temperature, with_entropy=with_entropy)
-
-    def _forward(self, mb: Mapping[str, Any], temperature: float = 1.0,
-                 with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if self.mesh.sp > 1:
-            return self._forward_sp(mb, temperature, with_entropy)
-        if "position_ids" in mb:
-            return self._forward_packed(mb, temperature, with_entropy)
-        input_ids = mb["input_ids"].to(self.device)  # [b, T]
-        attention_mask = mb["attention_mask"].to(self.device)  # [b, T]
-        R = response_len_of(mb)
-        T = input_ids.shape[1]
-        if not 0 < R < T:
-            raise ValueError(f"response length R={R} must be in (0, T={T})")
-        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_(min=0)  # [b, T]
-        logits = self._logits(mb, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                              logits_to_keep=R + 1)[:, :-1]  # [b, R, V]: positions T-R-1 .. T-2
-        return self._head_output(logits, input_ids[:, T - R:], temperature, with_entropy)
-
-    def _forward_packed(self, mb: Mapping[str, Any], temperature: float,
-                        with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Rows of concatenated samples (``batching.packed_micro_batch``): block-diagonal attention over
-        ``[rows, L]``, the head only at the response columns; the results are scattered back to the
-        closure's ``[b, R]`` layout (zeros at padding)."""
-        rows, cols = mb["unpack_rows"].to(self.device), mb["unpack_cols"].to(self.device)  # [M]
-        logits = self._logits(mb, input_ids=mb["input_ids"].to(self.device),
-                              position_ids=mb["position_ids"].to(self.device),
-                              logits_to_keep=mb["logit_index"].to(self.device))  # [rows, U, V]
-        logits = logits[mb["keep_rows"].to(self.device), mb["keep_cols"].to(self.device)][None]  # [1, M, V]
-        out, ent = self._head_output(logits, mb["targets"].to(self.device)[None], temperature, with_entropy)
-        shape = tuple(mb["response_mask"].shape)  # [b, R]
-
-        def unpack(t):
-            return torch.zeros(shape, dtype=t.dtype, device=t.device).index_put((rows, cols), t[0])
-
-        return unpack(out), (unpack(ent) if ent is not None else None)
-
-    def _forward_sp(self, mb: Mapping[str, Any], temperature: float,
-                    with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Ulysses (``layout.sp``): this rank runs the model on its ``1 / sp`` of every row (attention
-        over all-to-all head shards, :mod:`.ulysses`), scores its own tokens, and the SP group's
-        pieces are gathered into whole rows; then the same columns as :meth:`_forward` /
-        :meth:`_forward_packed` are read out."""
-        from .ulysses import gather_sequence, pad_to, sequence_mask, sharded
-
-        sp, group, rank = self.mesh.sp, self.mesh.sp_group, self.mesh.sp_rank
-        ids = mb["input_ids"].to(self.device)  # [b, T]
-        T = ids.shape[1]
-        ids_p = pad_to(ids, sp, self.pad_token_id)  # [b, Tp]
-        if "position_ids" in mb:  # packed rows: attention stays inside each sample
-            pos_p = pad_to(mb["position_ids"].to(self.device), sp)
-            mask = sequence_mask(position_ids=pos_p)
-        else:
-            valid = mb["attention_mask"].to(self.device).bool()  # [b, T]
-            pos_p = pad_to((valid.long().cumsum(-1) - 1).clamp_(min=0), sp)
-            mask = sequence_mask(valid=pad_to(valid, sp, False))
-        targets = pad_to(torch.cat([ids[:, 1:], ids[:, :1]], 1), sp, self.pad_token_id)  # [b, Tp]: token t + 1
-        w = ids_p.shape[1] // sp
-        cols = slice(rank * w, (rank + 1) * w)
-        with sharded(group, sp, mask):
-            logits = self._logits(mb, input_ids=ids_p[:, cols], position_ids=pos_p[:, cols])  # [b, w, V]
-        out, ent = self._head_output(logits, targets[:, cols], temperature, with_entropy)  # [b, w]
-        out = gather_sequence(out, group, sp, rank)[:, :T]  # [b, T]: position t scores token t + 1
-        ent = gather_sequence(ent, group, sp, rank)[:, :T] if ent is not None else None
-        if "position_ids" in mb:
-            pick = (mb["keep_rows"].to(self.device), mb["logit_index"].to(self.device)[mb["keep_cols"].to(self.device)])
-            rows, cols_r = mb["unpack_rows"].to(self.device), mb["unpack_cols"].to(self.device)
-            shape = tuple(mb["response_mask"].shape)  # [b, R]
-
-            def unpack(t):
-                return torch.zeros(shape, dtype=t.dtype, device=t.device).index_put((rows, cols_r), t[pick])
-
-            return unpack(out), (unpack(ent) if ent is not None else None)
-        R = response_len_of(mb)
-        return out[:, T - R - 1:T - 1], (ent[:, T - R - 1:T - 1] if ent is not None else None)
-
-    def _logits(self, mb: Mapping[str, Any], **inputs) -> torch.Tensor:
-        routing = getattr(self, "routing", None)
-        if routing is not None and "routed_experts" in mb:
-            routing.start_replay(mb["routed_experts"])  # the rollout's experts for every recorded token
-        try:
-            return self.model(use_cache=False, **inputs).logits
-        finally:
-            if routing is not None:
-                routing.stop()
 
     def _micro_batches(self, batch: SeqBatch, training: bool = True) -> list[dict]:
         """Token-budget packed micro-batches when ``max_tokens_per_micro_batch`` is set, else padded
