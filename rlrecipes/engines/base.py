@@ -98,6 +98,10 @@ class Capabilities:
     lora: bool = False
     """LoRA adapters (``actor.lora``): a train engine trains them with its base frozen and serves the
     base as the reference policy; a rollout engine applies adapters synced from the trainer."""
+    head_chunk_tokens: int = 0
+    """A train engine that scores tokens from the final hidden states this many at a time (one chunk's
+    ``[chunk, vocab]`` logits live at once, recomputed in backward); 0: it writes the head's logits
+    for every token. ``plan`` sizes the logits with it."""
     sequence_parallel: str = ""
     """How a train engine splits one sequence over ``layout.sp`` devices: ``"ulysses"`` (all-to-all
     head-sharded attention), ``"context_parallel"`` (megatron's ``context_parallel_size``), or ``""``

@@ -13,10 +13,10 @@ tokens. What does not shrink with ``sp``:
 * megatron's local attention (``DotProductAttention``, which cannot run context parallelism) holds
   ``[rows, heads / tp, T, T]`` scores of the layer in flight; with ``sp > 1`` TransformerEngine's or
   MindSpeed's fused attention replaces it (O(T) memory);
-* the head's logits: the native engine's log-probs are chunked over tokens, but the HF head still
-  writes ``[tokens, vocab]`` logits in the compute dtype, and the chunks' fp32 copies stay saved for
-  backward; megatron upcasts its ``[tokens, vocab / tp]`` logits to fp32 and keeps the response
-  slice. Both are counted whole, per rank's tokens.
+* the head's logits: the native engine runs its head from the hidden states a chunk of tokens at a
+  time (``engines/native/head.py``), so only one chunk's logits live at once, except for an untied
+  vocab-parallel head under FSDP, which writes them whole; megatron upcasts its
+  ``[tokens, vocab / tp]`` logits to fp32 and keeps the response slice, counted whole per rank's tokens.
 
 megatron-core splits each row into ``2 * cp`` chunks (rank ``i`` takes chunks ``i`` and
 ``2cp - 1 - i``, load balance under the causal mask), and under TP's sequence parallelism each CP

@@ -255,9 +255,15 @@ def fsdp_train_memory(dims: ModelDims, role: RoleLayout, recipe: Recipe, dp: int
     full_layer = layer_bytes(dims, tokens, c, tp, hidden_split=False)
     kept = tokens * c * dims.hidden_size
     act = (kept * dims.num_layers + full_layer) if recipe.actor.recompute else full_layer * dims.num_layers
-    # the HF head writes [tokens, vocab] logits in the compute dtype; the chunked log-probs' fp32
-    # chunks stay saved for backward (together as large as the logits in fp32)
-    logits = logits_bytes(dims, tokens, tp, c + 4)
+    # the head runs from the hidden states a chunk of tokens at a time (engines/native/head.py): one
+    # chunk's compute-dtype logits, their fp32 softmax and its gradient at a time, recomputed in
+    # backward. Not where head.unsupported refuses: an untied vocab-parallel head that is an FSDP2
+    # unit of its own (TP x FSDP) writes its [tokens, vocab / tp] logits whole, as the HF head does
+    fsdp_head = tp > 1 and not dims.tie_embeddings and (shard > 1 and not replicated)
+    if fsdp_head or not caps.head_chunk_tokens:
+        logits = logits_bytes(dims, tokens, tp, c + 4)
+    else:
+        logits = logits_bytes(dims, min(tokens, caps.head_chunk_tokens), tp, c + 8) + tokens * dims.hidden_size * c
     m.activations = act + logits
     # the attention mask over whole rows (every SP rank builds the same), beside the backward phases
     mask = mask_bytes(whole, min(longest_sample(recipe), whole))

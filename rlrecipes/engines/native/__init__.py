@@ -14,11 +14,15 @@ in full precision, and under FSDP each unit stays gathered for a whole forward /
 collectives, not its memory, are what cost: the qwen25_7b smoke at DP2 spent a fifth of its step in
 FSDP all-gathers and reduce-scatters. ``plan`` applies the same rule (``Capabilities.small_model_bytes``)."""
 
+HEAD_CHUNK_TOKENS = 1024
+"""Tokens per chunk of the native engines' head (``head.chunked_logprobs``)."""
+
 CAPABILITIES = Capabilities(
     name="native", roles=frozenset({"train", "rollout"}), pipeline_parallel=False, expert_parallel=True,
     ep_within_tp=True, expert_tensor_parallel=False, separate_ref_layout=False, critic=True, routing_replay=True,
     lora=True,  # PEFT adapters at TP1 / EP1 (FSDP2 or replicated DP); needs the lora extra
     sequence_parallel="ulysses",  # layout.sp: engines/native/ulysses.py
+    head_chunk_tokens=HEAD_CHUNK_TOKENS,  # engines/native/head.py (not an untied vocab-parallel head under FSDP)
     memory_model="fsdp", small_model_bytes=SMALL_MODEL_BYTES, devices=("cpu", "cuda", "npu"),
     dtypes=("auto", "bf16", "fp16", "fp32"), requires=("transformers",), install="pip install -e .")
 

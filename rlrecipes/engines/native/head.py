@@ -60,7 +60,7 @@ import torch.nn as nn
 
 from rlrecipes.algos.logprobs import vocab_parallel_logprobs_and_entropy
 
-DEFAULT_CHUNK_TOKENS = 1024
+from rlrecipes.engines.native import HEAD_CHUNK_TOKENS as DEFAULT_CHUNK_TOKENS
 # config fields of HF models that transform the head's output before returning it as logits:
 # a pass-through head would hand these transforms hidden states
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
