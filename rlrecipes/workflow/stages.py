@@ -281,10 +281,12 @@ def critic_update(ctx: Context, b: StageBatch) -> dict:
 
 # ------------------------------------------------------------------------------ weights
 def _counted(ctx: Context, buckets):
-    """The resharder's buckets on their way into the rollout engine, their bytes added to
-    ``ctx.synced_bytes`` (``reshard/bytes``: what the engine really received)."""
+    """The resharder's buckets on their way into the rollout engine, their elements added to
+    ``ctx.synced_bytes`` at the engine's weight dtype (``reshard/bytes``: what the engine really
+    loaded; colocated, the buckets may still be the trainer's fp32 master tensors)."""
+    size = torch.empty((), dtype=ctx.rollout.weight_dtype).element_size()
     for bucket in buckets:
-        ctx.synced_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
+        ctx.synced_bytes += sum(t.numel() for _, t in bucket) * size
         yield bucket
 
 

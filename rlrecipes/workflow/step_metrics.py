@@ -14,8 +14,9 @@ from .stage_io import StepState
 
 
 def sync_metrics(ctx: Context, synced: int) -> dict:
-    """``reshard/bytes``: the weight bytes a rollout engine received this step (the most any did);
-    with LoRA also ``reshard/full_bytes``, what a full-weight sync would have handed it."""
+    """``reshard/bytes``: the weight bytes a rollout engine loaded this step (colocated: the most any
+    did; disaggregated: rollout rank 0's); with LoRA also ``reshard/full_bytes``, what a full-weight
+    sync would hand the largest rollout shard."""
     return {"reshard/bytes": int(synced), **({"reshard/full_bytes": ctx.full_sync_bytes} if ctx.full_sync_bytes else {})}
 
 

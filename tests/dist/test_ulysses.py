@@ -59,11 +59,12 @@ def _run(eng) -> dict:
             "grads": _grads(eng)}
 
 
-def _engine(family, sp, packed, fsdp):
+def _engine(family, sp, packed, fsdp, recompute=False):
     from rlrecipes.engines.native.train import NativeTrainEngine
 
     return NativeTrainEngine(_dims(family), role="actor", device="cpu", dtype="fp32", lr=1e-3, sp=sp,
-                             fsdp=fsdp, max_tokens_per_micro_batch=40 if packed else None, micro_batch_size=2)
+                             fsdp=fsdp, max_tokens_per_micro_batch=40 if packed else None, micro_batch_size=2,
+                             recompute=recompute)
 
 
 def _reference(family, packed, path):
@@ -81,9 +82,12 @@ def _reference(family, packed, path):
         dist.destroy_process_group()
 
 
-def _compare(rank, tmp, family, sp, packed, fsdp, path):
+def _compare(rank, tmp, family, sp, packed, fsdp, path, recompute=False):
     want = torch.load(path, weights_only=False)
-    got = _run(_engine(family, sp, packed, fsdp))
+    eng = _engine(family, sp, packed, fsdp, recompute)
+    shards = eng.local_shards()  # the train layout: whole tensors at TP1, FSDP over DP x SP gathered
+    assert all(shards[n].shape == p.shape for n, p in eng.model.named_parameters())
+    got = _run(eng)
     for key in ("logp", "ent"):
         for a, b in zip(got[key], want[key]):
             torch.testing.assert_close(a, b, **TOL)
@@ -94,14 +98,14 @@ def _compare(rank, tmp, family, sp, packed, fsdp, path):
         torch.testing.assert_close(got["grads"][n], g, **TOL, msg=lambda m: f"{n}: {m}")
 
 
-@pytest.mark.parametrize("family,sp,packed,fsdp", [
-    ("qwen2", 2, False, None),   # replicated gradients (a small model), padded rows
-    ("qwen2", 2, True, True),    # FSDP2 over the DP x SP ranks, packed rows
-    ("qwen2", 4, True, None),    # 4 ranks: KV heads (2) repeated to the query heads
-    ("qwen3_moe", 2, True, None),
-    ("qwen3_moe", 4, False, True),
+@pytest.mark.parametrize("family,sp,packed,fsdp,recompute", [
+    ("qwen2", 2, False, None, False),   # replicated gradients (a small model), padded rows
+    ("qwen2", 2, True, True, True),     # FSDP2 over the DP x SP ranks, packed rows, layers recomputed
+    ("qwen2", 4, True, None, False),    # 4 ranks: KV heads (2) repeated to the query heads
+    ("qwen3_moe", 2, True, None, True),
+    ("qwen3_moe", 4, False, True, False),
 ])
-def test_sp_matches_one_process(tmp_path, family, sp, packed, fsdp):
+def test_sp_matches_one_process(tmp_path, family, sp, packed, fsdp, recompute):
     path = str(tmp_path / "want.pt")
     _reference(family, packed, path)
-    run_ranks(_compare, sp, family, sp, packed, fsdp, path)
+    run_ranks(_compare, sp, family, sp, packed, fsdp, path, recompute)

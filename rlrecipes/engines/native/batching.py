@@ -29,7 +29,7 @@ from ..base import SeqBatch
 
 class MeshRanks:
     """Where a native engine's rank sits, read off its ``mesh`` (``parallel.MeshInfo``): DP rank
-    ``rank // tp``; TP rank 0 of each group is the data leader."""
+    ``rank // (sp * tp)``; the first rank of each TP (x SP) group, which holds one batch, leads it."""
 
     @property
     def dp_rank(self) -> int:
@@ -41,12 +41,12 @@ class MeshRanks:
 
     @property
     def is_data_leader(self) -> bool:
-        return self.mesh.tp_rank == 0 and getattr(self.mesh, "sp_rank", 0) == 0
+        return self.mesh.tp_rank == 0 and self.mesh.sp_rank == 0
 
     def model_parallel_group(self):
         """The TP (x SP) group and its first global rank (its ranks see the same batch); ``(None, rank)``
         when there is none."""
-        if getattr(self.mesh, "mp_size", self.mesh.tp) == 1:
+        if self.mesh.mp_size == 1:
             return None, dist.get_rank()
         group = self.mesh.mp_mesh.get_group()
         return group, dist.get_global_rank(group, 0)

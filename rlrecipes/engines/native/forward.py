@@ -93,7 +93,7 @@ class TokenScores:
         over all-to-all head shards, :mod:`.ulysses`), scores its own tokens, and the SP group's
         pieces are gathered into whole rows; then the same columns as :meth:`_forward` /
         :meth:`_forward_packed` are read out."""
-        from .ulysses import gather_sequence, pad_to, sequence_mask, sharded
+        from .ulysses import gather_sequence, pad_to, sequence_mask
 
         sp, group, rank = self.mesh.sp, self.mesh.sp_group, self.mesh.sp_rank
         ids = mb["input_ids"].to(self.device)  # [b, T]
@@ -109,9 +109,8 @@ class TokenScores:
         targets = pad_to(torch.cat([ids[:, 1:], ids[:, :1]], 1), sp, self.pad_token_id)  # [b, Tp]: token t + 1
         w = ids_p.shape[1] // sp
         cols = slice(rank * w, (rank + 1) * w)
-        with sharded(group, sp, mask):  # [b, w]
-            out, ent = self._scores(mb, targets[:, cols], temperature, with_entropy, input_ids=ids_p[:, cols],
-                                    position_ids=pos_p[:, cols])
+        out, ent = self._scores(mb, targets[:, cols], temperature, with_entropy, input_ids=ids_p[:, cols],
+                                position_ids=pos_p[:, cols], attention_mask=mask)  # [b, w]
         out = gather_sequence(out, group, sp, rank)[:, :T]  # [b, T]: position t scores token t + 1
         ent = gather_sequence(ent, group, sp, rank)[:, :T] if ent is not None else None
         if "position_ids" in mb:
@@ -124,6 +123,8 @@ class TokenScores:
 
             return unpack(out), (unpack(ent) if ent is not None else None)
         R = response_len_of(mb)
+        if not 0 < R < T:
+            raise ValueError(f"response length R={R} must be in (0, T={T})")
         return out[:, T - R - 1:T - 1], (ent[:, T - R - 1:T - 1] if ent is not None else None)
 
     def _logits(self, mb: Mapping[str, Any], **inputs) -> torch.Tensor:

@@ -26,7 +26,7 @@ def _replication(t: torch.Tensor, world: int) -> int:
 
 def allreduce_dp_grads(params: Sequence[torch.Tensor], mesh: MeshInfo,
                        flag: torch.Tensor | None = None) -> torch.Tensor | None:
-    """Replicated DP (no FSDP): average every gradient over the DP group in one all-reduce of one
+    """Replicated DP (no FSDP): average every gradient over the DP (x SP) ranks in one all-reduce of one
     flat buffer per dtype (a missing gradient counts as zeros, so every rank sends the same
     layout). Each rank's local TP/EP shard is reduced with the DP peers holding the same shard.
     ``flag`` (a 0-dim number) rides in the first buffer and comes back summed over the group."""

@@ -14,7 +14,8 @@ Everything here follows ``docs/conventions.md``:
 * experts (fused ``gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]``) are split along dim 0
   into contiguous blocks of ``E // ep`` experts; the block is a DTensor ``Shard(0)`` on the
   ``"ep"`` sub-mesh so that DCP checkpoints and ``full_tensor()`` exports see the whole tensor.
-* data parallelism is FSDP2 (``fully_shard``) over the ``"dp"`` sub-mesh. FSDP2 runs on gloo in
+* data parallelism is FSDP2 (``fully_shard``) over the ``"dp"`` sub-mesh (``"dpsp"``, DP x SP flattened, under
+  Ulysses sequence parallelism: ``MeshInfo.grad_mesh``). FSDP2 runs on gloo in
   torch >= 2.6 (gloo has reduce_scatter / all_gather_into_tensor), so the same code runs on
   CPU, CUDA and NPU; there is no separate DP all-reduce path.
 """

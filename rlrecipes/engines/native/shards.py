@@ -25,13 +25,18 @@ def named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
             yield name, b
 
 
+FSDP_DIMS = ("dp", "dpsp")
+"""Mesh dims FSDP2 shards over: DP, or DP x SP flattened under sequence parallelism
+(``parallel.MeshInfo.grad_mesh``); the train layout has them all-gathered."""
+
+
 def train_layout_shard(t: torch.Tensor) -> torch.Tensor:
     """This rank's TP/EP shard of a (possibly FSDP-sharded) DTensor with the DP dim all-gathered."""
     if not isinstance(t, DTensor):
         return t.detach()
     mesh = t.device_mesh
     names = mesh.mesh_dim_names or ()
-    placements = [Replicate() if (i < len(names) and names[i] == "dp") else p for i, p in enumerate(t.placements)]
+    placements = [Replicate() if (i < len(names) and names[i] in FSDP_DIMS) else p for i, p in enumerate(t.placements)]
     if list(placements) != list(t.placements):
         t = t.redistribute(mesh, placements)
     return t.to_local().detach()
@@ -64,7 +69,7 @@ def _plain_dp_dim(t: torch.Tensor) -> int | None:
     if not isinstance(t, DTensor) or t.dim() == 0:
         return None
     names = t.device_mesh.mesh_dim_names or ()
-    dp = names.index("dp") if "dp" in names else None
+    dp = next((names.index(n) for n in FSDP_DIMS if n in names), None)
     if dp is None or type(t.placements[dp]) is not Shard or t.placements[dp].dim != 0:
         return None
     for i, p in enumerate(t.placements):

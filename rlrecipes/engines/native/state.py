@@ -6,6 +6,7 @@ params, grads and optimizer state to host memory and back (``offload`` / ``onloa
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -20,6 +21,20 @@ from rlrecipes.core.swap import SwappedStorages
 
 
 BASE_MODEL_FILE = "base_model.json"
+_SAMPLE = 1 << 20
+
+
+@functools.lru_cache(maxsize=8)
+def _folder_digest(root: Path) -> str:
+    """A fingerprint of an HF folder that tells fine-tunes of one architecture apart without reading
+    every weight: ``config.json``, and per safetensors file its name, header (names, shapes, dtypes,
+    offsets) and first MiB of tensor data."""
+    digest = hashlib.sha256((root / "config.json").read_bytes() if (root / "config.json").is_file() else b"")
+    for f in sorted(root.glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            head = fh.read(8)
+            digest.update(f.name.encode() + head + fh.read(int.from_bytes(head, "little")) + fh.read(_SAMPLE))
+    return digest.hexdigest()
 
 
 class EngineState:
@@ -70,9 +85,8 @@ class EngineState:
         if lora is None:
             return None
         folder = getattr(self, "_source_folder", None)
-        if folder is not None:  # the folder may move between machines; its config may not change
-            cfg = Path(folder) / "config.json"
-            source = {"config_sha256": hashlib.sha256(cfg.read_bytes()).hexdigest() if cfg.is_file() else None}
+        if folder is not None:  # the folder may move between machines; its config and weights may not change
+            source = {"folder_sha256": _folder_digest(Path(folder))}
         else:
             source = {"smoke_dims": dataclasses.asdict(self.dims), "seed": int(self.seed)}
         return {"base_model": source, "base_model_path": str(folder) if folder is not None else None, "lora": {k: getattr(lora, k) for k in ("rank", "alpha", "dropout")}

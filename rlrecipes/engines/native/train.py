@@ -64,7 +64,8 @@ def _resolve_dtype(dev: torch.device, dtype: str | torch.dtype) -> torch.dtype:
 
 
 class NativeTrainEngine(TokenScores, EngineState, MeshRanks, base.TrainEngine):
-    """HF model + DTensor TP + EP (inside TP) + FSDP2 over a (dp, tp) DeviceMesh of the whole world.
+    """HF model + DTensor TP + EP (inside TP) + FSDP2 over a (dp, tp) DeviceMesh of the whole world,
+    (dp, sp, tp) with Ulysses sequence parallelism.
 
     Args:
         model: ``ModelDims`` (smoke: built from ``hf_config(dims)``, seeded) or a local HF folder
@@ -92,6 +93,10 @@ class NativeTrainEngine(TokenScores, EngineState, MeshRanks, base.TrainEngine):
             (low precision): every unit stays gathered through a whole :meth:`forward` /
             :meth:`train_micro_batches` call instead of being re-gathered per micro-batch and
             in backward, then reshards.
+        lora: ``actor.lora`` (PEFT adapters trained, the base frozen; :mod:`.lora`), or None.
+        sp: Ulysses sequence-parallel ranks per DP group (``layout.sp``, :mod:`.ulysses`): they hold the
+            same samples, each runs its ``1 / sp`` of every row; ``dp = world // (tp * sp)``.
+        head_chunk_tokens: tokens per chunk of the LM head (:mod:`.head`; 0: the HF head's logits).
     """
 
     metric_prefix = "actor"
@@ -165,6 +170,10 @@ class NativeTrainEngine(TokenScores, EngineState, MeshRanks, base.TrainEngine):
                                      replicate_head=role == "critic", vocab_parallel_head=self._vocab_parallel)
         if self._vocab_parallel:
             self._vocab_start = self.mesh.tp_rank * -(-self.dims.vocab_size // self.mesh.tp)
+        if self.mesh.sp > 1:  # every attention module learns its SP group (recompute in backward finds it)
+            from . import ulysses
+
+            ulysses.attach(self.model, self.mesh.sp_group, self.mesh.sp)
         # the LM head straight from hidden states, chunk_tokens at a time (head.py): no [tokens, V]
         # logits, forward or backward. Not the critic (a value head), not an untied vocab-parallel
         # head under FSDP (head_ops.unsupported says why); 0 turns it off

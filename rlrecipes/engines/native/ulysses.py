@@ -7,8 +7,8 @@ needs the whole sequence. It goes through the HF attention interface under the n
 
 1. q, k, v ``[b, heads, T / sp, d]`` go through one all-to-all each (over the SP group) to
    ``[b, heads / sp, T, d]``: every rank now holds whole sequences for its share of the heads.
-2. Plain SDPA runs on them: causal, or with the full mask of the packed or padded rows, built once
-   per forward by :func:`sequence_mask`.
+2. Plain SDPA runs on them: causal, or with the whole rows' mask of packed or padded rows, built
+   once per forward by :func:`sequence_mask` and passed to the model as its 4-D ``attention_mask``.
 3. One all-to-all brings the output back to ``[b, T / sp, heads, d]``.
 
 KV heads that ``sp`` does not divide are repeated to the query heads first (GQA with fewer KV heads
@@ -22,10 +22,7 @@ gradient, so the engine scales the loss by ``sp`` under a DP x SP mean.
 """
 from __future__ import annotations
 
-import contextlib
-import threading
-from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -35,33 +32,18 @@ ATTENTION = "rlrecipes_ulysses"
 """The attention implementation name registered with transformers."""
 
 
-@dataclass
-class _Active:
-    group: "dist.ProcessGroup"
-    sp: int
-    mask: Optional[torch.Tensor]  # [b, 1, T, T] bool (True: attend) or None: causal
-
-
-_state = threading.local()
-
-
-def _active() -> _Active:
-    a = getattr(_state, "active", None)
-    if a is None:
-        raise RuntimeError(f"attention {ATTENTION!r} called outside ulysses.sharded(): the native engine "
-                           "enters it around every sequence-parallel forward")
-    return a
-
-
-@contextlib.contextmanager
-def sharded(group, sp: int, mask: Optional[torch.Tensor]) -> Iterator[None]:
-    """The SP group and the whole sequence's mask for the attention calls inside the block."""
-    prev = getattr(_state, "active", None)
-    _state.active = _Active(group, sp, mask)
-    try:
-        yield
-    finally:
-        _state.active = prev
+def attach(model, group, sp: int) -> int:
+    """Give every attention module of ``model`` its SP group: the attention reads it from the module
+    it is called with, so recomputation in backward (activation checkpointing, autograd's own
+    threads) finds it too. Returns how many modules got it."""
+    n = 0
+    for name, m in model.named_modules():
+        if name.endswith("self_attn"):
+            m.ulysses_group, m.ulysses_sp = group, int(sp)
+            n += 1
+    if not n:
+        raise ValueError(f"{type(model).__name__}: no '*.self_attn' modules for Ulysses sequence parallelism")
+    return n
 
 
 # ---------------------------------------------------------------------------------------------
@@ -156,33 +138,43 @@ def sequence_mask(*, position_ids: Optional[torch.Tensor] = None,
 
 
 def ulysses_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
-                      is_causal=None, **kwargs):
+                      is_causal=None, sliding_window=None, softcap=None, **kwargs):
     """HF attention interface: ``query [b, h, T / sp, d]``, ``key / value [b, kv, T / sp, d]`` ->
-    ``([b, T / sp, h, d_v], None)``. HF's own mask (built for the local length) is ignored."""
-    a = _active()
+    ``([b, T / sp, h, d_v], None)``. ``attention_mask``: the whole rows' ``[b, 1, T, T]`` mask the
+    engine passes to the model (HF hands a 4-D mask through unchanged), or None: causal."""
+    group, sp = getattr(module, "ulysses_group", None), getattr(module, "ulysses_sp", 0)
+    if not sp:
+        raise RuntimeError(f"attention {ATTENTION!r} on a module without an SP group: ulysses.attach(model, ...) "
+                           "gives every attention module its group")
+    if sliding_window is not None or softcap is not None:
+        raise NotImplementedError(f"attention {ATTENTION!r}: sliding_window={sliding_window}, softcap={softcap} are "
+                                  "not implemented under sequence parallelism; set layout.sp: 1 for this model")
     h, kv = query.shape[1], key.shape[1]
-    if h % a.sp:
-        raise ValueError(f"layout.sp={a.sp} does not divide the {h} attention heads of a rank")
-    if kv % a.sp:  # repeat KV heads so each rank's query heads find theirs
+    if h % sp:
+        fits = [d for d in range(1, h + 1) if h % d == 0]
+        raise ValueError(f"layout.sp={sp} does not divide the {h} attention heads of a rank; use layout.sp in {fits}")
+    mask = attention_mask
+    # KV heads SP does not divide are repeated to the query heads; so are they beside a mask: SDPA's
+    # GQA path runs on the flash and math kernels only, and flash takes no mask
+    if kv % sp or (kv != h and mask is not None):
         key = key.repeat_interleave(h // kv, dim=1)
         value = value.repeat_interleave(h // kv, dim=1)
         kv = h
-    q = seq_to_heads(query, a.group, a.sp)  # [b, h / sp, T, d]
-    k = seq_to_heads(key, a.group, a.sp)
-    v = seq_to_heads(value, a.group, a.sp)
+    q = seq_to_heads(query, group, sp)  # [b, h / sp, T, d]
+    k = seq_to_heads(key, group, sp)
+    v = seq_to_heads(value, group, sp)
     T = q.shape[2]
-    mask = a.mask
     if mask is not None and mask.shape[-1] != T:
-        raise RuntimeError(f"ulysses mask covers {mask.shape[-1]} tokens, the attention {T}")
+        raise RuntimeError(f"ulysses: the mask covers {mask.shape[-1]} tokens, the attention {T}")
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout if module.training else 0.0,
                                          is_causal=mask is None, scale=scaling,
                                          enable_gqa=kv != h)  # [b, h / sp, T, d_v]
-    return heads_to_seq(out.transpose(1, 2), a.group, a.sp), None
+    return heads_to_seq(out.transpose(1, 2), group, sp), None
 
 
 def _no_mask(*args, **kwargs):
-    """Mask function registered for :data:`ATTENTION`: the whole sequence's mask comes from
-    :func:`sharded`, so HF builds none for the local length."""
+    """Mask function registered for :data:`ATTENTION`: HF builds no mask for the local length (the
+    engine passes the whole rows' 4-D mask, which HF hands through, or none for causal rows)."""
     return None
 
 
@@ -209,5 +201,5 @@ def pad_to(t: torch.Tensor, multiple: int, value=None) -> torch.Tensor:
     return torch.cat([t, tail], dim=1)
 
 
-__all__ = ["ATTENTION", "gather_sequence", "heads_to_seq", "pad_to", "register", "seq_to_heads", "sequence_mask",
-           "sharded", "ulysses_attention"]
+__all__ = ["ATTENTION", "attach", "gather_sequence", "heads_to_seq", "pad_to", "register", "seq_to_heads",
+           "sequence_mask", "ulysses_attention"]
