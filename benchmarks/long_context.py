@@ -31,8 +31,13 @@ import torch
 
 from engine_memory import pg_loss, write_folder
 
-# a small Qwen2 whose step memory at 8K tokens is mostly per-token (activations, logits)
-SHAPE = dict(vocab_size=32768, hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
+# A small Qwen2 whose step memory at 8K tokens is mostly per token (activations), as a real model's is at
+# 32K. What does not shrink with SP is per rank: the head's one chunk of logits ([1024, vocab] and its
+# softmax), the gathered FSDP units (the embedding and head above all) and the replicated log-probs. A
+# large vocabulary on a small model makes those a large share: with vocab 32768 and 4 layers the peaks
+# were 0.63x (SP2) and 0.46x (SP4) of SP1's, with vocab 8192 and 8 layers 0.57x and 0.35x; about 0.45 GB
+# per rank did not shrink with SP.
+SHAPE = dict(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=12, num_attention_heads=8,
              num_key_value_heads=4, max_position_embeddings=32768, tie_word_embeddings=False, rope_theta=1000000.0,
              rms_norm_eps=1e-6)
 
