@@ -169,15 +169,20 @@ def test_moe_weights_load_in_fused_v5_format():
     assert diff < 0.2, diff
 
 
-def test_smoke_run_with_vllm_rollout(tmp_path):
-    out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "rlrecipes", "run", "qwen25_7b", "--smoke", "--quiet", "--steps", "3",
-           "--out", str(out), "rollout.engine=vllm"]
+def run_smoke(out, steps: int, *overrides: str) -> list[dict]:
+    """``rlrecipes run qwen25_7b --smoke`` with vLLM as the rollout engine, in this venv; its metrics rows."""
+    cmd = [sys.executable, "-m", "rlrecipes", "run", "qwen25_7b", "--smoke", "--quiet", "--steps", str(steps),
+           "--out", str(out), "rollout.engine=vllm", *overrides]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
                        env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
     assert p.returncode == 0, p.stderr[-3000:]
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    assert len(rows) == 3
+    assert len(rows) == steps
+    return rows
+
+
+def test_smoke_run_with_vllm_rollout(tmp_path):
+    rows = run_smoke(tmp_path / "run", 3)
     for r in rows:
         assert 0 <= r["rollout/logprob_diff_mean"] <= r["rollout/logprob_diff_max"] < 1.0
         assert r["samples"] == 128

@@ -6,10 +6,6 @@ adapters' tensors (``update_weights``), as the resharder sends them. Its sampled
 must be the trainer's on the same adapters (fp32, temperature 1), before and after every sync.
 """
 import copy
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -22,7 +18,7 @@ from rlrecipes.engines.registry import build_rollout_engine  # noqa: E402
 from rlrecipes.engines.vllm.args import engine_args, lora_max_rank, lora_problem  # noqa: E402
 from rlrecipes.models import SMOKE  # noqa: E402
 from rlrecipes.recipe.schema import LoraConfig  # noqa: E402
-from test_vllm_engine import ROOT, hf_logprobs  # noqa: E402  (same folder)
+from test_vllm_engine import hf_logprobs, run_smoke  # noqa: E402  (same folder)
 
 DIMS = SMOKE["qwen2"]
 SEED = 5
@@ -125,13 +121,7 @@ def test_engine_args_and_limits():
 
 def test_smoke_run_with_lora_on_vllm(tmp_path):
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "rlrecipes", "run", "qwen25_7b", "--smoke", "--steps", "3", "--quiet",
-           "--out", str(out), "actor.lora.rank=8", "rollout.engine=vllm"]
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
-                       env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
-    assert p.returncode == 0, p.stderr[-3000:]
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    assert len(rows) == 3
+    rows = run_smoke(out, 3, "actor.lora.rank=8")
     for r in rows:
         # the rollout serves the trainer's base and adapters: a dummy base or a missing adapter is ~1 off
         assert 0 <= r["rollout/logprob_diff_mean"] <= r["rollout/logprob_diff_max"] < 1e-3, r

@@ -28,7 +28,7 @@ from rlrecipes.agent.loop import AgentLimits, AgentLoop, segments  # noqa: E402
 from rlrecipes.agent.tools import ToolRegistry  # noqa: E402
 from rlrecipes.data import smoke_task_dataset  # noqa: E402
 from rlrecipes.data.smoke import build_smoke_tokenizer  # noqa: E402
-from test_vllm_engine import hf_logprobs  # noqa: E402  (same folder)
+from test_vllm_engine import hf_logprobs, run_smoke  # noqa: E402  (same folder)
 from rlrecipes.engines.base import EngineSpec, ReprefillSession, SamplingParams  # noqa: E402
 from rlrecipes.engines.registry import build_rollout_engine  # noqa: E402
 from rlrecipes.models import SMOKE, hf_config  # noqa: E402
@@ -258,21 +258,7 @@ def test_no_two_requests_of_a_session_share_a_seed(setup, tok):
 def test_smoke_run_with_multi_turn_vllm_rollout(tmp_path):
     """The whole workflow with the agent loop over vLLM: agent metrics in every row, log-probs that
     agree with the trainer on the model's tokens."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[2]
-    out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "rlrecipes", "run", "qwen25_7b", "--smoke", "--quiet", "--steps", "2", "--out",
-           str(out), "rollout.engine=vllm", "data.synthetic=add", "rollout.multi_turn.enabled=true"]
-    p = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600,
-                       env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
-    assert p.returncode == 0, p.stderr[-3000:]
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    assert len(rows) == 2
+    rows = run_smoke(tmp_path / "run", 2, "data.synthetic=add", "rollout.multi_turn.enabled=true")
     for r in rows:
         assert r["agent/tool_calls_mean"] > 0 and 0 < r["agent/observation_token_frac"] < 1
         assert r["rollout/logprob_diff_max"] < 1e-3  # vLLM's fp32 CPU kernels vs the trainer's
