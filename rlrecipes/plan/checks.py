@@ -300,6 +300,17 @@ def capability_checks(recipe: Recipe, dims: ModelDims, roles: dict[str, RoleLayo
     return v
 
 
+def longest_sample(recipe: Recipe) -> int:
+    """Prompt + response tokens of the longest sample (``data.max_prompt_length`` + the longest response)."""
+    return recipe.data.max_prompt_length + recipe.rollout.max_response_len
+
+
+def response_key(recipe: Recipe) -> str:
+    """The key that sets the longest response: one turn's limit, or a multi-turn trajectory's."""
+    return "rollout.multi_turn.max_response_tokens" if recipe.rollout.multi_turn.enabled else \
+        "rollout.sampling.max_new_tokens"
+
+
 def sequence_checks(recipe: Recipe, dims: ModelDims, roles: dict[str, RoleLayout],
                     caps: dict[str, Capabilities]) -> list[Violation]:
     """Long sequences: the longest sample against the model's context, and what ``layout.sp`` asks
@@ -308,16 +319,16 @@ def sequence_checks(recipe: Recipe, dims: ModelDims, roles: dict[str, RoleLayout
     release, runs at TP1 EP1 without routing replay. ``"context_parallel"``'s own needs (fused
     attention, megatron's chunking of rows) are the engine's layout rules."""
     v: list[Violation] = []
-    longest = recipe.data.max_prompt_length + recipe.rollout.max_response_len
+    longest = longest_sample(recipe)
     if longest > dims.max_position_embeddings:
-        key = "rollout.multi_turn.max_response_tokens" if recipe.rollout.multi_turn.enabled else \
-            "rollout.sampling.max_new_tokens"
+        key = response_key(recipe)
         room = dims.max_position_embeddings - recipe.data.max_prompt_length
+        fix = (f"lower {key} to {room} or less" if room > 0 else
+               f"lower data.max_prompt_length below {dims.max_position_embeddings} (it alone fills the context)")
         v.append(Violation(CONTEXT_RULE, f"data.max_prompt_length + {key} = {recipe.data.max_prompt_length} + "
                                          f"{recipe.rollout.max_response_len} = {longest} tokens > the "
                                          f"{dims.max_position_embeddings} positions of the model "
-                                         f"(max_position_embeddings); the rollout serves no longer sequences: "
-                                         f"lower {key} to {max(1, room)} or less"))
+                                         f"(max_position_embeddings); the rollout serves no longer sequences: {fix}"))
     train = caps.get("actor")
     if train is None:
         return v

@@ -36,21 +36,10 @@ from typing import Optional
 
 from ..models import ModelDims
 from ..recipe import Recipe
-from .checks import KV_LONGEST_RULE, RoleLayout, Violation
+from .checks import KV_LONGEST_RULE, RoleLayout, Violation, longest_sample, response_key
 
 GiB = 1024 ** 3
 KV_BYTES = 2  # the rollout's KV cache in bf16
-
-
-def longest_sample(recipe: Recipe) -> int:
-    """Prompt + response tokens of the longest sample (``data.max_prompt_length`` + the longest response)."""
-    return recipe.data.max_prompt_length + recipe.rollout.max_response_len
-
-
-def response_key(recipe: Recipe) -> str:
-    """The key that sets the longest response: one turn's limit, or a multi-turn trajectory's."""
-    return "rollout.multi_turn.max_response_tokens" if recipe.rollout.multi_turn.enabled else \
-        "rollout.sampling.max_new_tokens"
 
 
 def length_text(recipe: Recipe) -> str:

@@ -210,16 +210,25 @@ def full_sync_bytes(r: Recipe, role: Role, engines: WorkerEngines, groups) -> in
     the whole model's specs (with LoRA only the adapters move; this is what they are compared with)."""
     from ..models import param_specs
 
-    a, ro = r.actor.layout, r.rollout.layout
-    pp_layers = tuple(a.pp_layers) if a.pp_layers else None
-    specs = param_specs(r.model.dims(), pp_layers=pp_layers)
+    specs = param_specs(r.model.dims(), pp_layers=_pp_layers(r))
     dtype_bytes = torch.finfo(engines.rollout.weight_dtype).bits // 8
     if role == Role.BOTH:
-        plan = plan_reshard(Layout(a.tp, a.pp, a.ep, engines.actor.dp_size * a.sp, pp_layers),
-                            Layout(ro.tp, 1, ro.ep, engines.rollout.dp_size), specs, dtype_bytes=dtype_bytes)
+        plan = plan_reshard(*_colocated_layouts(r, engines), specs, dtype_bytes=dtype_bytes)
     else:
         plan = groups.reshard_plan(specs, dtype_bytes=dtype_bytes)
     return max(int(plan.rollout_bytes(i)) for i in range(plan.world))  # the largest rollout shard
+
+
+def _pp_layers(r: Recipe):
+    return tuple(r.actor.layout.pp_layers) if r.actor.layout.pp_layers else None
+
+
+def _colocated_layouts(r: Recipe, engines: WorkerEngines) -> tuple[Layout, Layout]:
+    """The resharder's train and rollout layouts on shared devices. SP ranks hold the same weight
+    shards as their DP group: to the resharder they are more DP replicas."""
+    a, ro = r.actor.layout, r.rollout.layout
+    return (Layout(a.tp, a.pp, a.ep, engines.actor.dp_size * a.sp, _pp_layers(r)),
+            Layout(ro.tp, 1, ro.ep, engines.rollout.dp_size))
 
 
 def build_agent(r: Recipe, tokenizer, tools: "ToolRegistry") -> "AgentLoop":
@@ -328,13 +337,10 @@ def build_resharder(r: Recipe, role: Role, device: torch.device, engines: Worker
     """Plan the train -> rollout weight flow from the train engine's own ParamSpecs (colocated), or
     across the bridge between the two worlds (disaggregated, ``groups`` = ``plan.placement_groups``:
     both sides plan from the model's specs)."""
-    a, ro = r.actor.layout, r.rollout.layout
-    pp_layers = tuple(a.pp_layers) if a.pp_layers else None
     if role == Role.BOTH:
         actor, roll = engines.actor, engines.rollout
-        # SP ranks hold the same weight shards as their DP group: to the resharder they are more DP replicas
-        plan = plan_reshard(Layout(a.tp, a.pp, a.ep, actor.dp_size * a.sp, pp_layers), Layout(ro.tp, 1, ro.ep, roll.dp_size),
-                            actor.param_specs(), dtype_bytes=torch.finfo(roll.weight_dtype).bits // 8)
+        plan = plan_reshard(*_colocated_layouts(r, engines), actor.param_specs(),
+                            dtype_bytes=torch.finfo(roll.weight_dtype).bits // 8)
         return plan, Resharder(plan, r.resharding.strategy, bucket_mb=r.resharding.bucket_mb,
                                group=actor.reshard_group())
     from ..models import param_specs
@@ -345,7 +351,7 @@ def build_resharder(r: Recipe, role: Role, device: torch.device, engines: Worker
 
         specs = param_specs(dict(lora_shapes(r.model.dims(), r.actor.lora)))
     else:
-        specs = param_specs(r.model.dims(), pp_layers=pp_layers)  # both sides plan from the same list
+        specs = param_specs(r.model.dims(), pp_layers=_pp_layers(r))  # both sides plan from the same list
     plan = groups.reshard_plan(specs, dtype_bytes=torch.finfo(dtype).bits // 8)
     return plan, Resharder(plan, r.resharding.strategy, bucket_mb=r.resharding.bucket_mb, group=bridge_group,
                            dtype=dtype, device=device)
