@@ -8,7 +8,8 @@ has 32 entries (the smoke models use ``vocab_size=32``).
 Task (chosen by experiment, see ``benchmarks/smoke_task_check.py``): **copy** a short digit
 string. Prompt ``"<bos>407="``, expected response ``"407"`` then ``<eos>``. The reward
 (:func:`rlrecipes.rewards.smoke_reward`) is graded: the fraction of leading characters that are
-right.
+right. Also ``reverse``, ``add`` and ``longtail`` (a heavy-tailed response length, see
+:data:`LONGTAIL_LONG_SHARE`): prompt ``"7*45="`` asks for the digit ``7`` written 45 times.
 """
 from __future__ import annotations
 
@@ -21,7 +22,16 @@ SPECIAL_TOKENS = [PAD, BOS, EOS, UNK]
 # 4 special + 10 digits + 18 symbols/letters = 32
 CHARS = list("0123456789") + list("+-*/=()., ?:abcxy")
 SMOKE_VOCAB_SIZE = 32
-SMOKE_TASKS = ("copy", "reverse", "add")
+SMOKE_TASKS = ("copy", "reverse", "add", "longtail")
+
+# longtail: "repeat digit d n times", prompt "d*n=" (as Python's "7" * 45), answer length n drawn per
+# row: with probability LONGTAIL_LONG_SHARE uniform in LONGTAIL_LONG, else uniform in LONGTAIL_SHORT
+# (bounds inclusive). Median 3 digits, 10 % of the rows need 40-60 (mean 7.7), so a synchronous
+# step waits for its few long samples; the longest response (60 digits + <eos>) fits
+# rollout.sampling.max_new_tokens=64, the prompt (6 tokens with <bos>) data.max_prompt_length=32.
+LONGTAIL_SHORT = (2, 4)
+LONGTAIL_LONG = (40, 60)
+LONGTAIL_LONG_SHARE = 0.1
 
 
 def smoke_vocab() -> dict[str, int]:
@@ -60,7 +70,10 @@ def build_smoke_tokenizer(folder: str | os.PathLike) -> Path:
 
 
 def smoke_example(rng: random.Random, task: str = "copy", num_digits: int = 3) -> dict[str, str]:
-    """One example ``{"prompt": ..., "answer": ...}`` of the smoke task."""
+    """One example ``{"prompt": ..., "answer": ...}`` of the smoke task.
+
+    ``longtail``: prompt ``"7*45="``, answer ``"7*45"`` (the reward wants ``"777...7"``, 45 digits).
+    """
     if task == "copy":
         s = "".join(rng.choice("0123456789") for _ in range(num_digits))
         return {"prompt": f"{s}=", "answer": s}
@@ -71,6 +84,11 @@ def smoke_example(rng: random.Random, task: str = "copy", num_digits: int = 3) -
         a, b = rng.randrange(10 ** num_digits), rng.randrange(10 ** num_digits)
         # a multi-turn rollout's calculator call takes the sample's expression (tool format smoke)
         return {"prompt": f"{a}+{b}=", "answer": str(a + b), "tool_kwargs": {"calculator": {"expression": f"{a}+{b}"}}}
+    if task == "longtail":  # num_digits does not apply
+        lo, hi = LONGTAIL_LONG if rng.random() < LONGTAIL_LONG_SHARE else LONGTAIL_SHORT
+        n, d = rng.randint(lo, hi), rng.choice("0123456789")
+        # the answer stays in the compact notation: smoke_reward expands "d*n" (and grades its length)
+        return {"prompt": f"{d}*{n}=", "answer": f"{d}*{n}"}
     raise ValueError(f"unknown smoke task {task!r}; choose one of {', '.join(SMOKE_TASKS)}")
 
 
@@ -78,9 +96,10 @@ def smoke_task_dataset(n: int, seed: int = 0, *, task: str = "copy", num_digits:
     """``n`` deterministic smoke examples from ``seed`` (no files). Rows: ``{"prompt", "answer"}``.
 
     The same ``(n, seed, task, num_digits)`` always gives the same rows, and a longer dataset
-    starts with the rows of a shorter one.
+    starts with the rows of a shorter one (``longtail`` ignores ``num_digits``).
     """
     if n < 0:
         raise ValueError(f"smoke_task_dataset: n must be >= 0; got {n}")
-    rng = random.Random(f"rlrecipes-smoke-{task}-{num_digits}-{seed}")
+    key = f"{task}-{seed}" if task == "longtail" else f"{task}-{num_digits}-{seed}"
+    rng = random.Random(f"rlrecipes-smoke-{key}")
     return [smoke_example(rng, task, num_digits) for _ in range(n)]

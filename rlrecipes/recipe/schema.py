@@ -103,8 +103,10 @@ class ModelConfig(_Strict):
 class DataConfig(_Strict):
     train_files: list[str] = Field(default_factory=list)
     """JSONL or Parquet files of prompts, relative to the recipe folder or absolute."""
-    synthetic: Optional[Literal["copy", "reverse", "add"]] = None
-    """Use the bundled deterministic synthetic digit task instead of files (smoke runs)."""
+    synthetic: Optional[Literal["copy", "reverse", "add", "longtail"]] = None
+    """Use the bundled deterministic synthetic digit task instead of files (smoke runs); `longtail`
+    has heavy-tailed answer lengths (most 2-4 digits, a tenth 40-60: set
+    rollout.sampling.max_new_tokens=64)."""
     synthetic_digits: int = Field(3, ge=1)
     """Digits per synthetic prompt."""
     synthetic_size: int = Field(2048, ge=1)

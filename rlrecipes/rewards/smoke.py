@@ -4,6 +4,7 @@ from __future__ import annotations
 import re
 
 _NUMBER = re.compile(r"-?\d+")
+_REPEAT = re.compile(r"(\d)\*(\d+)")  # the longtail task's answer "7*45": the digit 7 written 45 times
 
 
 def _closeness(c: str, a: str) -> float:
@@ -29,12 +30,21 @@ def smoke_reward(completion: str, answer: str, *, tool_results: list[str] | None
     The smoke models cannot learn to copy a result within a smoke run (the plain copy task stays
     near 0.4 after 150 steps), so accepting the calculator's result is how the smoke add task's
     model uses the tool; a model that copies the result is scored on its copy.
+
+    The ``longtail`` task's answer ``"d*n"`` asks for the digit ``d`` written ``n`` times. Its
+    positions are graded as above, and each character beyond ``n`` cancels one position's credit
+    (no cap: a response that runs on to the token limit earns nothing). Being k characters too long
+    costs as much as being k too short. Answer ``"7*3"``: ``"777"`` -> 1.0; ``"77"`` and ``"7777"``
+    -> 0.667; ``"778"`` -> 0.815; ``"7" * 64`` -> 0.0; ``""`` -> 0.0.
     """
     c = completion.strip()
     a = answer.strip()
     if not c and tool_results:  # multi-turn: the model ended its turn on the tool's result, its answer
         m = _NUMBER.search(tool_results[-1])
         c = m.group(0) if m else ""
+    rep = _REPEAT.fullmatch(a)
+    if rep:
+        return _repeat_score(c, rep.group(1), int(rep.group(2)))
     if not a:
         return 1.0 if not c else 0.0
     total = sum(_closeness(x, y) for x, y in zip(c, a))
@@ -42,3 +52,12 @@ def smoke_reward(completion: str, answer: str, *, tool_results: list[str] | None
     if len(c) > len(a):
         score -= min(0.1 * (len(c) - len(a)), 0.5)
     return max(score, 0.0)
+
+
+def _repeat_score(c: str, d: str, n: int) -> float:
+    """The longtail grade of ``c`` against ``d * n``: the positions' credit less one per extra
+    character, over ``n``."""
+    if n == 0:
+        return 1.0 if not c else 0.0
+    total = sum(_closeness(x, d) for x in c[:n]) - max(len(c) - n, 0)
+    return max(total / n, 0.0)
