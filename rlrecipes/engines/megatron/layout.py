@@ -119,10 +119,7 @@ def padded_length(length: int, tp: int, cp: int = 1) -> int:
     sequence parallelism (megatron splits the sequence evenly over TP), unchanged otherwise; with
     context parallelism ``cp > 1``, to ``2 * cp`` equal chunks whose pairs divide by TP
     (:func:`cp.padded_length`)."""
-    if int(cp) > 1:
-        return cpmod.padded_length(length, tp, cp)
-    m = int(tp) if sequence_parallel(tp) else 1
-    return -(-int(length) // m) * m
+    return cpmod.padded_length(length, tp, cp)  # at CP 1: a multiple of TP exactly when TP > 1
 
 
 def leading_padding(keep: torch.Tensor) -> torch.Tensor:

@@ -74,18 +74,19 @@ class TokenScores:
         """Rows of concatenated samples (``batching.packed_micro_batch``): block-diagonal attention over
         ``[rows, L]``, the head only at the response columns; the results are scattered back to the
         closure's ``[b, R]`` layout (zeros at padding)."""
-        rows, cols = mb["unpack_rows"].to(self.device), mb["unpack_cols"].to(self.device)  # [M]
         keep = (mb["keep_rows"].to(self.device), mb["keep_cols"].to(self.device))  # [rows, U, .] -> [1, M, .]
         out, ent = self._scores(mb, mb["targets"].to(self.device)[None], temperature, with_entropy,
                                 select=lambda x: x[keep][None], input_ids=mb["input_ids"].to(self.device),
                                 position_ids=mb["position_ids"].to(self.device),
                                 logits_to_keep=mb["logit_index"].to(self.device))
+        return self._unpack(mb, out[0]), (self._unpack(mb, ent[0]) if ent is not None else None)
+
+    def _unpack(self, mb: Mapping[str, Any], t: torch.Tensor) -> torch.Tensor:
+        """A packed micro-batch's per-response-token values ``[M]`` -> the closure's ``[b, R]`` (zeros
+        at padding)."""
+        rows, cols = mb["unpack_rows"].to(self.device), mb["unpack_cols"].to(self.device)  # [M]
         shape = tuple(mb["response_mask"].shape)  # [b, R]
-
-        def unpack(t):
-            return torch.zeros(shape, dtype=t.dtype, device=t.device).index_put((rows, cols), t[0])
-
-        return unpack(out), (unpack(ent) if ent is not None else None)
+        return torch.zeros(shape, dtype=t.dtype, device=t.device).index_put((rows, cols), t)
 
     def _forward_sp(self, mb: Mapping[str, Any], temperature: float,
                     with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -113,15 +114,9 @@ class TokenScores:
                                 position_ids=pos_p[:, cols], attention_mask=mask)  # [b, w]
         out = gather_sequence(out, group, sp, rank)[:, :T]  # [b, T]: position t scores token t + 1
         ent = gather_sequence(ent, group, sp, rank)[:, :T] if ent is not None else None
-        if "position_ids" in mb:
+        if "position_ids" in mb:  # each response token's (row, column) in the packed rows
             pick = (mb["keep_rows"].to(self.device), mb["logit_index"].to(self.device)[mb["keep_cols"].to(self.device)])
-            rows, cols_r = mb["unpack_rows"].to(self.device), mb["unpack_cols"].to(self.device)
-            shape = tuple(mb["response_mask"].shape)  # [b, R]
-
-            def unpack(t):
-                return torch.zeros(shape, dtype=t.dtype, device=t.device).index_put((rows, cols_r), t[pick])
-
-            return unpack(out), (unpack(ent) if ent is not None else None)
+            return self._unpack(mb, out[pick]), (self._unpack(mb, ent[pick]) if ent is not None else None)
         R = response_len_of(mb)
         if not 0 < R < T:
             raise ValueError(f"response length R={R} must be in (0, T={T})")

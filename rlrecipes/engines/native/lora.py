@@ -21,9 +21,9 @@ from typing import Any, Iterator, Mapping
 import torch
 import torch.nn as nn
 
+from rlrecipes.models.lora_shapes import ADAPTER  # the name PEFT gives the one adapter ``inject`` adds
+
 LORA_MARK = ".lora_"
-ADAPTER = "default"
-"""The adapter name PEFT gives the one adapter ``inject`` adds."""
 PEFT_PREFIX = "base_model.model."
 """What ``PeftModel`` puts before the wrapped model's parameter names in an adapter folder."""
 

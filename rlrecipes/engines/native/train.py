@@ -245,7 +245,10 @@ class NativeTrainEngine(TokenScores, EngineState, MeshRanks, base.TrainEngine):
         from rlrecipes.models import param_specs
 
         if self.lora is not None:  # only the adapters move to the rollout (its base is loaded once)
-            return param_specs({n: t.shape for n, t in self.local_shards().items()})
+            from .lora import is_lora_name
+
+            # (a parameter's shape is the whole tensor's, FSDP-sharded or not: no gather needed)
+            return param_specs({n: t.shape for n, t in shard_ops.named_tensors(self.model) if is_lora_name(n)})
         return param_specs(self.dims)
 
     # ----------------------------------------------------------------------------- model hooks
