@@ -32,6 +32,7 @@ SHARES = {
     "critic": "the critic engine's data-parallel share",
     "actor_mini_batches": "the actor's data-parallel share, split into the step's mini-batches",
     "none": "no rows (weights, not samples)",
+    "pool": "the rollout pool: carried groups from the dock plus new prompts; rows are allocated when groups complete",
 }
 #: which workers run a stage: colocated workers run every stage of "both"; under disaggregated
 #: placement rollout workers run the "rollout" ones and train workers the "train" ones
@@ -77,7 +78,20 @@ def _mask(masked: bool) -> tuple[str, ...]:
     return ("response_mask",) if masked else ()
 
 
-def _generation(cfg, masked: bool) -> list[Stage]:
+#: what a pooled rollout writes per row (``workflow/pool.py``): the generated columns, the version of
+#: every response token, and the scores it filtered (or merely graded) the groups by
+POOLED_WRITES = ("prompt_ids", "response_ids", "prompt_index", "rollout_log_probs", "policy_version",
+                 "token_versions", "scores", "acc")
+
+
+def _generation(cfg, masked: bool, pooled: bool = False) -> list[Stage]:
+    if pooled:  # the rollout side keeps a pool of groups across steps, scores and filters them
+        return [Stage("rollout", (), POOLED_WRITES, "pool", "rollout", None,
+                      "continue the carried groups and new ones until enough complete groups (partial rollout, "
+                      "over-sampling); score them, drop DAPO's constant groups", runner="pool_rollout"),
+                Stage("reward", ("policy_version", "token_versions", "acc"), (), "round", "train", None,
+                      "check the samples' policy versions (row and token); count the rollout's scores",
+                      runner="scored")]
     gen = "sampling" if cfg.dynamic_sampling.enabled else None
     replay = ("routed_experts",) if cfg.routing_replay else ()
     st = [Stage("rollout", (), ("prompt_ids", "response_ids", "prompt_index", "rollout_log_probs", "policy_version")
@@ -114,15 +128,15 @@ def _update(cfg, use_ref: bool, skip_old: bool, masked: bool) -> list[Stage]:
                   doc="the new policy version to the rollout workers, across the bridge")]
 
 
-def _grpo_stages(cfg, *, use_ref: bool, skip_old: bool, masked: bool = False) -> list[Stage]:
-    return (_generation(cfg, masked) + _forward_passes(cfg, use_ref, skip_old)
+def _grpo_stages(cfg, *, use_ref: bool, skip_old: bool, masked: bool = False, pooled: bool = False) -> list[Stage]:
+    return (_generation(cfg, masked, pooled) + _forward_passes(cfg, use_ref, skip_old)
             + [Stage("advantage", ("scores",), ("advantages",), "groups", "train",
                      doc="group-normalised outcome advantage", runner="outcome_advantage")]
             + _update(cfg, use_ref, skip_old, masked))
 
 
-def _ppo_stages(cfg, *, use_ref: bool, skip_old: bool, masked: bool = False) -> list[Stage]:
-    return (_generation(cfg, masked) + _forward_passes(cfg, use_ref, skip_old)
+def _ppo_stages(cfg, *, use_ref: bool, skip_old: bool, masked: bool = False, pooled: bool = False) -> list[Stage]:
+    return (_generation(cfg, masked, pooled) + _forward_passes(cfg, use_ref, skip_old)
             + [Stage("values", ("prompt_ids", "response_ids"), ("values",), "critic", "train", doc="critic values"),
                Stage("advantage", ("scores", "response_ids", "rollout_log_probs", "values")
                      + (("ref_log_probs",) if use_ref else ()) + _mask(masked), ("advantages", "returns"), "workers",
@@ -142,10 +156,11 @@ class AlgorithmSpec:
     def needs_critic(self, cfg: Any = None) -> bool:
         return self.critic
 
-    def stages(self, cfg, *, use_ref: bool, skip_old: bool, masked: bool = False) -> list[Stage]:
+    def stages(self, cfg, *, use_ref: bool, skip_old: bool, masked: bool = False, pooled: bool = False) -> list[Stage]:
         """Stages in execution order; every column a stage reads is written earlier. ``masked``:
-        the rollout is multi-turn, so samples carry ``response_mask``."""
-        st = self.build_stages(cfg, use_ref=use_ref, skip_old=skip_old, masked=masked)
+        the rollout is multi-turn, so samples carry ``response_mask``. ``pooled``: the rollout
+        workers keep a pool of groups across steps and score them (:func:`pooled_rollout`)."""
+        st = self.build_stages(cfg, use_ref=use_ref, skip_old=skip_old, masked=masked, pooled=pooled)
         check_stages(self.name, st)
         return st
 
@@ -161,6 +176,14 @@ def get_algorithm(name: str) -> AlgorithmSpec:
     if name not in ALGORITHMS:
         raise unknown_name_error("algorithm", name, ALGORITHMS, "algorithm.name")
     return ALGORITHMS[name]
+
+
+def pooled_rollout(recipe) -> bool:
+    """The rollout keeps a pool of groups across steps (``workflow/pool.py``): disaggregated placement
+    with partial rollout, over-sampling or DAPO's dynamic sampling (whose filter then runs on the
+    rollout side, off the trainer's critical path)."""
+    return recipe.resources.placement == "disaggregated" and (
+        recipe.rollout.pooled or recipe.algorithm.dynamic_sampling.enabled)
 
 
 def check_stages(algorithm: str, stages: list[Stage]) -> None:

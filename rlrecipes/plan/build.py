@@ -30,6 +30,7 @@ from .checks import (NODE_INDEPENDENT_RULES, PlanError, RoleLayout, Violation, c
 from .long_context import kv_check, sequence_summary
 from .memory import DTYPE_BYTES, GiB, Memory, node_independent_bytes, ref_memory, rollout_memory, train_memory
 from .agent import agent_checks
+from .long_tail import pool_checks, smoke_devices
 from .reshard import full_reshard, lora_reshard, lora_specs, reshard_bytes
 
 
@@ -215,6 +216,9 @@ def build_plan(recipe: Recipe, nodes: Optional[int] = None, devices_per_node: Op
     ``keep_batch``: hold the global batch instead of scaling it with the actor DP. ``_search``
     (internal): the exact reshard bytes and the nearest valid node counts; the search itself plans
     without them."""
+    if devices_per_node is None and smoke_devices(recipe) != recipe.resources.devices_per_node:
+        recipe = recipe.model_copy(deep=True)  # a disaggregated smoke keeps its train group whole
+        recipe.resources.devices_per_node = smoke_devices(recipe)
     res = recipe.resources
     nodes = nodes or res.nodes
     dpn = devices_per_node or res.devices_per_node
@@ -335,7 +339,7 @@ def build_plan(recipe: Recipe, nodes: Optional[int] = None, devices_per_node: Op
     plan.inference, found = rollout_inference(recipe, dims)
     violations += found
     found, plan.agent = agent_checks(recipe)
-    violations += found
+    violations += found + pool_checks(recipe)
     plan.violations = violations
     full = None
     if _search and not violations:

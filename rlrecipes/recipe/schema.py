@@ -31,16 +31,16 @@ class _Strict(BaseModel):
 class SmokeDims(_Strict):
     """Overrides of the family's tiny smoke dimensions (see rlrecipes.models.SMOKE)."""
 
-    vocab_size: Optional[int] = None
-    hidden_size: Optional[int] = None
-    num_layers: Optional[int] = None
-    num_heads: Optional[int] = None
-    num_kv_heads: Optional[int] = None
-    head_dim: Optional[int] = None
-    intermediate_size: Optional[int] = None
-    num_experts: Optional[int] = None
-    moe_intermediate_size: Optional[int] = None
-    experts_per_token: Optional[int] = None
+    vocab_size: Optional[int] = Field(None, ge=1)
+    hidden_size: Optional[int] = Field(None, ge=1)
+    num_layers: Optional[int] = Field(None, ge=1)
+    num_heads: Optional[int] = Field(None, ge=1)
+    num_kv_heads: Optional[int] = Field(None, ge=1)
+    head_dim: Optional[int] = Field(None, ge=1)
+    intermediate_size: Optional[int] = Field(None, ge=1)
+    num_experts: Optional[int] = Field(None, ge=1)
+    moe_intermediate_size: Optional[int] = Field(None, ge=1)
+    experts_per_token: Optional[int] = Field(None, ge=1)
 
 
 class ModelConfig(_Strict):
@@ -166,9 +166,9 @@ class AlgorithmConfig(_Strict):
     """GAE discount."""
     lam: float = Field(1.0, ge=0, le=1)
     """GAE lambda."""
-    clip_ratio_low: float = 0.2
+    clip_ratio_low: float = Field(0.2, ge=0, lt=1)
     """PPO clip eps below 1."""
-    clip_ratio_high: float = 0.2
+    clip_ratio_high: float = Field(0.2, ge=0)
     """PPO clip eps above 1 (DAPO clip-higher: 0.28)."""
     policy_loss: str = "ppo_clip"
     """Policy loss, by its registered name: ppo_clip (token ratios, clip_ratio_low/high) or gspo
@@ -177,7 +177,7 @@ class AlgorithmConfig(_Strict):
     """GSPO: clip range below 1 of the sequence ratio."""
     gspo_clip_high: float = Field(4e-4, ge=0)
     """GSPO: clip range above 1 of the sequence ratio."""
-    dual_clip_c: Optional[float] = 3.0
+    dual_clip_c: Optional[float] = Field(3.0, gt=1)
     """Dual-clip bound for negative advantages; null disables."""
     loss_agg_mode: str = "token-mean"
     """How token losses are aggregated; invariant to the DP/micro-batch split."""
@@ -251,7 +251,7 @@ class AlgorithmConfig(_Strict):
 class RewardConfig(_Strict):
     fn: str = "math_verify"
     """Reward function: a registered name (math_verify, format, smoke) or `module:function`."""
-    format_weight: float = 0.0
+    format_weight: float = Field(0.0, ge=0)
     """Weight of the format reward added to the outcome reward."""
 
 
@@ -348,7 +348,7 @@ class InferenceSettings(_Strict):
     """Max concurrent sequences per instance."""
     gpu_memory_utilization: float = Field(0.6, gt=0, le=1)
     """Share of device memory the rollout may take (weights + KV cache)."""
-    max_num_batched_tokens: Optional[int] = None
+    max_num_batched_tokens: Optional[int] = Field(None, ge=1)
     """Chunked-prefill budget per scheduler step."""
     vllm_ascend_version: Optional[str] = None
     """vllm-ascend release the settings are rendered and checked for; null: the installed one (if any)."""
@@ -359,7 +359,7 @@ class SamplingConfig(_Strict):
     """Sampling temperature; 0 is greedy."""
     top_p: float = Field(1.0, gt=0, le=1)
     """Nucleus sampling."""
-    top_k: int = -1
+    top_k: int = Field(-1, ge=-1)
     """Top-k sampling; -1 disables."""
     max_new_tokens: int = Field(2048, ge=1)
     """Response length limit."""
@@ -415,6 +415,23 @@ class RolloutConfig(_Strict):
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     inference: InferenceSettings = Field(default_factory=InferenceSettings)
     multi_turn: MultiTurnConfig = Field(default_factory=MultiTurnConfig)
+    partial: bool = False
+    """Partial rollout (disaggregated placement, algorithm.max_staleness >= 1): a new policy version
+    that reaches a rollout worker mid-generation interrupts it; the weights load and the unfinished
+    samples continue from their prefix (re-prefilled under the new weights). Every response token
+    records the version and the behaviour log-prob that produced it (``token_versions``)."""
+    oversample: float = Field(1.0, ge=1.0, le=8.0)
+    """Generate this many times the batch's prompt groups; a step trains on the first complete
+    groups, the unfinished ones stay in the dock and continue in the next step (never dropped).
+    Above 1 needs disaggregated placement and algorithm.max_staleness >= 1."""
+    chunk_tokens: int = Field(8, ge=1, le=65536)
+    """Partial rollout / over-sampling: tokens each unfinished sample generates between two looks
+    at the batch (enough complete groups? a new policy version waiting?)."""
+
+    @property
+    def pooled(self) -> bool:
+        """Generation keeps a pool of groups across steps (partial rollout or over-sampling)."""
+        return self.partial or self.oversample > 1.0
 
     @property
     def max_response_len(self) -> int:
@@ -435,9 +452,9 @@ class ReshardConfig(_Strict):
 
 
 class ResourcesConfig(_Strict):
-    nodes: int = Field(1, ge=1)
+    nodes: int = Field(1, ge=1, le=65536)
     """Nodes the pinned layout was published on (`--nodes` overrides)."""
-    devices_per_node: int = Field(16, ge=1)
+    devices_per_node: int = Field(16, ge=1, le=1024)
     """Ray accelerator resources per node (an Atlas A3 node: 8 cards = 16 dies)."""
     device: Literal["auto", "npu", "cuda", "cpu"] = "npu"
     """Device type the recipe targets."""
@@ -456,10 +473,14 @@ class ResourcesConfig(_Strict):
     """disaggregated: devices given to the rollout (rollout TP x EP x DP fills exactly these);
     the actor, ref and critic layouts fill the other world - rollout_devices. Null when colocated."""
     dock_transport: Literal["direct", "ray"] = "direct"
-    """How workers call the TransferDock's warehouses: direct (an authenticated TCP connection per
-    worker and warehouse, on an ephemeral port of each node; about 1/50 of a Ray call's CPU) or ray
+    """How workers call the TransferDock's warehouses: direct (a ZeroMQ connection per worker thread
+    and warehouse, on an ephemeral port of each node; a small fraction of a Ray call's CPU) or ray
     (Ray actor calls only). A worker that cannot open a connection uses Ray calls for it, with a
     warning; set ray where the nodes' ephemeral ports are firewalled from each other."""
+    dock_encryption: bool = True
+    """direct transport: encrypt and authenticate the dock's connections with ZeroMQ CURVE (keys made
+    per run, passed only through Ray). false: traffic in clear, peers still checked by a per-run
+    token; turn off only inside a trusted network (docs/transfer_dock.md has the measured cost)."""
 
 
 class TrainerConfig(_Strict):
@@ -468,7 +489,7 @@ class TrainerConfig(_Strict):
     def _jsonl_always(cls, v: list) -> list:
         return list(dict.fromkeys(["jsonl", *v]))
 
-    steps: int = Field(100, ge=1)
+    steps: int = Field(100, ge=1, le=100_000_000)
     """Training steps (one rollout batch each)."""
     global_batch: int = Field(32, ge=1)
     """Prompts per step."""
@@ -486,7 +507,7 @@ class TrainerConfig(_Strict):
     """Actor AdamW learning rate."""
     warmup_steps: int = Field(0, ge=0)
     """Linear LR warm-up steps."""
-    seed: int = 1234
+    seed: int = Field(1234, ge=0, le=2**63 - 1)
     """Seed of data order, sampling and initialisation."""
     checkpoint_interval: int = Field(0, ge=0)
     """Save the train state every K steps (0: never)."""
@@ -549,10 +570,18 @@ class Recipe(_Strict):
             raise ValueError(f"resources.rollout_devices={res.rollout_devices} only applies to "
                              f"resources.placement=disaggregated; set resources.placement=disaggregated, or "
                              f"resources.rollout_devices=null to keep rollout and training on the same devices")
-        if res.placement == "disaggregated" and self.algorithm.dynamic_sampling.enabled:
-            raise ValueError("algorithm.dynamic_sampling.enabled=true runs extra generation rounds inside a step, "
-                             "which the disaggregated rollout workers do not do yet: set resources.placement=colocated, "
-                             "or algorithm.dynamic_sampling.enabled=false")
+        ro = self.rollout
+        if ro.pooled:
+            what = "rollout.partial=true" if ro.partial else f"rollout.oversample={ro.oversample:g}"
+            if res.placement != "disaggregated" or self.algorithm.max_staleness < 1:
+                raise ValueError(f"{what} continues samples across policy versions, so it needs the rollout on its "
+                                 "own devices running ahead of training: set resources.placement=disaggregated "
+                                 "resources.rollout_devices=1 algorithm.max_staleness=1 (or more), or "
+                                 "rollout.partial=false rollout.oversample=1")
+            if ro.multi_turn.enabled:
+                raise ValueError(f"{what} continues single-turn responses; a multi-turn rollout's turns already "
+                                 "end at tool calls: set rollout.multi_turn.enabled=false, or "
+                                 "rollout.partial=false rollout.oversample=1")
         if res.placement == "colocated" and self.algorithm.max_staleness > 0:
             raise ValueError(f"algorithm.max_staleness={self.algorithm.max_staleness} needs rollout and training on "
                              f"their own devices: set resources.placement=disaggregated (with resources.rollout_devices), "

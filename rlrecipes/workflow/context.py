@@ -21,14 +21,14 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
 from .. import device as dev
 from ..algos import make_kl_controller
 from ..algos.kl import KLController
-from ..algos.spec import Stage, get_algorithm
+from ..algos.spec import Stage, get_algorithm, pooled_rollout
 from ..core.dock import TransferDock
 from ..core.resharder import Layout, Resharder, ReshardPlan, plan_reshard
 from ..core.tensor_cache import TensorCache
@@ -118,6 +118,11 @@ class Context:
     """LoRA: what a full-weight sync would hand this worker's rollout engine (``reshard/full_bytes``)."""
     agent: Optional["AgentLoop"] = None
     """Multi-turn rollouts, on workers that generate: the agent loop (``rollout.multi_turn``)."""
+    signals: Any = None
+    """The run's rendezvous store (disaggregated placement): a trainer announces a policy version
+    there before sending it, so a partial rollout can stop between chunks to receive it."""
+    carried_groups: int = 0
+    """A pooled rollout's rank 0: the groups it left in :attr:`pool_dock` at its last step."""
 
     def __post_init__(self) -> None:
         self.dock = self.docks[0]
@@ -141,8 +146,15 @@ class Context:
         """The worker that talks to the driver: rank 0 of the train (or colocated) world."""
         return self.rank == 0 and self.role != Role.ROLLOUT
 
+    @property
+    def pool_dock(self) -> Optional[TransferDock]:
+        """A pooled rollout's carry-over dock (the last of ``docks``, outside the ring): the groups
+        still generating between two steps, which only rollout workers read and write."""
+        return self.docks[-1] if pooled_rollout(self.recipe) else None
+
     def use_dock(self, step: int) -> None:
-        self.dock = self.docks[step % len(self.docks)]
+        ring = len(self.docks) - (1 if pooled_rollout(self.recipe) else 0)
+        self.dock = self.docks[step % ring]
 
     def report(self, stage: str) -> None:
         """The leader tells the driver which stage runs (the live view and failure messages use it)."""
@@ -297,7 +309,8 @@ def select_stages(recipe: Recipe, role: str, *, use_ref: bool, skip_old: bool) -
     the rollout workers' and the train workers' (``Stage.runs_on``)."""
     alg = recipe.algorithm
     return [s for s in get_algorithm(alg.name).stages(alg, use_ref=use_ref, skip_old=skip_old,
-                                                      masked=recipe.rollout.multi_turn.enabled) if s.runs_for(role)]
+                                                      masked=recipe.rollout.multi_turn.enabled,
+                                                      pooled=pooled_rollout(recipe)) if s.runs_for(role)]
 
 
 def build_engines(r: Recipe, role: Role, device: torch.device, pad_id: int) -> WorkerEngines:

@@ -16,6 +16,7 @@ from ..core.collectives import all_gather_objects
 from ..metrics import StageTimer
 from .context import Context, Role
 from .stage_io import DockIO, StepState, step_io
+from . import pool  # noqa: F401  (registers the pooled rollout's stage function)
 from .stages import RUNNERS, receive_weights
 from .step_metrics import metrics_row, step_facts, sync_metrics
 
@@ -106,4 +107,4 @@ def rollout_step(ctx: Context, step: int) -> None:
         ctx.progress.rollout.remote(step, {
             "timing_s/rollout": round(t.seconds["rollout"], 4), "compute_s/rollout": round(t.compute["rollout"], 4),
             "async/weights_wait_s": round(t_weights, 4), "async/policy_version": ctx.version, **agent,
-            **sync_metrics(ctx, synced)})
+            **st.rollout, **sync_metrics(ctx, synced)})

@@ -36,7 +36,8 @@ from .context import Context, Role
 from .own_rows import CACHED, OwnRows
 
 #: columns the rollout stage writes (the rows' own columns)
-GENERATED = ("prompt_ids", "response_ids", "prompt_index", "rollout_log_probs", "policy_version", "routed_experts")
+GENERATED = ("prompt_ids", "response_ids", "prompt_index", "rollout_log_probs", "policy_version", "routed_experts",
+             "token_versions")
 #: per-token columns of a train batch besides the response itself
 PER_TOKEN = ("rollout_log_probs", "ref_log_probs", "old_log_probs", "values", "returns", "response_mask")
 
@@ -61,6 +62,8 @@ class StepState:
     first_error: Optional[str] = None
     update: dict = field(default_factory=dict)
     critic: dict = field(default_factory=dict)
+    rollout: dict = field(default_factory=dict)
+    """A rollout worker's own row entries (a pooled rollout's group counts), sent with its figures."""
 
     def add(self, **numbers: float) -> None:
         for k, v in numbers.items():
@@ -134,7 +137,7 @@ class DockIO:
     #: share -> reader (algos/spec.SHARES); a new share is a reader here (and its write in ``write``)
     READERS = {"new": "_read_new", "round": "_read_round", "workers": "_read_workers", "groups": "_read_groups",
                "all": "_read_all", "actor": "_read_engine", "ref": "_read_engine", "critic": "_read_engine",
-               "actor_mini_batches": "_read_actor_mini_batches", "none": "_read_none"}
+               "actor_mini_batches": "_read_actor_mini_batches", "none": "_read_none", "pool": "_read_pool"}
 
     def read(self, stage: Stage) -> StageBatch:
         if stage.share not in self.READERS:
@@ -159,6 +162,13 @@ class DockIO:
 
     def _allocate(self, groups: int, n: int) -> list[int]:
         return self.ctx.dock.add_groups(groups, n)
+
+    def _read_pool(self, stage: Stage) -> StageBatch:
+        """A pooled rollout (``workflow/pool.py``): the groups carried over in the pool's dock; the
+        stage draws the new ones, and its rows are allocated when it commits them."""
+        from .pool import PoolBatch, load_carried
+
+        return self._batch(stage, [], {}, new=PoolBatch(load_carried(self.ctx, self.timeout)), engine=self.ctx.rollout)
 
     def _claim(self, stage: Stage, *, whole_groups: bool = False) -> StageBatch:
         """A balanced share per worker; cached reads follow by one all-to-all."""
@@ -216,6 +226,10 @@ class DockIO:
 
     # ------------------------------------------------------------------ writes
     def write(self, stage: Stage, batch: StageBatch, writes: dict) -> None:
+        if stage.share == "pool":  # rows exist only now: the complete groups get them as they commit
+            from .pool import commit
+
+            return commit(self.ctx, batch, writes, self.strict)
         if self.strict:
             check_writes(stage, batch, writes)
         if writes and batch.rows:

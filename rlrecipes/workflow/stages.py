@@ -112,31 +112,66 @@ def _agent_rollout(ctx: Context, b: StageBatch, prompts: list, index: list, para
 @stage("reward")
 def reward(ctx: Context, b: StageBatch) -> dict:
     """Score this round's rows; check each was generated within ``max_staleness`` versions."""
-    from ..rewards import format_reward, score_batch
-
-    r, st = ctx.recipe, b.state
+    st = b.state
     st.round += 1
     if not len(b):  # a rollout TP peer that holds no rows, or a worker with no share this round
         return {}
-    lag = st.step - b["policy_version"]  # policy versions behind the weights being trained
-    k = r.algorithm.max_staleness
+    check_versions(ctx, st, b["policy_version"])
+    masks = list(b["response_mask"]) if "response_mask" in b.stage.reads else None
+    scores, raw, n_err, first = score_rows(ctx, list(b["response_ids"]), b["prompt_index"].tolist(), masks)
+    st.add(reward_sum=float(raw.sum()), reward_n=len(b), errors=n_err)
+    st.first_error = st.first_error or first
+    return {"scores": scores, "acc": raw}
+
+
+@stage("scored")
+def scored(ctx: Context, b: StageBatch) -> dict:
+    """A pooled rollout scored its groups (``workflow/pool.py``): check the rows' policy versions and
+    every token's, and count the scores into the step's reward."""
+    st = b.state
+    st.round += 1
+    if not len(b):
+        return {}
+    check_versions(ctx, st, b["policy_version"])
+    lags = torch.cat([st.step - v.reshape(-1).long() for v in b["token_versions"]])  # [tokens]
+    if lags.numel():
+        st.add(token_stale_sum=int(lags.sum()), token_n=int(lags.numel()))
+        st.peak(token_stale_max=int(lags.max()))
+    st.add(reward_sum=float(b["acc"].sum()), reward_n=len(b))
+    return {}
+
+
+def check_versions(ctx: Context, st, versions: torch.Tensor) -> None:
+    """Every row's policy version within ``[step - max_staleness, step]`` (else the dock ring is
+    broken: an error, never trained on); the lag goes into ``async/staleness_*``."""
+    lag = st.step - versions  # policy versions behind the weights being trained
+    k = ctx.recipe.algorithm.max_staleness
     if int(lag.max()) > k or int(lag.min()) < 0:
         raise RuntimeError(f"step {st.step} was handed samples of policy versions "
-                           f"{sorted(set(b['policy_version'].tolist()))}, outside [step - {k}, step] "
+                           f"{sorted(set(versions.tolist()))}, outside [step - {k}, step] "
                            f"(algorithm.max_staleness={k})")
     st.add(stale_sum=int(lag.sum()))
     st.peak(stale_max=int(lag.max()))
-    answers = [ctx.dataset[int(i)]["answer"] for i in b["prompt_index"]]
-    if "response_mask" in b.stage.reads:  # multi-turn: the final answer, and the whole trajectory
+
+
+def score_rows(ctx: Context, responses: list, index: list, masks: list | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, int, str | None]:
+    """The reward of each response (``rewards.score_batch``, the format bonus, the overlong shaping):
+    ``(scores [rows], raw [rows], errors, first error)``; ``raw`` is the reward before shaping."""
+    from ..rewards import format_reward, score_batch
+
+    r = ctx.recipe
+    answers = [ctx.dataset[int(i)]["answer"] for i in index]
+    if masks is not None:  # multi-turn: the final answer, and the whole trajectory
         from ..agent import get_format
         from ..plan.agent import tool_format_name
 
         fmt = get_format(tool_format_name(r))
-        trajectories = [_messages(ctx.tokenizer, fmt, x, m) for x, m in zip(b["response_ids"], b["response_mask"])]
+        trajectories = [_messages(ctx.tokenizer, fmt, x, m) for x, m in zip(responses, masks)]
         texts = [t["final"] for t in trajectories]
     else:
         trajectories = None
-        texts = ctx.tokenizer.batch_decode([x.tolist() for x in b["response_ids"]], skip_special_tokens=True)
+        texts = ctx.tokenizer.batch_decode([x.tolist() for x in responses], skip_special_tokens=True)
     scores, n_err, first = score_batch(ctx.reward_fn, texts, answers, trajectories)
     scores = torch.tensor(scores, dtype=torch.float32)  # [rows]
     if r.reward.format_weight:
@@ -144,12 +179,10 @@ def reward(ctx: Context, b: StageBatch) -> dict:
     raw = scores.clone()
     ov = r.algorithm.overlong
     if ov.enabled:
-        scores = scores + overlong_reward_penalty(torch.tensor([x.numel() for x in b["response_ids"]]),
+        scores = scores + overlong_reward_penalty(torch.tensor([x.numel() for x in responses]),
                                                   max_response_len=r.rollout.max_response_len,
                                                   buffer_len=ov.buffer_len, penalty_factor=ov.penalty_factor)
-    st.add(reward_sum=float(raw.sum()), reward_n=len(b), errors=n_err)
-    st.first_error = st.first_error or first
-    return {"scores": scores, "acc": raw}
+    return scores, raw, n_err, first
 
 
 def _messages(tokenizer, fmt, response_ids: torch.Tensor, response_mask: torch.Tensor) -> dict:
@@ -306,6 +339,15 @@ def send_weights(ctx: Context) -> None:
         pass  # a train rank only sends
 
 
+def announce_version(store, version: int) -> None:
+    store.set(f"version/{version}", b"1")
+
+
+def version_waiting(store, version: int) -> bool:
+    """Whether the trainers announced ``version`` (and so wait in :func:`send_weights` to send it)."""
+    return store.check([f"version/{version}"])
+
+
 def receive_weights(ctx: Context) -> None:
     """Disaggregated placement, a rollout rank: a new policy version, bucket by bucket into the engine."""
     ctx.rollout.update_weights(_counted(ctx, ctx.resharder.reshard({})))
@@ -320,6 +362,9 @@ def reshard(ctx: Context, b: StageBatch) -> dict:
 @stage("publish")
 def publish(ctx: Context, b: StageBatch) -> dict:
     """Send the version this step produced, if a later rollout step will use it (max_staleness)."""
-    if b.state.step + 1 + ctx.recipe.algorithm.max_staleness < ctx.end_step:
+    v = b.state.step + 1
+    if v + ctx.recipe.algorithm.max_staleness < ctx.end_step:
+        if ctx.rank == 0 and ctx.signals is not None:
+            announce_version(ctx.signals, v)  # a partial rollout stops between chunks to take it
         send_weights(ctx)
     return {}

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from .. import device as dev
+from ..algos.spec import pooled_rollout
 from ..metrics import COMPUTE_STAGES, dispatch_skew, tps_per_card
 from .batching import all_gather
 from .context import Context
@@ -115,6 +116,14 @@ def metrics_row(ctx: Context, st: StepState, gathered: list[dict], step_s: float
         from ..agent.loop import agent_metrics
 
         row.update(agent_metrics(total))
+    if total.get("token_n"):  # a pooled rollout: policy versions per response token
+        row.update({"async/token_staleness_mean": total["token_stale_sum"] / total["token_n"],
+                    "async/token_staleness_max": max(g["maxes"].get("token_stale_max", 0) for g in gathered)})
+    if pooled_rollout(r):  # the rollout workers scored (and filtered) every group: their figures are the row's
+        row["reward/trained_mean"] = row.pop("reward/mean")  # over the rows trained on
+        for key in ("reward/errors", "reward/first_error", "reward/samples"):
+            row.pop(key, None)
+        return row
     if r.algorithm.dynamic_sampling.enabled:
         row.update({"dapo/gen_rounds": st.round, "dapo/kept_groups": st.sums.get("ds_kept", 0),
                     "dapo/dropped_groups": st.sums.get("ds_dropped", 0),

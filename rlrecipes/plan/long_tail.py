@@ -1,0 +1,54 @@
+"""``plan``'s checks of a pooled rollout (partial rollout, over-sampling, DAPO's dynamic sampling on
+disaggregated rollout workers; ``workflow/pool.py``), and the device count of a disaggregated smoke."""
+from __future__ import annotations
+
+from ..algos.spec import pooled_rollout
+from ..engines.registry import BACKENDS, capabilities, engines_that
+from ..recipe import Recipe
+from .checks import Violation
+
+POOL_RULE = "a pooled rollout runs on this rollout engine and layout"
+
+
+def pool_checks(r: Recipe) -> list[Violation]:
+    """A pooled rollout continues samples through the engine's turn sessions: refused where those
+    run on one rank per instance only, and with routing replay (recorded per generate call)."""
+    if not pooled_rollout(r):
+        return []
+    v: list[Violation] = []
+    what = ("rollout.partial" if r.rollout.partial else "rollout.oversample" if r.rollout.oversample > 1
+            else "algorithm.dynamic_sampling with resources.placement=disaggregated")
+    lay = r.rollout.layout
+    if (lay.tp > 1 or lay.ep > 1) and r.rollout.engine in BACKENDS \
+            and not capabilities(r.rollout.engine).multi_turn_multi_rank:
+        able = engines_that(lambda c: c.multi_turn_multi_rank and "rollout" in c.roles)
+        v.append(Violation(POOL_RULE, f"{what} continues samples through turn sessions, which rollout.engine="
+                                      f"{r.rollout.engine} runs on one rank per instance in this release, and "
+                                      f"rollout.layout is TP{lay.tp} EP{lay.ep}; set rollout.layout.tp=1 "
+                                      f"rollout.layout.ep=1" + (f", or rollout.engine={' or '.join(able)}" if able else "")))
+    if r.algorithm.routing_replay:
+        v.append(Violation(POOL_RULE, f"algorithm.routing_replay records routing in whole generate calls, and {what} "
+                                      "generates in chunks; set algorithm.routing_replay=false"))
+    return v
+
+
+def smoke_devices(r: Recipe) -> int:
+    """A disaggregated ``--smoke`` run keeps its train group whole: when the smoke's devices less
+    ``resources.rollout_devices`` cannot hold the train layouts (TP x PP of the actor, ref, critic),
+    the rollout's devices are added to them instead (on the CPU a device is a process)."""
+    res = r.resources
+    dpn = res.devices_per_node
+    if r.model.smoke is None or res.placement != "disaggregated" or not res.rollout_devices:
+        return dpn
+    mp = [r.actor.layout.tp * r.actor.layout.pp]
+    for role in (r.ref, r.critic):
+        lay = getattr(role, "layout", None)
+        if lay is not None:
+            mp.append(lay.tp * lay.pp)
+    train = res.nodes * dpn - res.rollout_devices
+    if train >= 1 and all(train % k == 0 for k in mp):
+        return dpn
+    return dpn + res.rollout_devices
+
+
+__all__ = ["POOL_RULE", "pool_checks", "smoke_devices"]

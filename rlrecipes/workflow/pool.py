@@ -1,0 +1,352 @@
+"""A pooled rollout: generation that outlives a step (partial rollout, over-sampling, DAPO's filter
+on the rollout side). Disaggregated placement only (``algos.spec.pooled_rollout``).
+
+Reasoning RL has long-tailed response lengths: a synchronous step waits for its slowest sample. A
+pooled rollout worker keeps a pool of prompt groups instead of one batch:
+
+- **Over-sampling** (``rollout.oversample: f``): the pool holds ``ceil(f x batch)`` groups. Every
+  unfinished sample generates ``rollout.chunk_tokens`` tokens at a time; after each chunk the
+  rollout workers agree (one small all-gather) whether enough groups are complete. The step then
+  commits the batch's worth of complete groups, oldest first, to its dock; the rest stay in the
+  **carry-over dock** (``Context.pool_dock``) and continue in the next step. Nothing is dropped: a
+  group leaves the pool only by being trained on (or by DAPO's filter, counted).
+- **Partial rollout** (``rollout.partial``): between chunks the rollout also looks whether the
+  trainers announced a new policy version (``stages.version_waiting``); if so it receives it, and
+  the unfinished samples continue from their prefix under it (their KV cache rebuilt by a new
+  session). Each response token records the version and the behaviour log-prob that produced it
+  (``token_versions``, ``rollout_log_probs``); the trainer's decoupled loss corrects per token.
+- **Dynamic sampling** (DAPO): a group is scored when it completes; a constant group is dropped
+  there, and the rollout keeps generating (more rounds of new prompts when the pool runs dry, up to
+  ``max_gen_batches``) until the batch has enough informative groups -- while the trainers train
+  the previous batch.
+
+A row's ``policy_version`` is the newest version among its group's tokens (the version the group
+was finished under), so the staleness bound ``step - max_staleness <= version`` holds for every
+committed row; a complete group that would fall outside it by the next step is committed now
+rather than carried. The tokens' own spread is reported (``async/token_staleness_max``).
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ..algos import dynamic_sampling_filter
+from ..algos.spec import dynamic_sampling_column
+from ..core.collectives import all_gather_objects, broadcast_object
+from ..engines.base import SamplingParams
+from .context import Context
+from .stage_io import StageBatch, StageContractError
+from .stages import receive_weights, score_rows, seed_of, stage, version_waiting
+
+#: a carried row's columns in the carry-over dock
+CARRY_COLUMNS = ("prompt_ids", "response_ids", "rollout_log_probs", "token_versions", "prompt_index", "born",
+                 "done", "scores", "acc")
+
+
+@dataclass
+class Sample:
+    tokens: list = field(default_factory=list)
+    logps: list = field(default_factory=list)
+    versions: list = field(default_factory=list)
+    done: bool = False
+
+
+@dataclass
+class Group:
+    """One prompt's ``n`` samples, from the step it was drawn (``born``) until it is trained on."""
+
+    index: int
+    born: int
+    prompt: torch.Tensor
+    samples: list
+    scores: Optional[torch.Tensor] = None
+    acc: Optional[torch.Tensor] = None
+
+    @property
+    def done(self) -> bool:
+        return all(s.done for s in self.samples)
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(s.tokens) for s in self.samples)
+
+    @property
+    def version(self) -> int:
+        """The newest policy version any of its tokens was generated under."""
+        return max((s.versions[-1] for s in self.samples if s.versions), default=-1)
+
+
+@dataclass
+class PoolBatch:
+    """What the pooled rollout stage gets (the carried groups, every rollout rank alike) and what it
+    hands back to the I/O object: this rank's committed and carried groups with their positions in
+    the rollout workers' common order."""
+
+    carried: list
+    committed: list = field(default_factory=list)
+    committed_at: list = field(default_factory=list)
+    n_committed: int = 0
+    carry: list = field(default_factory=list)
+    carry_at: list = field(default_factory=list)
+    n_carry: int = 0
+    numbers: dict = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------------------------- dock side
+def load_carried(ctx: Context, timeout: float) -> list[Group]:
+    """The groups the previous step left in the carry-over dock, on every rollout rank (rollout rank 0
+    claims them, one broadcast shares them)."""
+    got = None
+    if ctx.rank == 0 and ctx.carried_groups:
+        b = ctx.pool_dock.get("continue", list(CARRY_COLUMNS), None, whole_groups=True, timeout=timeout)
+        got = {c: b[c] for c in CARRY_COLUMNS}
+    got = broadcast_object(got, device=ctx.device)
+    if not got:
+        return []
+    n = ctx.recipe.trainer.n_samples_per_prompt
+    groups = []
+    for g in range(len(got["prompt_index"]) // n):
+        rows = range(g * n, (g + 1) * n)
+        samples = [Sample(got["response_ids"][i].tolist(), got["rollout_log_probs"][i].tolist(),
+                          got["token_versions"][i].tolist(), bool(got["done"][i])) for i in rows]
+        grp = Group(int(got["prompt_index"][g * n]), int(got["born"][g * n]), got["prompt_ids"][g * n], samples)
+        if grp.done:
+            grp.scores, grp.acc = got["scores"][g * n:(g + 1) * n], got["acc"][g * n:(g + 1) * n]
+        groups.append(grp)
+    return groups
+
+
+def _columns(groups: list[Group], n: int) -> dict:
+    """Row columns of ``groups`` (``n`` rows each) shared by the committed and the carried rows."""
+    rows = [(g, s) for g in groups for s in g.samples]
+    zeros = torch.zeros(n)
+    return {"prompt_ids": [g.prompt for g, _ in rows],
+            "response_ids": [torch.tensor(s.tokens, dtype=torch.long) for _, s in rows],
+            "rollout_log_probs": [torch.tensor(s.logps, dtype=torch.float32) for _, s in rows],
+            "token_versions": [torch.tensor(s.versions, dtype=torch.long) for _, s in rows],
+            "prompt_index": torch.tensor([g.index for g, _ in rows], dtype=torch.long),
+            "scores": torch.cat([g.scores if g.scores is not None else zeros for g in groups]) if groups else zeros[:0],
+            "acc": torch.cat([g.acc if g.acc is not None else zeros for g in groups]) if groups else zeros[:0]}
+
+
+def commit(ctx: Context, b: StageBatch, writes: dict, strict: bool) -> None:
+    """The stage's complete groups to the step's dock (rows allocated now, by rollout rank 0, in the
+    common order), its unfinished ones to the carry-over dock (replacing the last step's)."""
+    pb: PoolBatch = b.new
+    if strict and pb.committed:
+        missing = sorted(set(b.stage.writes) - set(writes))
+        extra = sorted(set(writes) - set(b.stage.writes))
+        if missing or extra:
+            raise StageContractError(f"stage {b.stage.name!r} writes {extra} and leaves out {missing} (writes: "
+                                     f"{', '.join(b.stage.writes)}); fix the stage or its declaration")
+    n = ctx.recipe.trainer.n_samples_per_prompt
+    leader = b.engine.is_data_leader
+    rows = ctx.dock.add_groups(pb.n_committed, n) if ctx.rank == 0 and pb.n_committed else []
+    rows = broadcast_object(rows, device=ctx.device)  # allocated before any rank puts
+    if leader and pb.committed:
+        ctx.dock.put(writes, [rows[p * n + j] for p in pb.committed_at for j in range(n)])
+    carry = ctx.pool_dock
+    crow = []
+    if ctx.rank == 0:
+        carry.reset(b.state.step)
+        crow = carry.add_groups(pb.n_carry, n) if pb.n_carry else []
+        ctx.carried_groups = pb.n_carry
+    crow = broadcast_object(crow, device=ctx.device)
+    if leader and pb.carry:
+        cols = _columns(pb.carry, n)
+        cols.update(born=torch.tensor([g.born for g in pb.carry for _ in range(n)], dtype=torch.long),
+                    done=torch.tensor([s.done for g in pb.carry for s in g.samples], dtype=torch.long))
+        carry.put(cols, [crow[p * n + j] for p in pb.carry_at for j in range(n)])
+        carry.flush()
+    dist.barrier()  # every carried row is in before rank 0 counts the dock's rows
+    if ctx.rank == 0:
+        b.state.rollout.update(pb.numbers, **{"rollout/pool_dock_rows": int(carry.stats()["live_rows"])})
+
+
+# ---------------------------------------------------------------------------------------------- generation
+class _Generation:
+    """This rank's unfinished samples over one turn session of the rollout engine; reopened (the
+    prefixes re-prefilled) after new weights load or new groups join."""
+
+    def __init__(self, ctx: Context, params: SamplingParams, seed: int):
+        self.ctx, self.params, self.seed = ctx, params, seed
+        self.session, self.rows, self.opened = None, [], 0
+        self.stops = set(params.ending_ids())
+
+    def close(self) -> None:
+        if self.session is not None:
+            self.session.close()
+        self.session, self.rows = None, []
+
+    def chunk(self, groups: list[Group], chunk: int) -> int:
+        """``chunk`` more tokens (at most) for every unfinished sample of ``groups``; returns the
+        tokens generated."""
+        todo = [(g, s) for g in groups for s in g.samples if not s.done]
+        if not todo:
+            return 0
+        if self.session is None:
+            self.rows = todo
+            contexts = [torch.cat([g.prompt.reshape(-1).long(), torch.tensor(s.tokens, dtype=torch.long)])
+                        for g, s in todo]
+            self.session = self.ctx.rollout.open_session(contexts, self.params,
+                                                         seed=seed_of(self.seed, self.opened))
+            self.opened += 1
+        where = {id(s): i for i, (_, s) in enumerate(self.rows)}
+        cap = self.params.max_new_tokens
+        limits = [min(chunk, cap - len(s.tokens)) for _, s in todo]
+        out = self.session.generate([where[id(s)] for _, s in todo], [None] * len(todo), limits)
+        made = 0
+        for (_, s), want, resp, lp in zip(todo, limits, out.responses, out.log_probs):
+            toks = resp.tolist()
+            s.tokens += toks
+            s.logps += lp.tolist()
+            s.versions += [self.ctx.version] * len(toks)
+            s.done = len(toks) < want or (bool(toks) and toks[-1] in self.stops) or len(s.tokens) >= cap
+            made += len(toks)
+        return made
+
+
+def _draw(ctx: Context, count: int, step: int) -> list[Group]:
+    """``count`` new prompt groups, in the sampler's order (identical on every rollout rank)."""
+    n = ctx.recipe.trainer.n_samples_per_prompt
+    out = []
+    for i in ctx.sampler.next_indices(count) if count else []:
+        prompt = torch.tensor(ctx.dataset[i]["prompt_ids"], dtype=torch.long)
+        out.append(Group(int(i), step, prompt, [Sample() for _ in range(n)]))
+    return out
+
+
+@stage("pool_rollout")
+def pool_rollout(ctx: Context, b: StageBatch) -> dict:
+    """Continue the carried groups and new ones until the batch has enough complete (informative)
+    groups; choose the committed ones, oldest first; the rest stay in the pool (module doc).
+
+    Every rollout rank holds the same list of groups (the carried ones, then the draws, in the
+    sampler's order); group ``i`` is generated by rollout DP rank ``i % dp``. After each chunk one
+    all-gather of small per-group facts (complete? dropped? newest version?) and rank 0's look at the
+    weights gives every rank the same view, so all of them take the same decisions."""
+    r, st, pb, eng = ctx.recipe, b.state, b.new, b.engine
+    ro, alg, n = r.rollout, r.algorithm, r.trainer.n_samples_per_prompt
+    ds = alg.dynamic_sampling
+    step, target = st.step, st.target
+    chunk = ro.chunk_tokens if ro.pooled else ro.sampling.max_new_tokens  # DAPO alone: whole responses
+    s = ro.sampling
+    params = SamplingParams(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
+                            top_k=s.top_k, eos_token_id=ctx.eos_id, pad_token_id=ctx.pad_id)
+    groups = list(pb.carried)
+    carried_in = len(groups)
+    groups += _draw(ctx, max(0, math.ceil(ro.oversample * target) - len(groups)), step)
+    drawn = len(groups) - carried_in
+    done = [g.done for g in groups]       # the common view, per group
+    version = [g.version for g in groups]
+    dropped: set[int] = set()
+    sums = {"errors": 0, "gen_tokens": 0, "filtered_tokens": 0, "reward_sum": 0.0, "reward_n": 0}
+    first_error = None
+    interrupts, rounds = 0, 1
+    gen = _Generation(ctx, params, seed_of(r.trainer.seed, step, "pool"))
+    t0, t_weights = time.perf_counter(), 0.0
+    leader = eng.is_data_leader
+    metric_col = dynamic_sampling_column(alg)
+    eng.wake()
+    try:
+        while True:
+            mine = [i for i in range(len(groups)) if i % eng.dp_size == eng.dp_rank and i not in dropped]
+            sums["gen_tokens"] += gen.chunk([groups[i] for i in mine], chunk)
+            facts = []
+            for i in mine:
+                g = groups[i]
+                if g.done and g.scores is None:  # completed in this chunk: scored now
+                    g.scores, g.acc, err, first = score_rows(
+                        ctx, [torch.tensor(x.tokens, dtype=torch.long) for x in g.samples], [g.index] * n)
+                    sums["errors"] += err
+                    sums["reward_sum"] += float(g.acc.sum())
+                    sums["reward_n"] += n
+                    first_error = first_error or first
+                    metric = g.acc if metric_col == "acc" else g.scores
+                    if ds.enabled and not len(dynamic_sampling_filter(
+                            metric.float(), torch.zeros(n, dtype=torch.long)).kept_group_ids):
+                        dropped.add(i)  # DAPO: a constant group gives no gradient
+                        sums["filtered_tokens"] += g.tokens
+                facts.append((i, g.done, g.version, i in dropped))
+            waiting = (ro.partial and ctx.rank == 0 and ctx.signals is not None
+                       and version_waiting(ctx.signals, ctx.version + 1))
+            every = all_gather_objects((facts if leader else [], waiting), device=ctx.device)
+            for part, _ in every:
+                for i, d, v, x in part:
+                    done[i], version[i] = d, v
+                    if x:
+                        dropped.add(i)
+            live = [i for i in range(len(groups)) if i not in dropped]
+            if sum(done[i] for i in live) >= target:
+                break
+            if every[0][1]:  # partial rollout: the new version loads now; the unfinished continue under it
+                gen.close()
+                tw = time.perf_counter()
+                receive_weights(ctx)
+                ctx.version += 1
+                t_weights += time.perf_counter() - tw
+                interrupts += 1
+                continue
+            if not all(done[i] for i in live):
+                continue
+            if not ds.enabled or rounds >= ds.max_gen_batches:
+                break  # every group is complete or dropped: train on what there is
+            gen.close()  # DAPO: another round, of as many new prompts as informative groups are missing
+            more = _draw(ctx, target - sum(done[i] for i in live), step)
+            groups += more
+            done += [False] * len(more)
+            version += [-1] * len(more)
+            drawn += len(more)
+            rounds += 1
+    finally:
+        gen.close()
+        eng.sleep()
+    ctx.timer.add_compute("rollout", time.perf_counter() - t0 - t_weights)
+    # committed: the batch's worth of complete groups, oldest first, and any complete group that
+    # would be too stale to train on at the next step; the rest stay in the pool
+    k = alg.max_staleness
+    ready = sorted((i for i in range(len(groups)) if done[i] and i not in dropped), key=lambda i: (groups[i].born, i))
+    take = set(ready[:target]) | {i for i in ready[target:] if version[i] < step + 1 - k}
+    committed = [i for i in range(len(groups)) if i in take]
+    carry = [i for i in range(len(groups)) if i not in take and i not in dropped]
+    at_c, at_k = {i: p for p, i in enumerate(committed)}, {i: p for p, i in enumerate(carry)}
+    mine = {i for i in range(len(groups)) if i % eng.dp_size == eng.dp_rank}
+    pb.committed = [groups[i] for i in committed if i in mine]
+    pb.committed_at = [at_c[i] for i in committed if i in mine]
+    pb.n_committed = len(committed)
+    pb.carry = [groups[i] for i in carry if i in mine]
+    pb.carry_at = [at_k[i] for i in carry if i in mine]
+    pb.n_carry = len(carry)
+    # the group counts are common knowledge; tokens and errors are summed over the DP leaders
+    sums["carry_tokens"] = sum(g.tokens for g in pb.carry)
+    every = all_gather_objects(sums if leader else {}, device=ctx.device)
+    total = {key: sum(e.get(key, 0) for e in every) for key in sums}
+    ages = [step - groups[i].born for i in carry]
+    pb.numbers.update({
+        "rollout/pool_carried_in": carried_in, "rollout/pool_new_groups": drawn,
+        "rollout/pool_committed_groups": len(committed), "rollout/pool_carried_groups": len(carry),
+        "rollout/pool_filtered_groups": len(dropped),
+        "rollout/pool_carried_age_max": max(ages, default=0),
+        "rollout/pool_carried_age_mean": sum(ages) / len(ages) if ages else 0.0,
+        "rollout/pool_committed_age_max": max((step - groups[i].born for i in committed), default=0),
+        "rollout/generated_tokens": total["gen_tokens"], "rollout/filtered_tokens": total["filtered_tokens"],
+        "rollout/pool_dock_tokens": total["carry_tokens"],
+        "rollout/interrupts": interrupts, "async/weights_wait_mid_s": round(t_weights, 4),
+        # the reward of every group scored this step (dropped ones too, as a colocated DAPO step counts them)
+        "reward/mean": total["reward_sum"] / total["reward_n"] if total["reward_n"] else float("nan"),
+        "reward/samples": total["reward_n"], "reward/errors": total["errors"]})
+    if first_error:
+        pb.numbers["reward/first_error"] = first_error
+    if ds.enabled:
+        pb.numbers.update({"dapo/gen_rounds": rounds, "dapo/kept_groups": len(committed),
+                           "dapo/dropped_groups": len(dropped), "dapo/generated_groups": drawn})
+    if not pb.committed:
+        return {}
+    cols = _columns(pb.committed, n)
+    cols["policy_version"] = torch.tensor([g.version for g in pb.committed for _ in range(n)], dtype=torch.long)
+    return cols
