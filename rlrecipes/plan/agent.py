@@ -12,9 +12,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
-from ..engines.registry import BACKENDS, capabilities, engines_that
 from ..recipe import Recipe
-from .checks import Violation
+from .checks import Violation, one_rank_sessions
 
 AGENT_RULE = "multi-turn rollout has what it needs"
 
@@ -77,14 +76,9 @@ def agent_checks(r: Recipe) -> tuple[list[Violation], Optional[dict]]:
         v.append(Violation(AGENT_RULE, f"rollout.multi_turn.max_response_tokens={mt.max_response_tokens} is below one "
                                        f"turn's rollout.sampling.max_new_tokens={r.rollout.sampling.max_new_tokens}; "
                                        "raise it (it bounds the whole trajectory: every turn and observation)"))
-    lay = r.rollout.layout
-    if (lay.tp > 1 or lay.ep > 1) and r.rollout.engine in BACKENDS \
-            and not capabilities(r.rollout.engine).multi_turn_multi_rank:
-        able = engines_that(lambda c: c.multi_turn_multi_rank and "rollout" in c.roles)
-        v.append(Violation(AGENT_RULE, f"rollout.engine={r.rollout.engine} runs multi-turn rollouts on one rank per "
-                                       f"instance in this release, and rollout.layout is TP{lay.tp} EP{lay.ep}; set "
-                                       f"rollout.layout tp: 1, ep: 1" + (f", or rollout.engine={' or '.join(able)}"
-                                                                         if able else "")))
+    why = one_rank_sessions(r, "multi-turn rollouts")
+    if why:
+        v.append(Violation(AGENT_RULE, why))
     if r.algorithm.routing_replay:
         v.append(Violation(AGENT_RULE, "algorithm.routing_replay records routing in single-turn generate calls only; "
                                        "set algorithm.routing_replay=false for a multi-turn rollout"))

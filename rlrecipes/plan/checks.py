@@ -441,8 +441,21 @@ def where(role: RoleLayout, world: int, fits: list[int], devices_per_node: int) 
                   f"or a {role.role}.layout whose TP x PP{sp} divides {T}")
 
 
+def one_rank_sessions(r: Recipe, what: str) -> Optional[str]:
+    """Why ``what`` (which continues samples through the rollout engine's turn sessions) cannot run on
+    this rollout layout: the engine serves sessions on one rank per instance, the layout spans more."""
+    lay = r.rollout.layout
+    if (lay.tp == 1 and lay.ep == 1) or r.rollout.engine not in BACKENDS \
+            or capabilities(r.rollout.engine).multi_turn_multi_rank:
+        return None
+    able = engines_that(lambda c: c.multi_turn_multi_rank and "rollout" in c.roles)
+    return (f"rollout.engine={r.rollout.engine} runs {what} on one rank per instance in this release, and "
+            f"rollout.layout is TP{lay.tp} EP{lay.ep}; set rollout.layout.tp=1 rollout.layout.ep=1"
+            + (f", or rollout.engine={' or '.join(able)}" if able else ""))
+
+
 __all__ = ["CONTEXT_RULE", "INFERENCE_RULE", "KV_LONGEST_RULE", "NODE_INDEPENDENT_RULES", "PlanError",
            "ROLLOUT_SPLIT_RULE", "RoleLayout", "SP_ENGINE_RULE", "SP_HEADS_RULE", "SP_LAYOUT_RULE", "TRAIN_SPLIT_RULE",
            "Violation", "capability_checks", "divisibility_violations", "dp_of", "engine_checks",
-           "engine_layout_violations", "layout_violations", "model_checks", "ranks_text", "role_layouts",
+           "engine_layout_violations", "layout_violations", "model_checks", "one_rank_sessions", "ranks_text", "role_layouts",
            "rollout_devices_that_fit", "rollout_inference", "sequence_checks", "split_devices", "where"]

@@ -3,9 +3,8 @@ disaggregated rollout workers; ``workflow/pool.py``), and the device count of a 
 from __future__ import annotations
 
 from ..algos.spec import pooled_rollout
-from ..engines.registry import BACKENDS, capabilities, engines_that
 from ..recipe import Recipe
-from .checks import Violation
+from .checks import Violation, one_rank_sessions
 
 POOL_RULE = "a pooled rollout runs on this rollout engine and layout"
 
@@ -18,14 +17,9 @@ def pool_checks(r: Recipe) -> list[Violation]:
     v: list[Violation] = []
     what = ("rollout.partial" if r.rollout.partial else "rollout.oversample" if r.rollout.oversample > 1
             else "algorithm.dynamic_sampling with resources.placement=disaggregated")
-    lay = r.rollout.layout
-    if (lay.tp > 1 or lay.ep > 1) and r.rollout.engine in BACKENDS \
-            and not capabilities(r.rollout.engine).multi_turn_multi_rank:
-        able = engines_that(lambda c: c.multi_turn_multi_rank and "rollout" in c.roles)
-        v.append(Violation(POOL_RULE, f"{what} continues samples through turn sessions, which rollout.engine="
-                                      f"{r.rollout.engine} runs on one rank per instance in this release, and "
-                                      f"rollout.layout is TP{lay.tp} EP{lay.ep}; set rollout.layout.tp=1 "
-                                      f"rollout.layout.ep=1" + (f", or rollout.engine={' or '.join(able)}" if able else "")))
+    why = one_rank_sessions(r, f"{what} (it continues samples through turn sessions)")
+    if why:
+        v.append(Violation(POOL_RULE, why))
     if r.algorithm.routing_replay:
         v.append(Violation(POOL_RULE, f"algorithm.routing_replay records routing in whole generate calls, and {what} "
                                       "generates in chunks; set algorithm.routing_replay=false"))

@@ -21,7 +21,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
@@ -39,6 +39,7 @@ from ..recipe import Recipe
 from ..recipe.roles import Roles, roles_of
 
 if TYPE_CHECKING:
+    import torch.distributed as dist
     from ray.actor import ActorHandle
     from transformers import PreTrainedTokenizerBase
 
@@ -118,7 +119,7 @@ class Context:
     """LoRA: what a full-weight sync would hand this worker's rollout engine (``reshard/full_bytes``)."""
     agent: Optional["AgentLoop"] = None
     """Multi-turn rollouts, on workers that generate: the agent loop (``rollout.multi_turn``)."""
-    signals: Any = None
+    signals: Optional["dist.Store"] = None
     """The run's rendezvous store (disaggregated placement): a trainer announces a policy version
     there before sending it, so a partial rollout can stop between chunks to receive it."""
     carried_groups: int = 0

@@ -34,6 +34,7 @@ from .batching import (all_gather, gather_in_model_parallel_group, global_counts
                        train_rows)
 from .context import Context, Role
 from .own_rows import CACHED, OwnRows
+from .pool_rows import PoolBatch, commit, load_carried
 
 #: columns the rollout stage writes (the rows' own columns)
 GENERATED = ("prompt_ids", "response_ids", "prompt_index", "rollout_log_probs", "policy_version", "routed_experts",
@@ -166,8 +167,6 @@ class DockIO:
     def _read_pool(self, stage: Stage) -> StageBatch:
         """A pooled rollout (``workflow/pool.py``): the groups carried over in the pool's dock; the
         stage draws the new ones, and its rows are allocated when it commits them."""
-        from .pool import PoolBatch, load_carried
-
         return self._batch(stage, [], {}, new=PoolBatch(load_carried(self.ctx, self.timeout)), engine=self.ctx.rollout)
 
     def _claim(self, stage: Stage, *, whole_groups: bool = False) -> StageBatch:
@@ -227,9 +226,10 @@ class DockIO:
     # ------------------------------------------------------------------ writes
     def write(self, stage: Stage, batch: StageBatch, writes: dict) -> None:
         if stage.share == "pool":  # rows exist only now: the complete groups get them as they commit
-            from .pool import commit
-
-            return commit(self.ctx, batch, writes, self.strict)
+            if self.strict and batch.new.committed:
+                check_writes(stage, StageBatch(stage, self.state, [0]), writes)
+            self.state.rollout.update(commit(self.ctx, batch.new, writes, self.state.step, batch.engine.is_data_leader))
+            return
         if self.strict:
             check_writes(stage, batch, writes)
         if writes and batch.rows:

@@ -1,4 +1,4 @@
-"""Every algorithm under every placement it allows, 2 steps each, with the strict stage batch (every
+"""Every algorithm under every placement, 2 steps each, with the strict stage batch (every
 --smoke run is strict: an undeclared read or write, or a missing write, stops the run naming the
 stage and the column; tests/unit/test_stage_contract.py shows the check firing)."""
 import pytest
@@ -16,15 +16,15 @@ ALGOS = {
     "gspo": ["qwen25_7b", "algorithm.policy_loss=gspo", "algorithm.loss_agg_mode=seq-mean-token-mean"],
 }
 PLACEMENTS = {"colocated": [], "disagg_k0": DISAGG + ["algorithm.max_staleness=0"],
-              "disagg_k1": DISAGG + ["algorithm.max_staleness=1"]}
+              "disagg_k1": DISAGG + ["algorithm.max_staleness=1"],
+              # the pooled rollout (workflow/pool.py): partial rollout with over-sampling
+              "pooled_k1": DISAGG + ["algorithm.max_staleness=1", "rollout.partial=true", "rollout.oversample=1.5"]}
 
 
 @pytest.mark.parametrize("placement", list(PLACEMENTS))
 @pytest.mark.parametrize("algo", list(ALGOS))
 def test_strict_stage_contract(tmp_path, algo, placement):
-    recipe, *extra = ALGOS[algo]
-    if algo == "dapo" and placement != "colocated":
-        pytest.skip("DAPO's dynamic sampling runs extra generation rounds inside a step: colocated only")
+    recipe, *extra = ALGOS[algo]  # DAPO disaggregated: its filter runs on the rollout side (pooled)
     out = tmp_path / "run"
     cli("run", recipe, "--out", str(out), *BASE, *PLACEMENTS[placement], *extra)
     rows = metrics(out)
