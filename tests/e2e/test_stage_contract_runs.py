@@ -8,7 +8,8 @@ from test_smoke_runs import cli, metrics  # same folder (rootdir-relative import
 pytestmark = pytest.mark.e2e
 
 BASE = ["--smoke", "--quiet", "--steps", "2", "--keep-batch", "trainer.export_hf=false", "resources.cpus_per_worker=1"]
-DISAGG = ["-d", "2", "resources.placement=disaggregated", "resources.rollout_devices=1", "actor.layout.tp=1"]
+DISAGG = ["-d", "2", "resources.placement=disaggregated", "resources.rollout_devices=1", "actor.layout.tp=1",
+          "actor.layout.ep=1"]
 ALGOS = {
     "grpo": ["qwen25_7b"],
     "dapo": ["qwen3_moe_30b"],
