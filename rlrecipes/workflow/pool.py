@@ -138,8 +138,6 @@ def pool_rollout(ctx: Context, b: StageBatch) -> dict:
                     g.scores, g.acc, err, first = score_rows(
                         ctx, [torch.tensor(x.tokens, dtype=torch.long) for x in g.samples], [g.index] * n)
                     sums["errors"] += err
-                    sums["reward_sum"] += float(g.acc.sum())
-                    sums["reward_n"] += n
                     first_error = first_error or first
                     metric = g.acc if metric_col == "acc" else g.scores
                     if ds.enabled and not len(dynamic_sampling_filter(
@@ -198,6 +196,8 @@ def pool_rollout(ctx: Context, b: StageBatch) -> dict:
     pb.n_carry = len(carry)
     # the group counts are common knowledge; tokens and errors are summed over the DP leaders
     sums["carry_tokens"] = sum(g.tokens for g in pb.carry)
+    gone = pb.committed + [groups[i] for i in dropped if i in mine]  # the groups that left the pool
+    sums["reward_sum"], sums["reward_n"] = sum(float(g.acc.sum()) for g in gone), n * len(gone)
     every = all_gather_objects(sums if leader else {}, device=ctx.device)
     total = {key: sum(e.get(key, 0) for e in every) for key in sums}
     ages = [step - groups[i].born for i in carry]
@@ -211,7 +211,8 @@ def pool_rollout(ctx: Context, b: StageBatch) -> dict:
         "rollout/generated_tokens": total["gen_tokens"], "rollout/filtered_tokens": total["filtered_tokens"],
         "rollout/pool_dock_tokens": total["carry_tokens"],
         "rollout/interrupts": interrupts, "async/weights_wait_mid_s": round(t_weights, 4),
-        # the reward of every group scored this step (dropped ones too, as a colocated DAPO step counts them)
+        # the reward of the groups that left the pool: trained on, or dropped by DAPO's filter (as a
+        # colocated DAPO step counts every group it scored)
         "reward/mean": total["reward_sum"] / total["reward_n"] if total["reward_n"] else float("nan"),
         "reward/samples": total["reward_n"], "reward/errors": total["errors"]})
     if first_error:
