@@ -141,3 +141,109 @@ def read_json_object(path: Path, what: str) -> dict:
     if not isinstance(data, dict):
         raise ValueError(f"{path}: the top level must be a JSON object, not {type(data).__name__}")
     return data
+
+
+# --------------------------------------------------------------------------------------------- dry runs
+#: options of `rlrecipes run` that take a value (the rest are flags)
+_RUN_VALUE_OPTIONS = {"--nodes", "-n", "--devices-per-node", "-d", "--steps", "--out", "--resume", "--address"}
+#: recipe keys whose override values are paths: folders (model) or files (data, relative to the recipe folder)
+_PATH_KEYS = {"model.path": "folder", "model.tokenizer": "folder", "data.train_files": "files"}
+
+
+def executable_problem(name: str) -> list[str]:
+    """``name`` (a command's first word) runs here: a path to an executable file, or a command on PATH."""
+    import shutil
+
+    if os.sep in name:
+        p = Path(name)
+        if not p.is_file():
+            return [f"{p} does not exist"]
+        if not os.access(p, os.X_OK):
+            return [f"{p} is not executable (chmod +x {p})"]
+        return []
+    if shutil.which(name) is None:
+        return [f"`{name}` is not on PATH here; install it in this environment or put it on PATH"]
+    return []
+
+
+def run_args_problems(recipe: Optional[str], args: list[str]) -> list[str]:
+    """The paths in `rlrecipes run` arguments that must exist: the recipe, ``--resume``, path-valued
+    overrides (model.path, model.tokenizer, data.train_files); ``--out`` must be creatable."""
+    from .recipe import RecipeError, find_recipe, parse_override
+
+    problems: list[str] = []
+    folder: Optional[Path] = None
+    if recipe is not None:
+        try:
+            folder = find_recipe(recipe)
+        except RecipeError as e:
+            problems.append(str(e))
+    i = 0
+    while i < len(args):
+        a = args[i]
+        opt, eq, inline = a.partition("=") if a.startswith("--") else (a, "", "")
+        if opt in _RUN_VALUE_OPTIONS:
+            value = inline if eq else (args[i + 1] if i + 1 < len(args) else "")
+            i += 1 if eq else 2
+            if opt == "--resume":
+                p = Path(os.path.expanduser(value))
+                if not (p / "config.yaml").is_file():
+                    problems.append(f"--resume {p}: " + ("does not exist" if not p.exists() else
+                                                          "not a run folder (no config.yaml)"))
+            elif opt == "--out":
+                problems += writable_dir(Path(os.path.expanduser(value)), "--out")
+            continue
+        i += 1
+        if a.startswith("-") or "=" not in a:
+            continue
+        try:
+            path, value = parse_override(a)
+        except RecipeError:
+            continue  # the run itself names a malformed override
+        key = ".".join(path)
+        kind = _PATH_KEYS.get(key)
+        if kind is None or value in (None, ""):
+            continue
+        values = value if isinstance(value, list) else [value]
+        for v in values:
+            if kind == "folder":
+                p = Path(os.path.expanduser(str(v)))
+                if not p.is_dir():
+                    why = "is a file, not a folder" if p.exists() else "does not exist"
+                    problems.append(f"{key}={v}: {p} {why}")
+            else:
+                p = Path(os.path.expanduser(str(v)))
+                if not p.is_absolute() and folder is not None:
+                    p = folder / p
+                if not p.is_file():
+                    problems.append(f"{key}: {p} does not exist (relative paths are relative to the recipe folder)")
+    return problems
+
+
+def command_problems(argv: list[str]) -> list[str]:
+    """What a printed command names that is not there (and that the command itself would not
+    create): the executable, a script it runs, and the paths in `rlrecipes run` arguments (also
+    those a recipe's launch.sh passes through). Empty when everything it names exists."""
+    if not argv:
+        return []
+    problems = executable_problem(argv[0])
+    rest = argv[1:]
+    name = Path(argv[0]).name
+    if name in ("bash", "sh") and rest and not rest[0].startswith("-"):
+        script = Path(os.path.expanduser(rest[0]))
+        if not script.is_file():
+            problems.append(f"{script} does not exist" + (" (a recipe folder made by hand has no launch.sh: copy one "
+                                                           "with `rlrecipes cp <recipe> <folder>`)"
+                                                           if script.name == "launch.sh" else ""))
+            return problems
+        if script.name == "launch.sh":  # `rlrecipes launch <its folder> ARGS`: the ARGS go to `rlrecipes run`
+            problems += run_args_problems(str(script.parent), rest[1:])
+        return problems
+    if name.startswith("python") and rest[:2] == ["-m", "rlrecipes"]:
+        rest = rest[2:]
+    elif name != "rlrecipes":
+        return problems
+    if rest[:1] == ["run"]:
+        recipe = rest[1] if len(rest) > 1 and not rest[1].startswith("-") else None
+        problems += run_args_problems(recipe, rest[2:] if recipe is not None else rest[1:])
+    return problems

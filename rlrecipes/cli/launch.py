@@ -22,7 +22,7 @@ import typer
 
 from .. import cluster
 from .. import device as dev
-from ._common import console, die, user_errors
+from ._common import bounds, console, die, user_errors
 
 #: the Ray resource each node advertises NPUS_PER_NODE of (the recipes target Atlas A3 nodes)
 RESOURCE = dev.ray_resource("npu")
@@ -62,7 +62,7 @@ class NodeSpec:
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> "NodeSpec":
         """Read the launch variables; a missing or bad one is an error naming it."""
-        def number(name: str, default: Optional[str], kind: type = int, least: float = 0):
+        def number(name: str, default: Optional[str], kind: type = int, least: float = 0, most: float = 0):
             raw = env.get(name, "") or default
             if raw is None:
                 die(f"set {name}: {ENV_HELP[name]}")
@@ -70,13 +70,14 @@ class NodeSpec:
                 value = kind(raw)
             except ValueError:
                 value = None
-            if value is None or value < least:
-                die(f"{name}={raw!r}: expected {'an integer' if kind is int else 'a number'} >= {least:g} "
-                    f"({ENV_HELP[name]})")
+            if value is None or not least <= value <= most:  # nan fails both
+                die(f"{name}={raw!r}: expected {'an integer' if kind is int else 'a number'} from {least:g} to "
+                    f"{most:g} ({ENV_HELP[name]})")
             return value
 
-        nnodes = number("NNODES", None, least=1)
-        rank = number("NODE_RANK", None)
+        nodes, per_node = bounds("resources.nodes"), bounds("resources.devices_per_node")
+        nnodes = number("NNODES", None, least=nodes["min"], most=nodes["max"])
+        rank = number("NODE_RANK", None, most=nodes["max"] - 1)
         if rank >= nnodes:
             die(f"NODE_RANK={rank} with NNODES={nnodes}: ranks are 0..{nnodes - 1}")
         master = env.get("MASTER_ADDR", "")
@@ -86,8 +87,9 @@ class NodeSpec:
             extra = tuple(shlex.split(env.get("RAY_START_ARGS", "")))
         except ValueError as e:
             die(f"RAY_START_ARGS: {e}")
-        return cls(nnodes, rank, master, number("RAY_PORT", "6379", least=1), number("NPUS_PER_NODE", "16", least=1),
-                   number("JOIN_TIMEOUT_S", "600", float), extra)
+        return cls(nnodes, rank, master, number("RAY_PORT", "6379", least=1, most=65535),
+                   number("NPUS_PER_NODE", "16", least=per_node["min"], most=per_node["max"]),
+                   number("JOIN_TIMEOUT_S", "600", float, least=1, most=7 * 24 * 3600), extra)
 
 
 @dataclass(frozen=True)
@@ -148,12 +150,12 @@ def launch_node(node: NodeSpec, cmds: NodeCommands, *, wait: Callable[[], None],
         call(cmds.stop)
 
 
-def _ray_executable() -> str:
+def _ray_executable(required: bool = True) -> str:
     here = Path(sys.executable).parent / "ray"  # the `ray` of this Python environment first
     found = str(here) if here.is_file() else shutil.which("ray")
-    if not found:
+    if not found and required:
         die("the `ray` command is not on PATH; install Ray in this Python environment (pip install -e .)")
-    return found
+    return found or "ray"
 
 
 def _exec(argv: list[str]) -> None:
@@ -196,17 +198,27 @@ def register(app: typer.Typer) -> None:
         recipe_dir = find_recipe(recipe).resolve()
         extra_env = parse_env_args(env or [])
         node_env = cluster.node_environment(os.environ, extra_env)
-        cmds = node_commands(node, recipe_dir, list(ctx.args), ray="ray" if dry_run else _ray_executable())
+        cmds = node_commands(node, recipe_dir, list(ctx.args), ray=_ray_executable(required=not dry_run))
         say = lambda s: console.print(s, markup=False, highlight=False, soft_wrap=True)  # noqa: E731
         if dry_run:
+            from ..inputs import command_problems
+
             added = {k: v for k, v in node_env.items() if os.environ.get(k) != v}
             say(f"node {node.node_rank} of {node.nnodes}{' (head)' if node.head else ''}; environment set:")
             for k in sorted(added):
                 say(f"  {k}={added[k]}")
             say("commands:")
+            missing: list[str] = []
             for argv in (cmds.ray_start, cmds.run, cmds.stop):
                 if argv:
                     say(f"  {shlex.join(argv)}")
+                    found = [m for m in command_problems(argv) if m not in missing]
+                    for m in found:
+                        say(f"    missing: {m}")
+                    missing += found
+            if missing:  # the commands above would fail on these: say so now, not on the cluster
+                die(f"--dry-run: the commands above name {len(missing)} path(s) that are not there:\n  - "
+                    + "\n  - ".join(missing))
             return
         os.environ.update(node_env)
         cluster.token_auth_like_ray_start()  # `ray start`'s own rule; the commands below inherit the mode

@@ -8,7 +8,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from ._common import console, user_errors
+from ._common import bounds, console, user_errors
 
 
 def render_plan(plan) -> None:
@@ -74,8 +74,10 @@ def register(app: typer.Typer) -> None:
     @user_errors
     def plan_cmd(recipe: str = typer.Argument(..., help="Registered name or path to a recipe folder."),
                  overrides: Optional[List[str]] = typer.Argument(None, help="KEY=VALUE overrides."),
-                 nodes: Optional[int] = typer.Option(None, "--nodes", "-n", min=1, help="Node count (default: the recipe's)."),
-                 devices_per_node: Optional[int] = typer.Option(None, "--devices-per-node", "-d", min=1,
+                 nodes: Optional[int] = typer.Option(None, "--nodes", "-n", **bounds("resources.nodes"),
+                                                     help="Node count (default: the recipe's)."),
+                 devices_per_node: Optional[int] = typer.Option(None, "--devices-per-node", "-d",
+                                                                **bounds("resources.devices_per_node"),
                                                                 help="Devices per node (default: the recipe's)."),
                  smoke: bool = typer.Option(False, "--smoke", help="Plan the smoke configuration."),
                  keep_batch: bool = typer.Option(False, "--keep-batch", help="Keep the global batch when scaling nodes."),

@@ -80,11 +80,17 @@ def _row_to_example(row: Any, where: str, prompt_key: str, answer_key: str) -> d
 
 
 def _iter_jsonl(path: Path) -> Iterable[tuple[str, Any | Exception]]:
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with open(path, "rb") as f:  # decoded per line: a bad byte is named by file:line, not by the codec
+        for lineno, raw in enumerate(f, 1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield where, DataError(f"{where}: not UTF-8 text (byte {e.start} of the line); is this a JSONL "
+                                       "file? Save it as UTF-8, one JSON object per line")
+                continue
             if not line.strip():
                 continue
-            where = f"{path}:{lineno}"
             try:
                 yield where, json.loads(line)
             except json.JSONDecodeError as e:

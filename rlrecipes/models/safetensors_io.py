@@ -24,6 +24,7 @@ from typing import Sequence
 
 import torch
 
+from .files import FIX_WEIGHTS, FileLoadError, reading
 from .sharding import checkpoint_items, fused_expert_key
 
 _DTYPES = {
@@ -56,6 +57,35 @@ def box_shape(box: Box) -> tuple[int, ...]:
     return tuple(b - a for a, b in box)
 
 
+def _read_header(f: Path) -> tuple[dict, int]:
+    """The JSON header of a safetensors file and its length, after checking the file holds every
+    byte the header describes: a truncated or foreign file is named here, before any tensor is read."""
+    what = "safetensors weight file"
+    size = f.stat().st_size
+    with reading(f, what, FIX_WEIGHTS), open(f, "rb") as fh:
+        raw = fh.read(8)
+        if len(raw) != 8:
+            raise FileLoadError(f, what, f"truncated: {size} bytes, not even the 8-byte header length", FIX_WEIGHTS)
+        (n,) = struct.unpack("<Q", raw)
+        if n > size - 8:
+            raise FileLoadError(f, what, f"its header says {n} bytes of header, the file has {size} bytes: truncated, "
+                                "or not a safetensors file", FIX_WEIGHTS)
+        try:
+            header = json.loads(fh.read(n))
+        except (ValueError, UnicodeDecodeError) as e:
+            raise FileLoadError(f, what, f"unreadable header ({e})", FIX_WEIGHTS) from None
+    if not isinstance(header, dict):
+        raise FileLoadError(f, what, "the header is not a JSON object", FIX_WEIGHTS)
+    try:
+        end = max((int(m["data_offsets"][1]) for k, m in header.items() if k != "__metadata__"), default=0)
+    except (KeyError, TypeError, ValueError, IndexError) as e:
+        raise FileLoadError(f, what, f"a header entry has no valid data_offsets ({e})", FIX_WEIGHTS) from None
+    if 8 + n + end > size:
+        raise FileLoadError(f, what, f"truncated: the header's tensors end at byte {8 + n + end}, the file has "
+                            f"{size} bytes", FIX_WEIGHTS)
+    return header, n
+
+
 class SafetensorsFolder:
     """Index of every ``*.safetensors`` file in ``folder``; reads boxes of tensors by key."""
 
@@ -67,15 +97,7 @@ class SafetensorsFolder:
         if not files:
             raise FileNotFoundError(f"{self.folder}: no *.safetensors weights")
         for f in files:
-            with open(f, "rb") as fh:
-                raw = fh.read(8)
-                if len(raw) != 8:
-                    raise CheckpointError(f"{f}: truncated safetensors file (no header)")
-                (n,) = struct.unpack("<Q", raw)
-                try:
-                    header = json.loads(fh.read(n))
-                except ValueError as e:
-                    raise CheckpointError(f"{f}: unreadable safetensors header ({e})") from None
+            header, n = _read_header(f)
             for key, meta in header.items():
                 if key == "__metadata__":
                     continue

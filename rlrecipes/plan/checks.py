@@ -281,8 +281,9 @@ def capability_checks(recipe: Recipe, dims: ModelDims, roles: dict[str, RoleLayo
         import importlib.util
 
         rule = "LoRA has what it needs"
-        able = engines_that(lambda c: c.lora)
         for key, name in (("actor.engine", recipe.actor.engine), ("rollout.engine", recipe.rollout.engine)):
+            role = "rollout" if key == "rollout.engine" else "train"
+            able = engines_that(lambda c: c.lora and role in c.roles)
             if name in BACKENDS and not capabilities(name).lora:
                 v.append(Violation(rule, f"actor.lora.rank={recipe.actor.lora.rank}: {key}={name} does not train or "
                                          f"apply LoRA adapters in this release; use {_engine_list(able, key)}, or "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -122,12 +123,40 @@ def _origin(key: str, origins: dict[str, str], source: str) -> str:
     return source
 
 
+#: a dotted recipe key named in a validator's message (``trainer.global_batch=33 is not ...``)
+_KEY_IN_TEXT = re.compile(r"(?<![\w.])([a-z_][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*)+)")
+
+
+def _set_at(key: str, origins: dict[str, str]) -> str | None:
+    """Where ``key`` itself (or the section above it, given as a whole) was set; None: a default."""
+    parts = key.split(".")
+    for n in range(len(parts), 0, -1):
+        got = origins.get(".".join(parts[:n]))
+        if got is not None:
+            return got
+    return None
+
+
+def _named_origin(message: str, origins: dict[str, str]) -> str | None:
+    """A cross-field validator's error belongs to the keys its message names: the overrides among
+    them (the input the user just typed), else the file:line of the first one set in a file."""
+    found = [o for o in (_set_at(k, origins) for k in dict.fromkeys(_KEY_IN_TEXT.findall(message))) if o]
+    overrides = list(dict.fromkeys(o for o in found if o.startswith("override")))
+    if overrides:
+        return ", ".join(overrides)
+    return found[0] if found else None
+
+
 def _format_errors(err: ValidationError, source: str, origins: dict[str, str]) -> str:
     lines = []
     for e in err.errors():
         loc = tuple(p for p in e["loc"] if not (isinstance(p, str) and p.startswith("function-after")))
         key = ".".join(str(p) for p in loc) or "(top level)"
-        src = _origin(key, origins, source)
+        named = _named_origin(e["msg"], origins) if e["type"] == "value_error" else None
+        src = named or _origin(key, origins, source)
+        if e["type"] == "value_error" and (named or not loc):  # a validator's sentence names its own keys
+            lines.append(f"{src}: {e['msg'].removeprefix('Value error, ')}")
+            continue
         if e["type"] == "extra_forbidden":
             choices = _fields_at(loc)
             close = difflib.get_close_matches(str(loc[-1]), choices, n=1)
@@ -171,7 +200,10 @@ def apply_overrides(data: dict, overrides: list[str], origins: dict[str, str]) -
                 raise RecipeError(f"override {text!r}: `{'.'.join(path[:i + 1])}` is a value, not a section")
             node = nxt
         node[path[-1]] = value
-        origins[".".join(path)] = f"override `{text}`"
+        key = ".".join(path)
+        for stale in [k for k in origins if k.startswith(key + ".")]:  # replaced with the section
+            del origins[stale]
+        origins[key] = f"override `{text}`"
     return data
 
 

@@ -96,7 +96,7 @@ class ModelConfig(_Strict):
                               "*.safetensors), or set model.preset to plan a pinned real model")
         try:
             return dims_from_hf_config(AutoConfig.from_pretrained(str(folder), local_files_only=True))
-        except ValueError as e:
+        except (ValueError, OSError) as e:  # OSError: transformers' "not a valid JSON file"
             raise RecipeError(f"model.path: {folder}/config.json: {e}") from None
 
 
@@ -559,7 +559,8 @@ class Recipe(_Strict):
             raise ValueError("algorithm.name=ppo needs algorithm.adv_estimator=gae")
         if self.algorithm.use_kl_in_reward and self.algorithm.name != "ppo":
             raise ValueError(f"algorithm.use_kl_in_reward penalises token rewards, which only GAE (ppo) uses; for "
-                             f"{self.algorithm.name} set algorithm.use_kl_loss=true instead")
+                             f"{self.algorithm.name} set algorithm.use_kl_in_reward=false (algorithm.use_kl_loss=true keeps "
+                             "a KL term, in the loss)")
         if self.algorithm.name != "ppo" and self.algorithm.adv_estimator == "gae":
             raise ValueError(f"algorithm.adv_estimator=gae needs a critic: set algorithm.name=ppo (got {self.algorithm.name})")
         res = self.resources
@@ -584,7 +585,7 @@ class Recipe(_Strict):
                                  "rollout.partial=false rollout.oversample=1")
         if res.placement == "colocated" and self.algorithm.max_staleness > 0:
             raise ValueError(f"algorithm.max_staleness={self.algorithm.max_staleness} needs rollout and training on "
-                             f"their own devices: set resources.placement=disaggregated (with resources.rollout_devices), "
+                             f"their own devices: set resources.placement=disaggregated resources.rollout_devices=1 (or more), "
                              f"or algorithm.max_staleness=0 for synchronous on-policy training")
         return self
 

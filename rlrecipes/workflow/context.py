@@ -265,10 +265,12 @@ def load_data(r: Recipe, run_dir: Path) -> WorkerData:
     from transformers import AutoTokenizer
 
     from ..data import PromptDataset, PromptSampler, load_prompt_rows, smoke_task_dataset
+    from ..models.files import FIX_TOKENIZER, reading
     from ..rewards import resolve_reward
 
     tok_dir = r.model.tokenizer or (str(run_dir / "tokenizer") if r.model.smoke is not None else r.model.path)
-    tokenizer = AutoTokenizer.from_pretrained(tok_dir, local_files_only=True)
+    with reading(tok_dir, "tokenizer folder", FIX_TOKENIZER):  # a damaged file is named, with the fix
+        tokenizer = AutoTokenizer.from_pretrained(tok_dir, local_files_only=True)
     skipped = 0
     if r.data.synthetic:
         rows = smoke_task_dataset(r.data.synthetic_size, seed=r.trainer.seed, task=r.data.synthetic,

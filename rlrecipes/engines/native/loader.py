@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 
 from rlrecipes.models import ModelDims, dims_from_hf_config, hf_config
+from rlrecipes.models.files import FIX_CONFIG, FIX_TOKENIZER, FIX_WEIGHTS, reading
 from rlrecipes.models.safetensors_io import CheckpointError, SafetensorsFolder
 
 ModelSource = Union[ModelDims, str, os.PathLike]
@@ -57,7 +58,7 @@ def build_model(source: ModelSource, *, dtype: torch.dtype = torch.float32, seed
     Returns ``(model, dims)``. Every rank that calls it holds the full model: fine for smoke and
     small models; the train engines load folders with :func:`build_empty` + :func:`materialize`.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     if isinstance(source, ModelDims):
         cfg = hf_config(source)
@@ -67,19 +68,29 @@ def build_model(source: ModelSource, *, dtype: torch.dtype = torch.float32, seed
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=attn_implementation)
         return model, source
     path = check_hf_folder(source)
-    AutoConfig.from_pretrained(path, local_files_only=True)  # clear error on a bad config.json first
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True, use_safetensors=True,
-                                                 attn_implementation=attn_implementation)
+    _read_config(path)  # a clear error on a bad config.json first
+    SafetensorsFolder(path)  # every weight file's header and length: a truncated file is named, not a library's
+    with reading(path, "HF model folder", FIX_WEIGHTS):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True, use_safetensors=True,
+                                                     attn_implementation=attn_implementation)
     return model, dims_from_hf_config(model.config)
+
+
+def _read_config(path: Path):
+    """``AutoConfig`` of a local HF folder; a damaged config.json is named."""
+    from transformers import AutoConfig
+
+    with reading(path / "config.json", "model config", FIX_CONFIG):
+        return AutoConfig.from_pretrained(path, local_files_only=True)
 
 
 def build_empty(folder: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
                 attn_implementation: str = "sdpa") -> tuple[nn.Module, ModelDims]:
     """The HF model of a local folder on the meta device (no storage), and its dimensions."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     path = check_hf_folder(folder)
-    cfg = AutoConfig.from_pretrained(path, local_files_only=True)
+    cfg = _read_config(path)
     cfg._attn_implementation = attn_implementation
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=attn_implementation)
@@ -169,7 +180,8 @@ def load_tokenizer(folder: str | os.PathLike):
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    with reading(path, "tokenizer folder", FIX_TOKENIZER):
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
 class HFFolderWriter:
@@ -258,8 +270,9 @@ def save_hf_folder(state_dict: dict[str, torch.Tensor], config, folder: str | os
 
 
 def read_config_json(folder: str | os.PathLike) -> dict:
-    with open(Path(folder) / "config.json") as f:
-        return json.load(f)
+    f = Path(folder) / "config.json"
+    with reading(f, "model config", FIX_CONFIG):
+        return json.loads(f.read_text(encoding="utf-8"))
 
 
 __all__ = ["HFFolderWriter", "ModelSource", "build_empty", "build_model", "check_hf_folder", "materialize", "load_tokenizer", "read_config_json",
