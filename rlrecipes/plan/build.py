@@ -398,11 +398,12 @@ def sp_suggestion(recipe: Recipe, plan: Plan, keep_batch: bool = False, limit: i
 
 
 def nearest_valid_nodes(recipe: Recipe, nodes: int, devices_per_node: int, keep_batch: bool = False,
-                        limit: int = 4096) -> list[int]:
-    """The closest node counts below and above ``nodes`` whose plan has no violation."""
+                        limit: int = 64) -> list[int]:
+    """The closest node counts below and above ``nodes`` whose plan has no violation, within
+    ``max(limit, 4 x nodes)`` (each count is a whole plan, ~30 ms: the search stays within seconds)."""
     below = next((n for n in range(nodes - 1, 0, -1)
                   if build_plan(recipe, n, devices_per_node, keep_batch, _search=False).ok), None)
-    above = next((n for n in range(nodes + 1, max(limit, 4 * nodes))
+    above = next((n for n in range(nodes + 1, max(limit, 4 * nodes) + 1)
                   if build_plan(recipe, n, devices_per_node, keep_batch, _search=False).ok), None)
     return [n for n in (below, above) if n is not None]
 
@@ -417,7 +418,7 @@ def format_violations(plan: Plan) -> str:
     elif all(v.rule in NODE_INDEPENDENT_RULES | plan.node_independent for v in plan.violations):
         lines.append("  no node count fixes these; change the recipe as each line says")
     else:
-        lines.append("  no node count up to the search limit satisfies every rule; change the layout in the recipe")
+        lines.append(f"  no node count from 1 to {max(64, 4 * plan.nodes)} satisfies every rule; change the layout in the recipe")
     return "\n".join(lines)
 
 
