@@ -1,0 +1,960 @@
+"""One GPU, a few minutes: the measurements the CPU cannot make, in one command (docs/gpu_suite.md).
+
+    python benchmarks/gpu_suite.py                 # on a machine with one CUDA (or NPU) device
+    python benchmarks/gpu_suite.py --cpu           # the same parts at tiny sizes, one step each (CI)
+    python benchmarks/gpu_suite.py --parts train,decode --out my.json
+
+Parts, each run in subprocesses of its own (a crash, an out-of-memory or a timeout in one is
+recorded as a JSON line with ``error`` and the suite goes on):
+
+- ``env``: device name and type, memory, peak FLOP/s, torch / transformers / megatron-core versions;
+- ``tests``: ``pytest tests/gpu`` and, where megatron-core imports, ``tests/megatron_tier/test_megatron_gpu.py``:
+  passed / failed / skipped counts;
+- ``train``: the native train engine's tokens/s, MFU and peak memory against ``rlrecipes plan``, at the
+  Qwen2.5-1.5B shape and at a Qwen3-MoE shape that fits one device (the method and helpers of
+  ``benchmarks/engine_throughput.py``), over the engine options that exist (activation recompute,
+  the chunked log-softmax head, the micro-batch token budget); megatron-core through
+  ``engine_throughput.py --engine megatron`` where it imports;
+- ``decode``: the native sampler (``NativeRolloutEngine.sample``) against ``transformers``' ``generate``
+  on the same model, weights and device: tokens/s at batch 64 and 256, 512-token prompts, 1,024-token
+  responses; the sampler's decode / cache options at batch 256;
+- ``rl``: whole GRPO steps on one device with the native engines (the workflow's own worker, in this
+  process tree, no Ray): seconds per stage, TPS, the share of the step outside model compute.
+
+It prints one JSON line per measurement, then a summary table, and writes every line with the device
+name to ``benchmarks/results/gpu_suite-<device>-<date>.json`` (``--out`` to choose). The exit code is
+non-zero when any part failed. Measurements only: nothing here asserts a speed.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime as _dt
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+SUITE_VERSION = 1
+
+TARGET_TRAIN_MFU = 0.35  # native train engine, Qwen2.5-1.5B shape, bf16 (issue 37)
+TARGET_DECODE_SPEEDUP = 3.0  # native sampler over transformers' generate at batch 256 (issue 37)
+
+# ----------------------------------------------------------------------------------------- sizes
+# Dense shapes are Qwen2 configs written by benchmarks/engine_memory.write_folder (the folders
+# engine_throughput.py writes too); MoE shapes are ModelDims changes of a pinned preset or smoke model.
+TINY_DENSE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=True,
+                  rope_theta=1000000.0, rms_norm_eps=1e-6)
+DENSE = {"qwen2.5-1.5b": "1.5b", "qwen2.5-0.5b": "0.5b", "tiny-dense": None}  # -> engine_throughput.SHAPES key
+# Qwen3-30B-A3B's layer (hidden 2048, 32 heads of 128, 4 KV heads, experts of 768, top-8) with 8 layers and
+# 32 experts: 1.98B parameters (1.08B touched per token), 32 GB of fp32 weights, gradients and Adam state
+MOE = {"qwen3-moe-2b": ("preset", "qwen3-30b-a3b", dict(num_layers=8, num_experts=32)),
+       "tiny-moe": ("smoke", "qwen3_moe", dict(vocab_size=512, max_position_embeddings=4096))}
+
+
+# The 1.5B sweep: defaults (no recompute, 8,192-token micro-batches, chunked head), then one change each;
+# 16,384-token micro-batches only with recompute (without it plan puts the peak at 69 GiB of an H100's 79).
+PROFILES = {
+    "gpu": {
+        "train": {"samples": 32, "prompt": 512, "response": 512, "budget": 8192, "steps": 3, "warmup": 1,
+                  "shapes": {"qwen2.5-1.5b": [{}, {"recompute": True}, {"head_chunk_tokens": 0},
+                                              {"max_tokens_per_micro_batch": 16384, "recompute": True},
+                                              {"varied_lengths": True}],
+                             "qwen3-moe-2b": [{}]},
+                  "megatron_shape": "1.5b"},
+        "decode": {"shape": "qwen2.5-1.5b", "batches": [64, 256], "prompt": 512, "new": 1024, "warm_tokens": 16,
+                   "sweep_batch": 256, "sweep": [{"decode": "layers"}, {"cache": "dynamic"}]},
+        "rl": {"shape": "qwen2.5-0.5b", "digits": 510, "max_prompt": 512, "new": 1024, "prompts": 64, "n": 8,
+               "budget": 16384, "steps": 2},
+        "timeouts": {"env": 120, "tests": 180, "megatron_tests": 180, "train": 240, "megatron_train": 150,
+                     "decode": 200, "rl": 240},
+        "budget_s": 540,
+    },
+    "cpu": {
+        "train": {"samples": 2, "prompt": 16, "response": 16, "budget": 64, "steps": 1, "warmup": 1,
+                  "shapes": {"tiny-dense": [{}, {"recompute": True}, {"head_chunk_tokens": 0},
+                                            {"max_tokens_per_micro_batch": 32, "recompute": True},
+                                            {"varied_lengths": True}],
+                             "tiny-moe": [{}]},
+                  "megatron_shape": None},
+        "decode": {"shape": "tiny-dense", "batches": [2, 4], "prompt": 8, "new": 8, "warm_tokens": 2,
+                   "sweep_batch": 4, "sweep": [{"decode": "layers"}, {"cache": "dynamic"}]},
+        "rl": {"shape": "tiny-dense", "digits": 14, "max_prompt": 16, "new": 8, "prompts": 2, "n": 2,
+               "budget": 256, "steps": 1},
+        "timeouts": {"env": 120, "tests": 180, "megatron_tests": 180, "train": 240, "megatron_train": 150,
+                     "decode": 180, "rl": 240},
+        "budget_s": 600,
+    },
+}
+PARTS = ("tests", "train", "decode", "rl")
+
+
+# ================================================================================ child side
+# Everything below runs in a subprocess started by the suite (``--child NAME --spec JSON``): it
+# imports torch, prints JSON lines on stdout, and never touches the other parts.
+
+def emit(line: dict) -> None:
+    print(json.dumps(line, default=str), flush=True)
+
+
+def _error(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"[:2000]
+
+
+def _device(spec: dict):
+    from rlrecipes import device as devmod
+
+    return devmod.torch_device(devmod.resolve(spec["device"]))
+
+
+def _process_group(kind: str) -> None:
+    sys.path.insert(0, str(HERE))
+    from rollout_vs_generate import ensure_process_group  # a 1-process group, as the engines want
+
+    ensure_process_group(kind)
+
+
+def _cache_dir(spec: dict) -> Path:
+    import tempfile
+
+    return Path(spec.get("cache") or tempfile.gettempdir())
+
+
+def prepare_model(name: str, spec: dict) -> tuple[Path, object, dict | None]:
+    """``(folder, ModelDims, Qwen2 shape dict or None)`` of a named shape: a random bf16 HF folder,
+    written once (tensor by tensor, from a seed) and reused by later runs."""
+    sys.path.insert(0, str(HERE))
+    from engine_memory import write_folder
+    from engine_throughput import SHAPES
+
+    from rlrecipes.models import dims_from_hf_config
+
+    if name in DENSE:
+        shape = SHAPES[DENSE[name]] if DENSE[name] else TINY_DENSE
+        folder = _cache_dir(spec) / f"rlrecipes-bench-qwen2-{DENSE[name] or name}"  # engine_throughput's folder
+        write_folder(folder, shape=shape)
+        from transformers import AutoConfig
+
+        return folder, dims_from_hf_config(AutoConfig.from_pretrained(str(folder), local_files_only=True)), shape
+    if name in MOE:
+        import dataclasses
+
+        from rlrecipes.models import PRESETS, SMOKE
+
+        kind, base, change = MOE[name]
+        dims = dataclasses.replace((PRESETS if kind == "preset" else SMOKE)[base], **change)
+        folder = _cache_dir(spec) / f"rlrecipes-bench-{name}"
+        write_config_folder(folder, dims)
+        return folder, dims, None
+    raise ValueError(f"unknown shape {name!r}; known: {', '.join([*DENSE, *MOE])}")
+
+
+def write_config_folder(folder: Path, dims, seed: int = 0) -> Path:
+    """A random bf16 HF folder of ``dims`` (any family), written tensor by tensor; reused when present."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rlrecipes.engines.native.loader import HFFolderWriter
+    from rlrecipes.models import hf_config
+
+    if (folder / "config.json").is_file():  # HFFolderWriter writes config.json last
+        return folder
+    cfg = hf_config(dims)
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(cfg)
+    g = torch.Generator().manual_seed(seed)
+    w = HFFolderWriter(folder, cfg, dtype=torch.bfloat16, max_shard_bytes=256 << 20)
+    for name, p in meta.named_parameters():
+        w.add(name, torch.ones(p.shape) if name.endswith("norm.weight") else torch.randn(p.shape, generator=g) * 0.02)
+    w.close()
+    return folder
+
+
+def model_flops(dims, shape: dict | None, lengths: list[int]) -> float:
+    """Model FLOPs of one train step (forward + backward): engine_throughput's count for Qwen2 shapes;
+    for MoE 6 x the matmul parameters a token touches (routed experts top-k, router, head; the
+    embedding lookup is no matmul) + causal attention 6 x layers x (heads x head_dim) x length^2 / 2."""
+    if shape is not None:
+        from engine_throughput import model_flops_per_step
+
+        return model_flops_per_step(shape, lengths)
+    matmul = dims.active_params() - dims.vocab_size * dims.hidden_size - dims.hidden_size
+    q = dims.num_heads * dims.head_dim
+    return sum(6 * matmul * n + 6 * dims.num_layers * q * n * n / 2 for n in lengths)
+
+
+def option_label(opts: dict) -> str:
+    return ",".join(f"{k}={v}" for k, v in opts.items()) or "defaults"
+
+
+def child_env(spec: dict) -> None:
+    import importlib
+    import importlib.metadata as md
+    import importlib.util
+    import platform
+
+    import torch
+
+    from rlrecipes import device as devmod
+
+    kind = "cpu" if spec.get("cpu") else (spec.get("device") if spec.get("device") not in (None, "auto")
+                                          else devmod.accelerator())
+    line = {"part": "env", "name": "device", "python": platform.python_version(), "torch": torch.__version__}
+    for pkg in ("transformers", "megatron-core", "flash-attn", "ray", "pytest"):
+        try:
+            line[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            line[pkg] = None
+    megatron: bool | str | None = None
+    if importlib.util.find_spec("megatron") is not None:
+        try:
+            importlib.import_module("megatron.core")
+            megatron = True
+        except Exception as e:  # noqa: BLE001 - reported, the megatron lines are not run
+            megatron = _error(e)
+    line["megatron_core_imports"] = megatron is True
+    if megatron not in (None, True):
+        line["megatron_import_error"] = megatron
+    if kind is None:
+        line.update(device_type=None, device_name=None,
+                    error="no CUDA or NPU device is visible to torch here; run with --cpu for the reduced mode")
+        emit(line)
+        return
+    dev = devmod.torch_device(kind)
+    mem = devmod.memory_stats(dev)
+    line.update(device_type=kind, device_name=devmod.device_name(dev), device_count=devmod.device_count(kind),
+                memory_bytes=int(mem.total_bytes or 0), peak_flops=devmod.peak_flops(dev),
+                bf16=devmod.supports_bf16(dev), cpu_count=os.cpu_count())
+    emit(line)
+
+
+def child_train(spec: dict) -> None:
+    """One JSON line per option set of one shape (one process: the folder is written and the process
+    group set up once; every engine is dropped and the allocator emptied before the next)."""
+    import gc
+
+    import torch.distributed as dist
+
+    from rlrecipes import device as devmod
+
+    dev = _device(spec)
+    kind = dev.type
+    t0 = time.perf_counter()
+    try:
+        folder, dims, shape = prepare_model(spec["shape"], spec)
+    except Exception as e:  # noqa: BLE001 - no folder, no option set of this shape can run
+        emit({"part": "train", "name": f"native {spec['shape']}", "shape": spec["shape"], "error": _error(e)})
+        return
+    write_s = time.perf_counter() - t0
+    _process_group(kind)
+    devmod.set_device(dev)
+    for opts in spec["sweep"]:
+        line = {"part": "train", "name": f"native {spec['shape']} {option_label(opts)}", "engine": "native",
+                "shape": spec["shape"], "options": opts}
+        t0 = time.perf_counter()
+        try:
+            line.update(train_once(spec, opts, folder, dims, shape, dev))
+            line["write_s"] = round(write_s, 2)
+        except Exception as e:  # noqa: BLE001 - one option set failing is recorded; the next runs
+            line["error"] = _error(e)
+        line["seconds"] = round(time.perf_counter() - t0, 2)
+        gc.collect()
+        devmod.empty_cache(dev)
+        emit(line)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def train_once(spec: dict, opts: dict, folder: Path, dims, shape: dict | None, dev) -> dict:
+    """engine_throughput.py's measurement: load through the sharded loader, one warm-up step, then the
+    median of ``steps`` timed train steps of ``samples`` sequences packed into token-budgeted micro-batches."""
+    import statistics
+
+    import torch
+    from engine_memory import pg_loss
+    from engine_throughput import plan_memory
+
+    from rlrecipes import device as devmod
+    from rlrecipes.engines.base import SeqBatch
+    from rlrecipes.engines.native.head import DEFAULT_CHUNK_TOKENS
+    from rlrecipes.engines.native.train import NativeTrainEngine
+
+    budget = int(opts.get("max_tokens_per_micro_batch", spec["budget"]))
+    recompute = bool(opts.get("recompute", False))
+    head_chunk = int(opts.get("head_chunk_tokens", DEFAULT_CHUNK_TOKENS))
+    attn = opts.get("attn_implementation", "sdpa")
+    devmod.reset_peak_memory(dev)
+    t0 = time.perf_counter()
+    eng = NativeTrainEngine(str(folder), layout=(1, 1), device=dev, dtype=spec.get("dtype", "auto"), lr=1e-5,
+                            max_tokens_per_micro_batch=budget, recompute=recompute, head_chunk_tokens=head_chunk,
+                            attn_implementation=attn)
+    devmod.synchronize(dev)
+    load_s = time.perf_counter() - t0
+    loaded = devmod.memory_stats(dev).allocated_bytes
+    n, p, r = spec["samples"], spec["prompt"], spec["response"]
+    g = torch.Generator().manual_seed(0)
+    v = dims.vocab_size
+    varied = bool(opts.get("varied_lengths", False))
+    # equal lengths (engine_throughput's batch): every packed row holds one sample; varied: responses of
+    # r/8..r tokens, so rows hold several samples and attention runs under a block-diagonal mask
+    rlens = ([int(x) for x in torch.randint(max(1, r // 8), r + 1, (n,), generator=g)] if varied else [r] * n)
+    batch = SeqBatch(prompts=[torch.randint(0, v, (p,), generator=g) for _ in range(n)],
+                     responses=[torch.randint(0, v, (k,), generator=g) for k in rlens],
+                     per_sample={"advantages": torch.randn(n, generator=g)})
+    for _ in range(spec["warmup"]):  # kernels, allocator, Adam state
+        eng.train_step(batch, pg_loss)
+    devmod.synchronize(dev)
+    devmod.reset_peak_memory(dev)
+    times = []
+    metrics = {}
+    for _ in range(spec["steps"]):
+        t = time.perf_counter()
+        metrics = eng.train_step(batch, pg_loss)
+        devmod.synchronize(dev)
+        times.append(time.perf_counter() - t)
+    stats = devmod.memory_stats(dev)
+    step_s = statistics.median(times)
+    lengths = [p + k for k in rlens]
+    flops = model_flops(dims, shape, lengths)
+    peak = devmod.peak_flops(dev)
+    dtype = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[eng.compute_dtype]
+    mem = plan_memory(folder, dev.type, dtype, budget, p, r, recompute,
+                      (stats.total_bytes or 64 * 2**30) / 2**30, "native")
+    out = {"dtype": dtype, "params": sum(x.numel() for x in eng.model.parameters()),
+           "active_params": int(dims.active_params()), "recompute": recompute, "head_chunk_tokens": head_chunk,
+           "attn_implementation": attn, "max_tokens_per_micro_batch": budget, "samples": n, "prompt": p,
+           "response": r, "varied_lengths": varied, "tokens_per_step": sum(lengths),
+           "micro_batches": metrics.get("actor/micro_batches"),
+           "step_s": round(step_s, 4), "tokens_per_s": round(sum(lengths) / step_s, 1),
+           "model_tflops_per_s": round(flops / step_s / 1e12, 3),
+           "mfu": round(flops / step_s / peak, 4) if peak else None,
+           "peak_bytes": int(stats.peak_bytes), "loaded_bytes": int(loaded), "plan_total_bytes": int(mem.total),
+           "peak_over_plan": round(stats.peak_bytes / mem.total, 3) if mem.total else None,
+           "plan_breakdown_gib": mem.gib(), "grad_norm": metrics.get("actor/grad_norm"), "load_s": round(load_s, 2),
+           "steps": spec["steps"]}
+    del eng
+    return out
+
+
+def child_decode(spec: dict) -> None:
+    """The native sampler vs ``generate`` at each batch size, then the sampler's options at one batch."""
+    import gc
+
+    from rlrecipes import device as devmod
+    from rlrecipes.engines.native.rollout import NativeRolloutEngine
+
+    dev = _device(spec)
+    try:
+        folder, _dims, _ = prepare_model(spec["shape"], spec)
+    except Exception as e:  # noqa: BLE001
+        emit({"part": "decode", "name": "decode", "shape": spec["shape"], "error": _error(e)})
+        return
+    _process_group(dev.type)
+    hf_at: dict[int, float] = {}
+    eng = None
+    for batch in spec["batches"]:
+        line = {"part": "decode", "name": f"native vs generate batch={batch}", "shape": spec["shape"], "batch": batch}
+        t0 = time.perf_counter()
+        try:
+            if eng is None:
+                eng = NativeRolloutEngine(str(folder), layout=(1, 1), device=dev, seed=0,
+                                          dtype=spec.get("dtype", "auto"))
+            line.update(decode_once(eng, batch, spec, with_generate=True))
+            hf_at[batch] = line["hf_generate_tokens_per_s"]
+            if batch == 256:
+                line["target_speedup"] = TARGET_DECODE_SPEEDUP
+        except Exception as e:  # noqa: BLE001
+            line["error"] = _error(e)
+        line["seconds"] = round(time.perf_counter() - t0, 2)
+        emit(line)
+    del eng
+    gc.collect()
+    devmod.empty_cache(dev)
+    batch = spec["sweep_batch"]
+    for opts in spec["sweep"]:
+        line = {"part": "decode", "name": f"native batch={batch} {option_label(opts)}", "shape": spec["shape"],
+                "batch": batch, "options": opts}
+        t0 = time.perf_counter()
+        try:
+            eng = NativeRolloutEngine(str(folder), layout=(1, 1), device=dev, seed=0, dtype=spec.get("dtype", "auto"),
+                                      **opts)
+            line.update(decode_once(eng, batch, spec, with_generate=False))
+            if batch in hf_at:
+                line["hf_generate_tokens_per_s"] = hf_at[batch]
+                line["speedup"] = round(line["native_tokens_per_s"] / hf_at[batch], 3)
+            del eng
+        except Exception as e:  # noqa: BLE001
+            line["error"] = _error(e)
+        line["seconds"] = round(time.perf_counter() - t0, 2)
+        gc.collect()
+        devmod.empty_cache(dev)
+        emit(line)
+
+
+def decode_once(eng, batch: int, spec: dict, *, with_generate: bool) -> dict:
+    """benchmarks/rollout_vs_generate.bench_vs_generate's method: the engine's own model object for both
+    sides, the same ``batch`` random prompts (no padding), temperature 1 with no top-k / top-p and no
+    EOS (``generate``: ``min_new_tokens = max_new_tokens``), so both produce ``batch x new`` tokens; the
+    whole call is timed between device synchronizations. The warm-up is a short call of each
+    (``warm_tokens``), then one timed call of each, native first."""
+    import torch
+
+    from rlrecipes import device as devmod
+
+    P, N, seed = spec["prompt"], spec["new"], 0
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(1, eng.config.vocab_size, (P,), generator=g) for _ in range(batch)]
+    ids = torch.stack(prompts).to(eng.device)
+    am = torch.ones_like(ids)
+    hf = eng.model
+
+    def native(n: int) -> int:
+        out = eng.sample(prompts, max_new_tokens=n, temperature=1.0, seed=seed)
+        return sum(int(r.numel()) for r in out.responses)
+
+    def generate(n: int) -> int:
+        hf.generation_config.eos_token_id = None
+        out = hf.generate(input_ids=ids, attention_mask=am, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                          max_new_tokens=n, min_new_tokens=n, pad_token_id=0, eos_token_id=None)
+        return int(out[:, ids.shape[1]:].numel())
+
+    def timed(fn) -> tuple[float, int, int]:
+        fn(spec["warm_tokens"])
+        devmod.synchronize(eng.device)
+        devmod.reset_peak_memory(eng.device)
+        t = time.perf_counter()
+        tokens = fn(N)
+        devmod.synchronize(eng.device)
+        return time.perf_counter() - t, tokens, int(devmod.memory_stats(eng.device).peak_bytes)
+
+    t_nat, tok_nat, peak_nat = timed(native)
+    out = {"prompt_len": P, "new_tokens": N, "decode": eng.decode_path, "prefill": eng.prefill_path,
+           "cache": eng.cache_kind, "dtype": str(eng.dtype).replace("torch.", ""), "native_s": round(t_nat, 4),
+           "native_tokens": tok_nat, "native_tokens_per_s": round(tok_nat / t_nat, 1), "native_peak_bytes": peak_nat}
+    if with_generate:
+        t_hf, tok_hf, peak_hf = timed(generate)
+        out.update(hf_generate_s=round(t_hf, 4), hf_generate_tokens=tok_hf,
+                   hf_generate_tokens_per_s=round(tok_hf / t_hf, 1), hf_generate_peak_bytes=peak_hf,
+                   speedup=round((tok_nat / t_nat) / (tok_hf / t_hf), 3))
+    return out
+
+
+def rl_overrides(spec: dict, folder: Path) -> list[str]:
+    """``rlrecipes run qwen25_7b --smoke`` overrides: the model, lengths, batch and device of this part.
+
+    The model is a random HF folder of the shape (``model.path``: with ``model.smoke`` also set, the
+    folder is loaded and the smoke task, reward and tokenizer are kept). ``model.smoke.*`` dims cannot
+    serve here: the smoke models have 256 positions (``max_position_embeddings``, which ``SmokeDims``
+    does not override) and ``plan`` refuses 512 + 1,024-token samples on them."""
+    return [
+        f"model.path={folder}", "model.preset=null",
+        f"data.synthetic_digits={spec['digits']}", f"data.max_prompt_length={spec['max_prompt']}",
+        f"rollout.sampling.max_new_tokens={spec['new']}", f"trainer.global_batch={spec['prompts']}",
+        f"trainer.mini_batch={spec['prompts']}", f"trainer.n_samples_per_prompt={spec['n']}",
+        f"trainer.max_tokens_per_micro_batch={spec['budget']}", f"resources.device={spec['device']}",
+        "resources.devices_per_node=1", "resources.nodes=1", "resources.dies_per_card=1",
+        f"resources.device_memory_gb={spec.get('memory_gb') or 64}", "trainer.export_hf=false",
+        "trainer.checkpoint_interval=0", f"trainer.steps={spec['steps']}"]
+
+
+class _Remote:
+    """``.remote(...)`` of a Ray actor method, called in this process."""
+
+    def __init__(self, fn) -> None:
+        self.remote = fn
+
+
+class _Progress:
+    """The driver's progress actor, in this process: keeps the leader's metrics rows."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict] = []
+        self.metrics = _Remote(self.rows.append)
+        self.stage = _Remote(lambda *a: None)
+        self.rollout = _Remote(lambda *a: None)
+
+
+def run_in_process(recipe_name: str, overrides: list[str], steps: int, run_dir: Path) -> Path:
+    """What ``rlrecipes run <recipe> --smoke -d 1`` does, for one colocated worker, without Ray: the same
+    plan, resolved recipe, smoke tokenizer, in-worker TransferDock and :class:`Worker` (its setup, the
+    controller loop, the stages); the metrics rows go to ``<run_dir>/metrics.jsonl`` as the driver writes them."""
+    import yaml
+
+    from rlrecipes import device as devmod
+    from rlrecipes.core.dock import TransferDock
+    from rlrecipes.data import build_smoke_tokenizer
+    from rlrecipes.metrics import MetricsWriter
+    from rlrecipes.plan import build_plan, format_violations, refuse_missing_engines, resolve
+    from rlrecipes.recipe import load_recipe
+    from rlrecipes.workflow.worker import Worker
+
+    class LocalWorker(Worker):
+        def binding(self) -> dict:  # no Ray: the process sees its device as index 0
+            kind = devmod.resolve(self.recipe.resources.device)
+            env = devmod.VISIBLE_DEVICES_ENV[kind]
+            return {"rank": self.rank, "device_type": kind, "assigned": [],
+                    "visible": os.environ.get(env) if env else None, "local_rank": 0}
+
+    recipe = load_recipe(recipe_name, smoke=True, overrides=overrides)
+    plan = build_plan(recipe, None, 1, keep_batch=True)
+    if not plan.ok:
+        raise RuntimeError(format_violations(plan))
+    if plan.world != 1:
+        raise RuntimeError(f"the in-process driver runs one worker; the plan has {plan.world}")
+    refuse_missing_engines(plan)
+    recipe = resolve(recipe, plan)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False))
+    (run_dir / "plan.json").write_text(json.dumps(plan.to_json(), indent=2))
+    build_smoke_tokenizer(run_dir / "tokenizer")
+    progress = _Progress()
+    w = LocalWorker(0, 1, recipe.model_dump(mode="json"), str(run_dir.resolve()), [TransferDock.in_worker()], progress)
+    port = w.open_store()
+    try:
+        w.setup("127.0.0.1", port)
+        w.run(0, steps)
+    finally:
+        w.shutdown()
+        writer = MetricsWriter(run_dir / "metrics.jsonl")
+        for row in progress.rows:
+            writer.write(row)
+        writer.close()
+    return run_dir
+
+
+def child_rl(spec: dict) -> None:
+    """Whole GRPO steps on one device; one line summarising the last step (step 0 carries the warm-up)."""
+    line = {"part": "rl", "name": f"grpo {spec['shape']} {spec['prompts']}x{spec['n']} "
+                                  f"{spec['max_prompt']}/{spec['new']}", "driver": spec["driver"],
+            "algorithm": "grpo", "recipe": "qwen25_7b --smoke", "shape": spec["shape"], "prompts": spec["prompts"],
+            "samples_per_prompt": spec["n"], "prompt_len": spec["digits"] + 2, "max_new_tokens": spec["new"]}
+    t0 = time.perf_counter()
+    run_dir = Path(spec["run_dir"])
+    try:
+        folder, dims, _ = prepare_model(spec["shape"], spec)
+        line["params"] = int(dims.total_params())
+        overrides = rl_overrides(spec, folder)
+        line["overrides"] = overrides
+        if spec["driver"] == "cli":
+            cmd = [sys.executable, "-m", "rlrecipes", "run", "qwen25_7b", "--smoke", "--quiet", "-d", "1",
+                   "--keep-batch", "--out", str(run_dir), *overrides]
+            p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+            if p.returncode != 0:
+                raise RuntimeError(f"rlrecipes run exited {p.returncode}: {p.stderr.strip()[-1500:]}")
+        else:
+            run_in_process("qwen25_7b", overrides, spec["steps"], run_dir)
+        rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+        if not rows:
+            raise RuntimeError(f"{run_dir}/metrics.jsonl has no rows")
+        line.update(rl_summary(rows))
+        line["run_dir"] = str(run_dir)
+    except Exception as e:  # noqa: BLE001
+        line["error"] = _error(e)
+    line["seconds"] = round(time.perf_counter() - t0, 2)
+    emit(line)
+
+
+def rl_summary(rows: list[dict]) -> dict:
+    """The last row's step seconds per stage, model-compute seconds per stage, TPS and the share outside
+    model compute (the run's own ``perf/overhead_share``, and step - compute seconds)."""
+    last = rows[-1]
+    stage_s = {k.split("/", 1)[1]: v for k, v in last.items() if k.startswith("timing_s/") and k != "timing_s/step"}
+    compute_s = {k.split("/", 1)[1]: v for k, v in last.items() if k.startswith("compute_s/")}
+    step_s = last.get("timing_s/step")
+    out = {"steps": len(rows), "measured_step": last.get("step"), "step_s": step_s, "stage_s": stage_s,
+           "compute_s": compute_s, "tps_per_card": last.get("perf/tps_per_card"), "tokens": last.get("perf/tokens"),
+           "samples": last.get("samples"), "response_length_mean": last.get("response_length/mean"),
+           "overhead_share": last.get("perf/overhead_share"),
+           "outside_compute_s": round(step_s - sum(compute_s.values()), 4) if step_s is not None else None,
+           "mem_peak_gb": last.get("mem/peak_gb"), "reshard_bytes": last.get("reshard/bytes"),
+           "reward_mean": last.get("reward/mean")}
+    if len(rows) > 1:
+        out["first_step_s"] = rows[0].get("timing_s/step")
+    return out
+
+
+CHILDREN = {"env": child_env, "train": child_train, "decode": child_decode, "rl": child_rl}
+
+
+# ================================================================================ suite side
+# The orchestrator imports no torch: it starts the parts, streams their lines, applies the time budget,
+# prints the table and writes the results file.
+
+class Suite:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.mode = "cpu" if args.cpu else "gpu"
+        self.profile = PROFILES[self.mode]
+        self.lines: list[dict] = []
+        self.t0 = time.time()
+        self.budget_s = args.budget_s if args.budget_s is not None else self.profile["budget_s"]
+        self.env: dict = {}
+
+    # ------------------------------------------------------------------ plumbing
+    def emit(self, line: dict) -> None:
+        self.lines.append(line)
+        print(json.dumps(line, default=str), flush=True)
+
+    def child_env(self, device_type: str | None) -> dict:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
+        env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        if device_type:
+            env["RLRECIPES_DEVICE"] = device_type
+        return env
+
+    def remaining(self) -> float:
+        return self.budget_s - (time.time() - self.t0)
+
+    def run(self, cmd: list[str], *, part: str, name: str, cap: float, env: dict, parse_json: bool = True,
+            tag: dict | None = None) -> tuple[int | None, list[dict], str, str]:
+        """Run one subprocess with a timeout (its cap, or what is left of the budget); stream its JSON
+        lines (``tag``'s keys added to each). Returns ``(returncode or None on timeout, lines, stdout
+        text, stderr tail)``."""
+        left = self.remaining()
+        if left < 5:
+            self.emit({"part": part, "name": name, "error": f"not started: the suite's time budget "
+                                                             f"({self.budget_s:.0f} s, --budget-s) ran out"})
+            return None, [], "", ""
+        timeout = min(cap, left)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env,
+                                start_new_session=True)
+        got: list[dict] = []
+        out_text: list[str] = []
+        err_tail: collections.deque = collections.deque(maxlen=60)
+
+        def read_out() -> None:
+            for raw in proc.stdout:
+                s = raw.rstrip("\n")
+                if parse_json and s.startswith("{"):
+                    try:
+                        line = json.loads(s)
+                    except ValueError:
+                        out_text.append(s)
+                        continue
+                    if tag:
+                        line = {**tag, **line}
+                    got.append(line)
+                    self.emit(line)
+                else:
+                    out_text.append(s)
+
+        def read_err() -> None:
+            for raw in proc.stderr:
+                err_tail.append(raw.rstrip("\n"))
+
+        readers = [threading.Thread(target=read_out, daemon=True), threading.Thread(target=read_err, daemon=True)]
+        for t in readers:
+            t.start()
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            rc = None
+            for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+                try:
+                    os.killpg(proc.pid, sig)
+                except ProcessLookupError:
+                    break
+                try:
+                    proc.wait(timeout=wait)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+        for t in readers:
+            t.join(timeout=5)
+        if rc is None:
+            self.emit({"part": part, "name": name, "error": f"timed out after {timeout:.0f} s",
+                       "stderr_tail": "\n".join(list(err_tail)[-15:])})
+        elif rc != 0 and parse_json:
+            self.emit({"part": part, "name": name, "error": f"exited {rc}",
+                       "stderr_tail": "\n".join(list(err_tail)[-15:])})
+        return rc, got, "\n".join(out_text), "\n".join(err_tail)
+
+    def child(self, kind: str, spec: dict, *, part: str, name: str, cap: float, device_type: str | None):
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--child", kind, "--spec", json.dumps(spec)]
+        return self.run(cmd, part=part, name=name, cap=cap, env=self.child_env(device_type))
+
+    # ------------------------------------------------------------------ parts
+    def part_env(self) -> str | None:
+        spec = {"cpu": self.args.cpu, "device": self.args.device}
+        _, got, _, _ = self.child("env", spec, part="env", name="device", cap=self.profile["timeouts"]["env"],
+                                  device_type="cpu" if self.args.cpu else None)
+        self.env = got[0] if got else {}
+        return self.env.get("device_type")
+
+    def jobs(self, kind: str, parts: list[str]) -> list:
+        """The measurements in the order they run: what the issue's targets need first (GPU tests, the
+        1.5B train sweep, decode, the RL step), then the MoE shape and megatron, so that a run cut
+        short by the time budget loses the least. The table groups them by part again."""
+        t, shapes = self.profile["timeouts"], list(self.profile["train"]["shapes"])
+        out = []
+        if "tests" in parts:
+            out.append(lambda: self.pytest(["tests/gpu"], "tests/gpu", t["tests"]))
+        if "train" in parts and shapes:
+            out.append(lambda: self.train_native(kind, shapes[0]))
+        if "decode" in parts:
+            out.append(lambda: self.decode(kind))
+        if "rl" in parts:
+            out.append(lambda: self.rl(kind))
+        if "train" in parts:
+            out += [lambda sh=sh: self.train_native(kind, sh) for sh in shapes[1:]]
+            out.append(lambda: self.train_megatron(kind))
+        if "tests" in parts:
+            out.append(self.megatron_tests)
+        return out
+
+    def megatron_tests(self) -> None:
+        name = "tests/megatron_tier/test_megatron_gpu.py"
+        if self.env.get("megatron_core_imports"):
+            self.pytest([name], name, self.profile["timeouts"]["megatron_tests"])
+        else:
+            why = self.env.get("megatron_import_error") or "megatron-core is not installed"
+            self.emit({"part": "tests", "name": name, "not_run": why})
+
+    def pytest(self, paths: list[str], name: str, cap: float) -> None:
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *paths]
+        t0 = time.time()
+        env = self.child_env(None)
+        env.pop("RLRECIPES_DEVICE", None)  # the GPU tests find the accelerator themselves
+        rc, _, out, err = self.run(cmd, part="tests", name=name, cap=cap, env=env, parse_json=False)
+        if rc is None:
+            return
+        counts = pytest_counts(out)
+        line = {"part": "tests", "name": name, "returncode": rc, **counts, "seconds": round(time.time() - t0, 2),
+                "summary": (out.strip().splitlines() or [""])[-1][:300]}
+        if rc not in (0, 5) or counts["failed"] or counts["errors"]:
+            failing = [s for s in out.splitlines() if s.startswith(("FAILED", "ERROR"))][:20]
+            line["error"] = f"pytest exited {rc}: {counts['failed']} failed, {counts['errors']} errors"
+            line["failing"] = failing or (out.strip().splitlines()[-20:] + err.splitlines()[-10:])
+        self.emit(line)
+
+    def train_native(self, kind: str, shape: str) -> None:
+        p = self.profile["train"]
+        sweep = list(p["shapes"][shape])
+        if self.env.get("flash-attn") and shape in DENSE and self.mode == "gpu":
+            # the engine's varlen path (one packed row per micro-batch), only where flash-attn is installed
+            sweep += [{"attn_implementation": "flash_attention_2"},
+                      {"attn_implementation": "flash_attention_2", "varied_lengths": True}]
+        spec = {**{k: v for k, v in p.items() if k not in ("shapes", "megatron_shape")}, "device": kind,
+                "shape": shape, "sweep": sweep, "cache": self.args.cache}
+        self.child("train", spec, part="train", name=f"native {shape}", cap=self.profile["timeouts"]["train"],
+                   device_type=kind)
+
+    def train_megatron(self, kind: str) -> None:
+        """megatron-core through ``engine_throughput.py --engine megatron`` (TP1 PP1, padded micro-batches
+        of budget // (prompt + response) samples), at the dense shape only: that script writes Qwen2 folders."""
+        p = self.profile["train"]
+        mshape = p.get("megatron_shape")
+        name = f"megatron qwen2.5-{mshape}" if mshape else "megatron"
+        if not mshape:
+            self.emit({"part": "train", "name": name, "not_run": "megatron-core computes on CUDA or NPU only"})
+            return
+        if not self.env.get("megatron_core_imports"):
+            self.emit({"part": "train", "name": name,
+                       "not_run": self.env.get("megatron_import_error") or "megatron-core is not installed"})
+            return
+        cmd = [sys.executable, str(HERE / "engine_throughput.py"), "--engine", "megatron", "--device", kind,
+               "--shape", mshape, "--samples", str(p["samples"]), "--prompt", str(p["prompt"]),
+               "--response", str(p["response"]), "--budget", str(p["budget"]), "--steps", str(p["steps"])]
+        if self.args.cache:
+            cmd += ["--folder", str(Path(self.args.cache) / f"rlrecipes-bench-qwen2-{mshape}")]
+        rc, got, _, _ = self.run(cmd, part="train", name=name, cap=self.profile["timeouts"]["megatron_train"],
+                                 env=self.child_env(kind), tag={"part": "train", "name": name, "options": {}})
+        if rc == 0 and not got:
+            self.emit({"part": "train", "name": name, "error": "engine_throughput.py printed no JSON line"})
+
+    def decode(self, kind: str) -> None:
+        spec = {**self.profile["decode"], "device": kind, "cache": self.args.cache}
+        self.child("decode", spec, part="decode", name="decode", cap=self.profile["timeouts"]["decode"],
+                   device_type=kind)
+
+    def rl(self, kind: str) -> None:
+        stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+        run_dir = Path(self.args.run_dir or (ROOT / "runs" / f"gpu_suite-rl-{stamp}"))
+        mem = self.env.get("memory_bytes") or 0
+        spec = {**self.profile["rl"], "device": kind, "driver": self.args.rl_driver, "run_dir": str(run_dir),
+                "cache": self.args.cache, "memory_gb": round(mem / 2**30, 1) if kind != "cpu" and mem else 64}
+        self.child("rl", spec, part="rl", name="rl", cap=self.profile["timeouts"]["rl"], device_type=kind)
+
+    # ------------------------------------------------------------------ whole
+    def main(self) -> int:
+        parts = [p.strip() for p in self.args.parts.split(",") if p.strip()]
+        unknown = sorted(set(parts) - set(PARTS))
+        if unknown:
+            raise SystemExit(f"--parts: unknown {unknown}; choose from {', '.join(PARTS)}")
+        self.emit({"part": "suite", "name": "start", "mode": self.mode, "parts": parts, "budget_s": self.budget_s,
+                   "argv": sys.argv[1:], "version": SUITE_VERSION})
+        kind = self.part_env()
+        if kind is not None:
+            for job in self.jobs(kind, parts):
+                job()
+        return self.finish(parts)
+
+    def finish(self, parts: list[str]) -> int:
+        failed = [f"{x.get('part')}: {x.get('name')}" for x in self.lines if x.get("error")]
+        targets = check_targets(self.lines, self.mode)
+        name = self.env.get("device_name") or ("cpu" if self.args.cpu else "unknown")
+        out = Path(self.args.out) if self.args.out else (
+            HERE / "results" / f"gpu_suite-{slug(name)}-{_dt.datetime.now().strftime('%Y%m%d-%H%M%S')}.json")
+        summary = {"part": "suite", "name": "summary", "device": name, "mode": self.mode, "parts": parts,
+                   "failed": failed, "targets": targets, "seconds": round(time.time() - self.t0, 1),
+                   "results_file": str(out)}
+        self.emit(summary)
+        result = {"suite": "gpu_suite", "version": SUITE_VERSION, "device": name,
+                  "device_type": self.env.get("device_type"), "mode": self.mode,
+                  "started": _dt.datetime.fromtimestamp(self.t0).isoformat(timespec="seconds"),
+                  "seconds": summary["seconds"], "argv": sys.argv[1:], "commit": git_commit(), "failed": failed,
+                  "targets": targets, "lines": self.lines}
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(result, indent=1, default=str) + "\n")
+        except OSError as e:
+            print(f"gpu_suite: cannot write {out}: {e}", file=sys.stderr)
+            failed.append(f"results file: {e}")
+        if not self.args.no_table:
+            print(render_table(self.lines, targets, name, out), flush=True)
+        return 1 if failed else 0
+
+
+def pytest_counts(text: str) -> dict:
+    """passed / failed / skipped / errors ... from pytest's closing line (``-q``)."""
+    counts = {"passed": 0, "failed": 0, "skipped": 0, "errors": 0, "xfailed": 0, "xpassed": 0, "deselected": 0}
+    lines = [s for s in text.strip().splitlines() if re.search(r"\d+ (passed|failed|skipped|errors?|deselected)|"
+                                                               r"no tests ran", s)]
+    if lines:
+        for n, word in re.findall(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected)", lines[-1]):
+            counts["errors" if word.startswith("error") else word] = int(n)
+    return counts
+
+
+def check_targets(lines: list[dict], mode: str) -> dict:
+    """The issue's two targets, read off the lines: met / missed on a GPU run, not applicable on --cpu."""
+    mfu = [x.get("mfu") for x in lines if x.get("part") == "train" and x.get("engine") == "native"
+           and x.get("shape") == "qwen2.5-1.5b" and x.get("dtype") == "bf16" and x.get("mfu") is not None]
+    best_mfu = max(mfu) if mfu else None
+    best_cfg = next((x.get("options") for x in lines if x.get("part") == "train" and x.get("mfu") == best_mfu
+                     and x.get("shape") == "qwen2.5-1.5b"), None) if best_mfu is not None else None
+    sp = [x.get("speedup") for x in lines if x.get("part") == "decode" and x.get("batch") == 256
+          and x.get("speedup") is not None and x.get("new_tokens") == 1024]
+    best_sp = max(sp) if sp else None
+    na = mode == "cpu"
+    return {"train_mfu_qwen2.5-1.5b_bf16": {"target": TARGET_TRAIN_MFU, "value": best_mfu, "options": best_cfg,
+                                            "met": None if na or best_mfu is None else best_mfu >= TARGET_TRAIN_MFU},
+            "decode_speedup_batch256": {"target": TARGET_DECODE_SPEEDUP, "value": best_sp,
+                                        "met": None if na or best_sp is None else best_sp >= TARGET_DECODE_SPEEDUP}}
+
+
+def slug(name: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "unknown"
+
+
+def git_commit() -> str | None:
+    try:
+        p = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT, timeout=10)
+        return p.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _gib(n) -> str:
+    return f"{n / 2**30:.2f}" if isinstance(n, (int, float)) else "-"
+
+
+def _pct(x) -> str:
+    return f"{100 * x:.1f}%" if isinstance(x, (int, float)) else "-"
+
+
+def result_text(x: dict) -> str:
+    part = x.get("part")
+    if part == "env":
+        return (f"{x.get('device_name')} ({x.get('device_type')}), {_gib(x.get('memory_bytes'))} GiB, torch "
+                f"{x.get('torch')}, transformers {x.get('transformers')}, megatron-core {x.get('megatron-core')}")
+    if part == "tests" and "passed" in x:
+        return f"{x['passed']} passed, {x['failed']} failed, {x['skipped']} skipped, {x['errors']} errors"
+    if part == "train" and "tokens_per_s" in x:
+        return (f"{x['tokens_per_s']:.0f} tok/s, MFU {_pct(x.get('mfu'))}, peak {_gib(x.get('peak_bytes'))} GiB "
+                f"vs plan {_gib(x.get('plan_total_bytes'))} GiB ({x.get('dtype')})")
+    if part == "decode" and "native_tokens_per_s" in x:
+        s = f"native {x['native_tokens_per_s']:.0f} tok/s ({x.get('decode')}/{x.get('cache')})"
+        if x.get("hf_generate_tokens_per_s"):
+            s += f", generate {x['hf_generate_tokens_per_s']:.0f} tok/s, x{x.get('speedup')}"
+        return s
+    if part == "rl" and "step_s" in x:
+        stages = " ".join(f"{k} {v:.2f}" for k, v in sorted((x.get("stage_s") or {}).items()))
+        return (f"step {x['step_s']:.2f} s [{stages}], TPS/card {x.get('tps_per_card') or 0:.0f}, outside compute "
+                f"{_pct(x.get('overhead_share'))}")
+    return ""
+
+
+def render_table(lines: list[dict], targets: dict, device: str, out: Path) -> str:
+    rows = []
+    order = {p: i for i, p in enumerate(("env", *PARTS))}
+    for x in sorted(lines, key=lambda x: order.get(x.get("part"), len(order))):  # stable: run order within a part
+        if x.get("part") == "suite":
+            continue
+        if x.get("error"):
+            status = "FAILED"
+            text = str(x["error"]).splitlines()[0][:110]
+        elif x.get("not_run"):
+            status = "not run"
+            text = str(x["not_run"])[:110]
+        else:
+            status = "ok"
+            text = result_text(x)
+        rows.append((x.get("part", ""), str(x.get("name", ""))[:64], status, text))
+    w = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(("part", "name", "status", "result"))]
+    fmt = "  ".join(f"{{:<{n}}}" for n in w)
+    bar = "-" * (sum(w) + 6)
+    body = [f"gpu_suite on {device}", bar, fmt.format("part", "name", "status", "result"), bar]
+    body += [fmt.format(*r) for r in rows]
+    body.append(bar)
+    for key, t in targets.items():
+        val = t["value"]
+        shown = (_pct(val) if "mfu" in key else (f"x{val}" if val is not None else "-"))
+        verdict = {True: "met", False: "MISSED", None: "n/a"}[t["met"]]
+        goal = _pct(t["target"]) if "mfu" in key else f"x{t['target']}"
+        body.append(f"target {key}: {shown} (>= {goal}) {verdict}")
+    body.append(f"results: {out}")
+    return "\n".join(body)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cpu", action="store_true", help="the reduced mode: tiny shapes, one step each, on the CPU")
+    ap.add_argument("--device", default="auto", help="auto (the accelerator torch sees) | cuda | npu")
+    ap.add_argument("--out", default=None,
+                    help="results file (default benchmarks/results/gpu_suite-<device>-<date>.json)")
+    ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
+    ap.add_argument("--rl-driver", choices=["inprocess", "cli"], default="inprocess",
+                    help="inprocess: the workflow's worker in a subprocess without Ray (default); cli: `rlrecipes run` "
+                         "(needs Ray)")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="wall-clock budget of the whole suite (gpu 540, cpu 600)")
+    ap.add_argument("--cache", default=None, help="folder for the random model folders (default: the temp dir)")
+    ap.add_argument("--run-dir", default=None, help="the rl part's run folder (default runs/gpu_suite-rl-<time>)")
+    ap.add_argument("--no-table", action="store_true", help="JSON lines only")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--spec", default=None, help=argparse.SUPPRESS)
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.child:
+        sys.path.insert(0, str(HERE))
+        CHILDREN[args.child](json.loads(args.spec or "{}"))
+        return 0
+    return Suite(args).main()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,139 @@
+"""benchmarks/gpu_suite.py in its reduced CPU mode (``--cpu``: tiny shapes, one step each), so the
+suite a GPU machine runs never rots: every part runs and prints the JSON lines docs/gpu_suite.md
+describes, the results file holds the same lines, and a part that fails is recorded while the suite
+goes on and exits non-zero. A subprocess, as a user runs it; the whole-RL-step part drives the
+workflow's worker without Ray. Speeds are printed, never asserted."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SUITE = ROOT / "benchmarks" / "gpu_suite.py"
+sys.path.insert(0, str(SUITE.parent))
+import gpu_suite  # noqa: E402  (the orchestrator imports no torch)
+
+pytestmark = pytest.mark.e2e
+
+TRAIN_KEYS = {"part", "name", "engine", "shape", "options", "dtype", "params", "active_params", "recompute",
+              "head_chunk_tokens", "attn_implementation", "max_tokens_per_micro_batch", "samples", "prompt", "response",
+              "varied_lengths", "tokens_per_step", "micro_batches", "step_s", "tokens_per_s", "model_tflops_per_s",
+              "mfu", "peak_bytes", "loaded_bytes", "plan_total_bytes", "peak_over_plan", "plan_breakdown_gib",
+              "grad_norm", "load_s", "steps", "write_s", "seconds"}
+DECODE_KEYS = {"part", "name", "shape", "batch", "prompt_len", "new_tokens", "decode", "prefill", "cache", "dtype",
+               "native_s", "native_tokens", "native_tokens_per_s", "native_peak_bytes", "speedup", "seconds"}
+GENERATE_KEYS = {"hf_generate_s", "hf_generate_tokens", "hf_generate_tokens_per_s", "hf_generate_peak_bytes"}
+RL_KEYS = {"part", "name", "driver", "algorithm", "recipe", "shape", "prompts", "samples_per_prompt", "prompt_len",
+           "max_new_tokens", "params", "overrides", "steps", "measured_step", "step_s", "stage_s", "compute_s",
+           "tps_per_card", "tokens", "samples", "response_length_mean", "overhead_share", "outside_compute_s",
+           "mem_peak_gb", "reshard_bytes", "reward_mean", "run_dir", "seconds"}
+ENV_KEYS = {"part", "name", "python", "torch", "transformers", "megatron-core", "ray", "pytest",
+            "megatron_core_imports", "device_type", "device_name", "device_count", "memory_bytes", "peak_flops",
+            "bf16", "cpu_count"}
+
+
+def run_suite(tmp_path: Path, *extra: str) -> tuple[subprocess.CompletedProcess, list[dict], Path]:
+    out = tmp_path / "results.json"
+    p = subprocess.run([sys.executable, str(SUITE), "--cpu", "--out", str(out), "--run-dir", str(tmp_path / "rl"),
+                        *extra], capture_output=True, text=True, timeout=900, cwd=ROOT,
+                       env={**os.environ, "RLRECIPES_DEVICE": "cpu"})
+    lines = [json.loads(s) for s in p.stdout.splitlines() if s.startswith("{")]
+    return p, lines, out
+
+
+def by(lines: list[dict], part: str) -> list[dict]:
+    return [x for x in lines if x.get("part") == part]
+
+
+def test_cpu_mode_runs_every_part_and_writes_its_results(tmp_path):
+    p, lines, out = run_suite(tmp_path, "--cache", str(tmp_path / "models"))
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    assert not [x for x in lines if "error" in x], [x for x in lines if "error" in x]
+    prof = gpu_suite.PROFILES["cpu"]
+
+    assert lines[0]["part"] == "suite" and lines[0]["name"] == "start" and lines[0]["mode"] == "cpu"
+    (env,) = by(lines, "env")
+    assert ENV_KEYS <= set(env) and env["device_type"] == "cpu" and env["device_name"] == "cpu"
+
+    tests = {x["name"]: x for x in by(lines, "tests")}
+    gpu = tests["tests/gpu"]
+    assert gpu["failed"] == gpu["errors"] == 0 and gpu["skipped"] >= 1 and gpu["returncode"] == 0  # no device here
+    assert "tests/megatron_tier/test_megatron_gpu.py" in tests
+
+    train = [x for x in by(lines, "train") if x.get("engine") == "native"]
+    want = [(shape, opts) for shape, sweep in prof["train"]["shapes"].items() for opts in sweep]
+    assert sorted((x["shape"], json.dumps(x["options"], sort_keys=True)) for x in train) == \
+        sorted((s, json.dumps(o, sort_keys=True)) for s, o in want)
+    for x in train:
+        assert TRAIN_KEYS <= set(x), TRAIN_KEYS - set(x)
+        assert x["dtype"] == "fp32" and x["mfu"] is None  # a CPU has no bf16 peak to divide by
+        assert x["tokens_per_s"] > 0 and x["step_s"] > 0 and x["peak_bytes"] > 0 and x["plan_total_bytes"] > 0
+        assert x["steps"] == prof["train"]["steps"] and x["grad_norm"] > 0
+        opts = x["options"]
+        assert x["recompute"] == opts.get("recompute", False)
+        assert x["max_tokens_per_micro_batch"] == opts.get("max_tokens_per_micro_batch", prof["train"]["budget"])
+        assert x["head_chunk_tokens"] == opts.get("head_chunk_tokens", x["head_chunk_tokens"])
+    moe = [x for x in train if x["shape"] == "tiny-moe"]
+    assert moe and all(x["active_params"] < x["params"] for x in moe)
+    assert any(x.get("not_run") for x in by(lines, "train") if x["name"].startswith("megatron"))
+
+    decode = by(lines, "decode")
+    d = prof["decode"]
+    vs = {x["batch"]: x for x in decode if x["name"].startswith("native vs generate")}
+    assert sorted(vs) == sorted(d["batches"])
+    for b, x in vs.items():
+        assert (DECODE_KEYS | GENERATE_KEYS) <= set(x), (DECODE_KEYS | GENERATE_KEYS) - set(x)
+        assert x["native_tokens"] == x["hf_generate_tokens"] == b * d["new"]  # no EOS: every token generated
+        assert x["native_tokens_per_s"] > 0 and x["hf_generate_tokens_per_s"] > 0 and x["speedup"] > 0
+    sweep = [x for x in decode if "options" in x]
+    assert [x["options"] for x in sweep] == d["sweep"]
+    for x in sweep:
+        assert DECODE_KEYS <= set(x) and x["batch"] == d["sweep_batch"]
+        assert all(x[k] == v for k, v in x["options"].items())  # the engine ran the option it was given
+    assert {x["decode"] for x in decode} >= {"fast", "layers"} and {x["cache"] for x in decode} == {"static", "dynamic"}
+
+    (rl,) = by(lines, "rl")
+    r = prof["rl"]
+    assert RL_KEYS <= set(rl), RL_KEYS - set(rl)
+    assert rl["driver"] == "inprocess" and rl["steps"] == r["steps"]
+    assert rl["samples"] == r["prompts"] * r["n"] and rl["tps_per_card"] > 0 and 0 <= rl["overhead_share"] <= 1
+    assert {"rollout", "update"} <= set(rl["stage_s"]) and {"rollout", "update"} <= set(rl["compute_s"])
+    assert (Path(rl["run_dir"]) / "metrics.jsonl").is_file()
+
+    summary = lines[-1]
+    assert summary["name"] == "summary" and summary["failed"] == [] and summary["results_file"] == str(out)
+    assert set(summary["targets"]) == {"train_mfu_qwen2.5-1.5b_bf16", "decode_speedup_batch256"}
+    assert all(t["met"] is None for t in summary["targets"].values())  # not applicable on a CPU
+
+    saved = json.loads(out.read_text())
+    assert saved["device"] == "cpu" and saved["mode"] == "cpu" and saved["failed"] == []
+    assert saved["lines"] == lines  # every printed line, in order
+    assert "gpu_suite on cpu" in p.stdout and "target decode_speedup_batch256" in p.stdout  # the table
+
+
+def test_a_failing_part_is_recorded_and_the_suite_goes_on(tmp_path):
+    """No folder can be written under a regular file: the train part fails, the decode part still
+    runs its own attempt, and the suite exits non-zero with both in ``failed``."""
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")
+    p, lines, out = run_suite(tmp_path, "--parts", "train,decode", "--cache", str(blocker), "--no-table")
+    assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-3000:]
+    failed = [x for x in lines if x.get("error")]
+    assert {x["part"] for x in failed} == {"train", "decode"}
+    assert all(x["error"] for x in failed)
+    summary = lines[-1]
+    assert summary["name"] == "summary" and len(summary["failed"]) == len(failed)
+    assert json.loads(out.read_text())["failed"] == summary["failed"]
+    assert "gpu_suite on" not in p.stdout  # --no-table
+
+
+def test_pytest_counts_read_the_closing_line():
+    assert gpu_suite.pytest_counts("..s\n2 passed, 1 skipped, 3 warnings in 1.2s") == \
+        {"passed": 2, "failed": 0, "skipped": 1, "errors": 0, "xfailed": 0, "xpassed": 0, "deselected": 0}
+    assert gpu_suite.pytest_counts("F\n1 failed, 1 error in 0.1s")["errors"] == 1
+    assert gpu_suite.slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
