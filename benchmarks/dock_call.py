@@ -1,5 +1,6 @@
 """What one TransferDock call costs on the Ray backend: one client actor, one warehouse, small rows,
-over the direct channel (``--transport direct``, the default) or Ray actor calls (``ray``).
+over the direct channel (``--transport direct``, the default; ZeroMQ, encrypted with CURVE unless
+``--encryption off``) or Ray actor calls (``ray``).
 
 Ops, each repeated ``--calls`` times by the client in its own loop:
   empty    an empty Ray actor call to a plain actor (Ray's floor on this host, either transport)
@@ -8,17 +9,20 @@ Ops, each repeated ``--calls`` times by the client in its own loop:
   claim    ``put(..., defer=True)`` of one column, then a ``get`` of another for the same rows
            (the write rides on the claim: "write my outputs, hand me my next inputs")
 
-One JSON line per op: ``{"op", "transport", "nodes", "calls", "us_per_call", "cpu_us_per_call",
-"client_channels", "head_channels"}`` (the direct channels open after the op); the CPU counts every
-process of the local Ray session (caller, warehouse, raylet, ...), the steadier figure on a shared
-host (see sample_flow.py).
+One JSON line per op: ``{"op", "transport", "encrypted", "nodes", "calls", "us_per_call",
+"cpu_us_per_call", "cpu_us_per_call_dock", "client_channels", "head_channels"}`` (the direct channels
+open after the op); ``cpu_us_per_call`` counts every process of the local Ray session (caller,
+warehouse, raylet, ...), the steadier figure on a shared host (see sample_flow.py);
+``cpu_us_per_call_dock`` only the client's and the warehouses' processes (the transport's own cost,
+without the idle Ray daemons' background).
 
 ``--nodes 2`` starts a local two-node Ray cluster (``ray.cluster_utils.Cluster``) and pins the client
 to the second node, whose warehouse holds the client's rows (``writer_node`` placement) but not the
 controller: each commit and claim then also crosses from that warehouse to the head's controller
 (a direct channel of its own with ``--transport direct``, a Ray call with ``ray``).
 
-    python benchmarks/dock_call.py [--calls 1000] [--rows 32] [--width 8] [--transport direct|ray] [--nodes 1|2]
+    python benchmarks/dock_call.py [--calls 1000] [--rows 32] [--width 8] [--transport direct|ray]
+                                   [--encryption on|off] [--nodes 1|2]
 """
 from __future__ import annotations
 
@@ -71,6 +75,20 @@ class _Client:
         return (time.perf_counter() - t0) / n
 
 
+def _actors_cpu() -> float:
+    """CPU seconds of this session's client, plain and warehouse actor processes (by process title)."""
+    import psutil
+    total = 0.0
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.cmdline()[:1] and p.cmdline()[0].startswith(("ray::_Client", "ray::_Warehouse", "ray::_Plain")):
+                t = p.cpu_times()
+                total += t.user + t.system
+        except (psutil.Error, IndexError):
+            pass
+    return total
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--calls", type=int, default=1000)
@@ -78,6 +96,8 @@ def main(argv=None) -> None:
     ap.add_argument("--width", type=int, default=8, help="int64 values per row")
     ap.add_argument("--transport", default="direct", choices=["direct", "ray"],
                     help="how clients call the dock's warehouses (TransferDock.ray(transport=))")
+    ap.add_argument("--encryption", default="on", choices=["on", "off"],
+                    help="direct channels encrypted (CURVE) or in clear (TransferDock.ray(encryption=))")
     ap.add_argument("--ops", nargs="+", default=list(OPS), choices=OPS)
     ap.add_argument("--nodes", type=int, default=1, choices=[1, 2],
                     help="2: the client's warehouse is not the controller's (a local two-node cluster)")
@@ -91,8 +111,8 @@ def main(argv=None) -> None:
     env = {"env_vars": {"PYTHONPATH": root}}
     cluster, pin, nodes = None, {}, None
     if args.nodes == 1:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
-                 runtime_env=env)
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,   # never a running cluster
+                 configure_logging=False, runtime_env=env)
     else:
         from ray.cluster_utils import Cluster
         cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
@@ -103,21 +123,24 @@ def main(argv=None) -> None:
         # the controller's warehouse first (warehouse 0 hosts it), the client's second
         alive = [n for n in ray.nodes() if n["Alive"]]
         nodes = [n["NodeID"] for n in sorted(alive, key=lambda n: "client_node" in n["Resources"])]
-    dock = TransferDock.ray(transport=args.transport, nodes=nodes,
+    dock = TransferDock.ray(transport=args.transport, encryption=args.encryption == "on", nodes=nodes,
                             placement="writer_node" if args.nodes > 1 else "round_robin")
     try:
         plain = ray.remote(num_cpus=0)(_Plain).options(**pin).remote()
         client = ray.remote(num_cpus=0)(_Client).options(**pin).remote(dock, plain, args.rows, args.width)
         for op in args.ops:
             ray.get(client.loop.remote(op, max(args.calls // 10, 1)))     # warm-up
-            cpu0 = _session_cpu()
+            cpu0, dock0 = _session_cpu(), _actors_cpu()
             dt = ray.get(client.loop.remote(op, args.calls))
             cpu = (_session_cpu() - cpu0) / args.calls
+            dock_cpu = (_actors_cpu() - dock0) / args.calls
             # open direct channels: the client's to warehouses, the warehouses' to the head's controller
             head_channels = sum(w["head_channels"] for w in dock.stats()["warehouses"])
             print(json.dumps({"op": op, "transport": args.transport if op != "empty" else "ray",
+                              "encrypted": dock.encrypted if op != "empty" else False,
                               "nodes": args.nodes, "calls": args.calls, "us_per_call": round(dt * 1e6),
-                              "cpu_us_per_call": round(cpu * 1e6), "client_channels": ray.get(client.channels.remote()),
+                              "cpu_us_per_call": round(cpu * 1e6), "cpu_us_per_call_dock": round(dock_cpu * 1e6),
+                              "client_channels": ray.get(client.channels.remote()),
                               "head_channels": head_channels}), flush=True)
     finally:
         dock.shutdown()

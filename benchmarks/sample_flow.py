@@ -26,7 +26,8 @@ receives or sends arrays), skew_p50_s / skew_p99_s (last minus first worker star
 over all stages and measured steps), a2a_bytes_per_step (sample bytes the dock+cache mode's
 TensorCache exchange moved between workers), and cpu_s_per_step: CPU seconds used per measured step by
 every process of the local Ray session (driver, raylet, GCS, workers, dock actors; warm-up step
-excluded). On a shared 2-core machine the wall time mostly measures how much CPU a mode burns, and
+excluded; each worker opens its channel to the warehouses before the clock starts, as a run does
+once). On a shared 2-core machine the wall time mostly measures how much CPU a mode burns, and
 the CPU figure is the steadier of the two.
 
 What is timed, per mode (the same things a real step pays):
@@ -41,7 +42,8 @@ What is timed, per mode (the same things a real step pays):
                pays the same per step (on worker rank 0).
 
 The dock modes' clients call the warehouses over direct channels (``--transport direct``, the
-default) or Ray actor calls (``--transport ray``); each JSON line names the transport.
+default; ZeroMQ, encrypted with CURVE unless ``--encryption off``) or Ray actor calls
+(``--transport ray``); each JSON line names the transport and whether it was encrypted.
 
     python benchmarks/sample_flow.py                       # W = 2, 4, 8, 16; L = 1024; 64 rows/worker
     python benchmarks/sample_flow.py --workers 8 --seq-len 512 --rows-per-worker 32 --steps 5
@@ -120,6 +122,7 @@ def make_worker_class(ray):
             from rlrecipes.core.tensor_cache import TensorCache
             self.dock = dock
             self.cache = TensorCache("cpu", rank=self.rank)
+            dock.all_consumed("warm-up")   # opens this thread's channel: once per run, not timed
 
         # -- centralised: one call per stage, data in and out through the driver --------------
         def stage(self, name: str, step: int, inputs: dict):
@@ -311,6 +314,8 @@ def main(argv=None):
                     choices=["centralised", "dock", "dock+cache"])
     ap.add_argument("--transport", default="direct", choices=["direct", "ray"],
                     help="how clients call the dock's warehouses (TransferDock.ray(transport=))")
+    ap.add_argument("--encryption", default="on", choices=["on", "off"],
+                    help="direct channels encrypted (CURVE) or in clear (TransferDock.ray(encryption=))")
     ap.add_argument("--num-cpus", type=int, default=2, help="CPUs of the local Ray")
     args = ap.parse_args(argv)
     if args.rows_per_worker % GROUP:
@@ -320,7 +325,7 @@ def main(argv=None):
     from rlrecipes.core.dock import TransferDock
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    ray.init(num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False,
              configure_logging=False, runtime_env={"env_vars": {"PYTHONPATH": root}})
     try:
         Worker = make_worker_class(ray)
@@ -330,7 +335,7 @@ def main(argv=None):
             ray.get([w.ready.remote() for w in workers])
             port = _free_port()
             ray.get([w.init_group.remote(port) for w in workers])
-            dock = TransferDock.ray(transport=args.transport)
+            dock = TransferDock.ray(transport=args.transport, encryption=args.encryption == "on")
             ray.get([w.set_dock.remote(dock) for w in workers])
             try:
                 for mode in args.modes:
@@ -346,6 +351,7 @@ def main(argv=None):
                     print(json.dumps({
                         "mode": mode, "workers": W, "rows": W * R, "seq_len": L,
                         "transport": args.transport if mode != "centralised" else None,
+                        "encrypted": dock.encrypted if mode != "centralised" else None,
                         "seconds_per_step": round(float(np.median(st)), 4),
                         "cpu_s_per_step": round(float(cpu), 4),
                         "driver_bytes": int(db),

@@ -10,6 +10,7 @@ import itertools
 import os
 import pickle
 import socket
+import threading
 import time
 
 import pytest
@@ -235,7 +236,7 @@ def test_clients_use_direct_channels_and_fall_back_to_ray_calls_where_none_opens
         s.bind(("127.0.0.1", 0))
         dead = s.getsockname()[1]
     cut = RayDock(dock._warehouses, dock._node_ids, "round_robin",
-                  [("127.0.0.1", dead)] * len(dock._warehouses), dock._key)
+                  [("127.0.0.1", dead)] * len(dock._warehouses), dock._keys)
     with pytest.warns(RuntimeWarning, match="no direct channel to warehouse 0"):
         cut.put({"a": torch.arange(6.)}, rows)
         cut.flush()
@@ -265,8 +266,69 @@ def test_a_killed_warehouse_is_named_at_the_call_that_waits_on_it(shared_dock):
     client = pickle.loads(pickle.dumps(d))                  # a worker's copy, connected
     client.reset(1, groups=(1, 2))
     d.shutdown()
-    with pytest.raises(DockError, match="the warehouse actor died or the dock was shut down"):
+    with pytest.raises(DockError, match="channel to warehouse 0 at .*the warehouse actor died or the dock was shut down"):
         client.get("c", ["a"], None, timeout=30)
+
+
+class _LoopbackCapture:
+    """Every frame on the loopback interface while open (a raw AF_PACKET socket: root or
+    CAP_NET_RAW), searched for ``markers`` packet by packet (the markers repeat through the sample
+    tensors, so some copy lies whole inside one TCP segment)."""
+
+    def __init__(self, markers):
+        self.sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.ntohs(3))   # ETH_P_ALL
+        self.sock.bind(("lo", 0))
+        self.sock.settimeout(0.2)
+        self.markers, self.seen, self.bytes = markers, {m: 0 for m in markers}, 0
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        while not self._stop:
+            try:
+                pkt = self.sock.recv(1 << 17)
+            except socket.timeout:
+                continue
+            self.bytes += len(pkt)
+            for m in self.markers:
+                self.seen[m] += m in pkt
+
+    def close(self):
+        self._stop = True
+        self._thread.join()
+        self.sock.close()
+
+
+def test_dock_traffic_on_the_loopback_interface_shows_sample_bytes_only_when_encryption_is_off(dock):
+    # The cluster's nodes share this host, so every byte between the driver's client and the
+    # warehouses crosses the loopback interface: capture it during a put and a get of marked columns.
+    try:
+        socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.ntohs(3)).close()
+    except (PermissionError, AttributeError, OSError):
+        pytest.skip("capturing on the loopback interface needs root or CAP_NET_RAW "
+                    "(tests/unit/test_dock_zmq.py checks the same through relays)")
+    assert dock.encrypted and dock._keys.server_secret is None     # clients never get the warehouses' key
+    plain = TransferDock.ray(nodes=[_node_with("node0")], encryption=False)
+    try:
+        assert not plain.encrypted and plain.transport == "direct"
+        for d, encrypted in ((dock, True), (plain, False)):
+            big_marker, small_marker = os.urandom(12).hex().encode(), os.urandom(10).hex().encode()
+            big = torch.frombuffer(bytearray(big_marker * 8192), dtype=torch.uint8).view(8, -1)    # [8, 24 KiB]
+            small = torch.frombuffer(bytearray(small_marker * 8), dtype=torch.uint8).view(8, -1)   # [8, 20]
+            cap = _LoopbackCapture([big_marker, small_marker])
+            try:
+                rows = d.reset(next(_steps), groups=(2, 4))
+                d.put({"big": big, "small": small}, rows)
+                b = d.get("c", ["big", "small"], None, timeout=30)
+                assert torch.equal(b["big"], big) and torch.equal(b["small"], small)
+            finally:
+                cap.close()
+            assert cap.bytes > big.numel()
+            for m in (big_marker, small_marker):
+                assert (cap.seen[m] > 0) is (not encrypted), (m, encrypted, cap.seen)
+    finally:
+        plain.shutdown()
 
 
 @ray.remote(num_cpus=0, max_concurrency=2)

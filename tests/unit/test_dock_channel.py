@@ -1,8 +1,12 @@
-"""The dock's direct channel (``core/dock/channel.py``): a real server on 127.0.0.1 in this process,
-real client connections."""
+"""The dock's direct channel (``core/dock/channel.py``, ZeroMQ): a real server on 127.0.0.1 in this
+process, real client sockets; the semantics the dock relies on, with encryption on and off. What a
+peer without the keys gets, and what the wire shows: ``test_dock_zmq.py``."""
 from __future__ import annotations
 
+import pickle
 import socket
+import subprocess
+import sys
 import threading
 import warnings
 
@@ -10,15 +14,16 @@ import numpy as np
 import pytest
 
 from rlrecipes.core.dock import ChannelClosed, ChannelTimeout, DockError
-from rlrecipes.core.dock.channel import Channel, ChannelPool, ChannelServer, Reply, new_key
+from rlrecipes.core.dock.channel import Channel, ChannelPool, ChannelServer, DockKeys, Reply
 
 
 class Handler:
-    """Echoes ``("echo", x)``, raises on ``("fail", msg)``, waits on ``("block", event)``."""
+    """Echoes ``("echo", x)``, raises on ``("fail", msg)``, waits on ``("block", None)``."""
 
     def __init__(self):
         self.calls = 0
         self.release = threading.Event()
+        self.blocked = threading.Event()
 
     def __call__(self, request):
         self.calls += 1
@@ -26,37 +31,47 @@ class Handler:
         if kind == "fail":
             raise DockError(arg)
         if kind == "block":
+            self.blocked.set()
             self.release.wait(10)
         return arg
 
 
-@pytest.fixture
-def served():
-    h, key = Handler(), new_key()
-    srv = ChannelServer(h, key, "127.0.0.1")
-    yield h, key, srv
+@pytest.fixture(params=[True, False], ids=["curve", "plain"])
+def served(request):
+    h, keys = Handler(), DockKeys(encrypted=request.param)
+    srv = ChannelServer(h, keys, "127.0.0.1")
+    yield h, keys.for_clients(), srv
     h.release.set()
     srv.close()
 
 
 def test_requests_pipeline_and_answer_in_order_with_large_arrays_intact(served):
-    h, key, srv = served
-    ch = Channel(srv.address, key)
-    big = np.arange(300_000, dtype=np.int64).reshape(1000, 300)        # 2.4 MB: out-of-band buffer
+    h, keys, srv = served
+    ch = Channel(srv.address, keys)
+    big = np.arange(300_000, dtype=np.int64).reshape(1000, 300)        # 2.4 MB: an out-of-band frame
     small = {"ids": np.arange(5, dtype=np.int32), "b": b"\x00" * 10}
     seqs = [ch.send(("echo", x)) for x in (big, small, [1, 2])]
     assert ch.result(seqs[2]) == [1, 2]                                # later answer first: earlier kept
     got = ch.result(seqs[0])
-    assert np.array_equal(got, big) and got.flags.writeable            # received into private memory
+    assert np.array_equal(got, big) and got.flags.writeable            # wraps the received frame
     assert np.array_equal(ch.result(seqs[1])["ids"], small["ids"])
     with pytest.raises(DockError, match="already taken"):
         ch.result(seqs[1])
     assert Reply(ch, ch.send(("echo", 7))).result(5) == 7
 
 
+def test_a_request_copies_its_buffers_so_the_caller_may_reuse_them_at_once(served):
+    h, keys, srv = served
+    ch = Channel(srv.address, keys)
+    x = np.zeros(100_000, dtype=np.int64)                              # out of band
+    seq = ch.send(("echo", x))
+    x[:] = 7                                                           # as a caller's next step would
+    assert not ch.result(seq, 10).any()
+
+
 def test_a_handler_error_is_raised_at_the_caller_with_the_server_traceback(served):
-    h, key, srv = served
-    ch = Channel(srv.address, key)
+    h, keys, srv = served
+    ch = Channel(srv.address, keys)
     with pytest.raises(DockError, match="rows \\[3\\] unknown") as e:
         ch.result(ch.send(("fail", "rows [3] unknown")))
     assert any("raised in the warehouse process" in n and "in __call__" in n
@@ -65,43 +80,74 @@ def test_a_handler_error_is_raised_at_the_caller_with_the_server_traceback(serve
 
 
 def test_a_wrong_key_is_refused_before_any_request_is_read(served):
-    h, key, srv = served
+    h, keys, srv = served
     with pytest.raises(ChannelClosed, match="handshake failed"):
-        Channel(srv.address, new_key())
-    assert h.calls == 0
+        Channel(srv.address, DockKeys(encrypted=keys.encrypted))
+    assert h.calls == 0 and srv.received == 0
 
 
-def test_a_timeout_closes_the_channel_and_a_lost_server_is_named(served):
-    h, key, srv = served
-    ch = Channel(srv.address, key)
+def test_a_timeout_closes_the_channel(served):
+    h, keys, srv = served
+    ch = Channel(srv.address, keys)
     with pytest.raises(ChannelTimeout, match="no answer in 0.2s"):
         ch.result(ch.send(("block", None)), timeout=0.2)
     with pytest.raises(ChannelClosed, match="is closed"):
         ch.send(("echo", 1))
-    # the other end goes away while a caller waits
-    lsock = socket.create_server(("127.0.0.1", 0))
-    port = lsock.getsockname()[1]
+    h.release.set()
+    fresh = Channel(srv.address, keys)                 # the server still serves new channels
+    assert fresh.result(fresh.send(("echo", 2)), 10) == 2
 
-    def accept_then_drop():
-        conn, _ = lsock.accept()
-        conn.sendall(b"\x00" * 32)          # a nonce
-        conn.recv(32)
-        conn.sendall(b"\x01")
-        conn.recv(1024)
-        conn.close()
 
-    t = threading.Thread(target=accept_then_drop)
-    t.start()
-    ch2 = Channel(("127.0.0.1", port), key)
+_SERVER = """
+import pickle, sys, time
+from rlrecipes.core.dock.channel import ChannelServer, DockKeys
+keys = DockKeys(encrypted=sys.argv[1] == "1")
+srv = ChannelServer(lambda request: time.sleep(600), keys, "127.0.0.1")     # every call blocks
+print(pickle.dumps((srv.address, keys.for_clients())).hex(), flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("encrypted", [True, False], ids=["curve", "plain"])
+def test_a_warehouse_process_that_dies_while_a_caller_waits_is_named(encrypted):
+    proc = subprocess.Popen([sys.executable, "-c", _SERVER, str(int(encrypted))], stdout=subprocess.PIPE)
+    try:
+        address, keys = pickle.loads(bytes.fromhex(proc.stdout.readline().decode()))
+        ch = Channel(address, keys, name="warehouse 1")
+        seq = ch.send(("claim", None))
+        proc.kill()                                   # the warehouse actor's process ends mid-call
+        with pytest.raises(ChannelClosed, match="channel to warehouse 1 at .*: connection lost; the "
+                                                "warehouse actor died"):
+            ch.result(seq, timeout=60)
+        with pytest.raises(ChannelClosed, match="is closed"):
+            ch.send(("echo", 1))
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_closed_server_closes_its_channels(served):
+    h, keys, srv = served
+    ch = Channel(srv.address, keys)
+    assert ch.result(ch.send(("echo", 1)), 10) == 1
+    srv.close()
     with pytest.raises(ChannelClosed, match="connection lost"):
-        ch2.result(ch2.send(("echo", 1)), timeout=10)
-    t.join()
-    lsock.close()
+        ch.result(ch.send(("echo", 2)), timeout=60)
+    with pytest.raises(ChannelClosed, match="handshake failed"):
+        Channel(srv.address, keys, connect_timeout=2)
+
+
+def test_a_refused_connection_fails_at_once_with_the_address():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]                # nothing listens there
+    with pytest.raises(ChannelClosed, match=f"channel to warehouse 3 at 127.0.0.1:{dead}: handshake failed"):
+        Channel(("127.0.0.1", dead), DockKeys().for_clients(), name="warehouse 3")
 
 
 def test_a_pool_gives_each_thread_its_own_channel_and_falls_back_with_one_warning(served):
-    h, key, srv = served
-    pool = ChannelPool(srv.address, key, "the server", "its calls")
+    h, keys, srv = served
+    pool = ChannelPool(srv.address, keys, "the server", "its calls")
     mine = pool.get()
     assert pool.get() is mine
     other = []
@@ -110,10 +156,32 @@ def test_a_pool_gives_each_thread_its_own_channel_and_falls_back_with_one_warnin
     t.join()
     assert other[0] is not None and other[0] is not mine and pool.opened == 2
     assert other[0].result(other[0].send(("echo", 3))) == 3 and mine.result(mine.send(("echo", 4))) == 4
-    refused = ChannelPool(srv.address, new_key(), "the server", "its calls")     # a wrong key
+    refused = ChannelPool(srv.address, DockKeys(keys.encrypted), "the server", "its calls")   # wrong keys
     with pytest.warns(RuntimeWarning, match="no direct channel to the server .*its calls go through Ray"):
         assert refused.get() is None
     with warnings.catch_warnings():
         warnings.simplefilter("error")                                     # no second warning, no retry
         assert refused.get() is None
     assert refused.failed and refused.opened == 0 and h.calls == 2
+
+
+def test_one_peers_waiting_request_does_not_hold_up_another_peers(served):
+    # A claim blocks its peer's thread on the server; another thread's channel (another peer) is
+    # answered meanwhile -- the write a waiting claim needs arrives that way.
+    h, keys, srv = served
+    a, b = Channel(srv.address, keys), Channel(srv.address, keys)
+    seq = a.send(("block", None))
+    assert h.blocked.wait(10)
+    assert b.result(b.send(("echo", "meanwhile")), 10) == "meanwhile"
+    h.release.set()
+    assert a.result(seq, 10) is None
+
+
+def test_keys_never_print_and_clients_get_no_server_secret():
+    k = DockKeys()
+    assert "curve" in repr(k) and k.server_secret.decode() not in repr(k) and k.client_secret.decode() not in repr(k)
+    c = k.for_clients()
+    assert c.server_secret is None and k.server_secret is not None
+    assert (c.server_public, c.client_public, c.client_secret) == (k.server_public, k.client_public, k.client_secret)
+    p = DockKeys(encrypted=False)
+    assert p.client_secret.decode() not in repr(p) and len(p.client_secret) == 64

@@ -4,7 +4,7 @@ Modules: ``client.py`` (the :class:`DockClient` API, :class:`Batch`), ``metadata
 bookkeeping and the balanced hand-out), ``balance.py`` (LPT / Karmarkar-Karp), ``packing.py`` (columns
 as numpy arrays, the column store), ``warehouse.py`` (the controller and the warehouse: the one
 implementation of writes, claims and reads), ``channel.py`` (the direct client-warehouse
-connection), ``local.py`` (in-process backend: one warehouse in the
+channel over ZeroMQ), ``local.py`` (in-process backend: one warehouse in the
 client's process), ``ray_backend.py`` (the client of per-node warehouse actors); :class:`TransferDock`
 (here) constructs either.
 
@@ -23,16 +23,16 @@ Two backends, one API (:class:`DockClient`):
   (one lock around the store, one condition around the metadata): a call costs about half of an
   asyncio actor's on a small host (0.7 vs 1.3 ms measured here), and a blocked claim holds a thread.
   Clients (worker actors, each with the same picklable handle) ask the controller *which* rows and
-  *where*, then write to / read from the warehouses directly -- by default over a direct
-  authenticated TCP connection per (client thread, warehouse) (``channel.py``: about 20 us of CPU a call
-  where a Ray actor call costs about 1 ms), else through Ray actor calls. The driver never touches sample data. A get is one client round trip: the
+  *where*, then write to / read from the warehouses directly -- by default over a ZeroMQ channel
+  per (client thread, warehouse), authenticated and encrypted with CURVE (``channel.py``: tens of
+  microseconds of CPU a call where a Ray actor call costs about 1 ms), else through Ray actor calls. The driver never touches sample data. A get is one client round trip: the
   caller's node warehouse claims at the controller and answers with the rows it holds. A put is
   sent without waiting: the warehouse stores the rows and commits them (marks them ready) at the
   controller, so readiness never runs ahead of the data; the writer settles the answer at its next
   blocking call (``flush``).
 
-Data travels as flat numpy arrays (one per column and warehouse call). Over a channel each array is
-received straight into the memory its tensor wraps. Over Ray calls, arrays above Ray's inline
+Data travels as flat numpy arrays (one per column and warehouse call). Over a channel each array
+wraps the message frame it arrived in (no copy). Over Ray calls, arrays above Ray's inline
 threshold go through the shared-memory object store and are read back zero-copy, so the tensors of
 a :class:`Batch` may be read-only views of object-store memory: ``clone()`` before writing in place
 (or pass ``copy=True`` to :meth:`DockClient.get`).
@@ -55,7 +55,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from .balance import partition_kk, partition_lpt, partition_sticky
-from .channel import ChannelClosed, ChannelTimeout, new_key
+from .channel import ChannelClosed, ChannelTimeout, DockKeys
 from .client import Batch, DockClient
 from .errors import DEFAULT_TIMEOUT_S, DockError, DockTimeout
 from .local import LocalDock
@@ -102,7 +102,7 @@ class TransferDock:
     @staticmethod
     def ray(*, name: str | None = None, nodes: Sequence[str] | None = None,
             placement: str = "round_robin", equal_count: bool = True, concurrency: int = 256,
-            transport: str = "direct") -> RayDock:
+            transport: str = "direct", encryption: bool = True) -> RayDock:
         """Start the controller and one warehouse per alive Ray node (or per id in ``nodes``).
 
         ``placement``: ``round_robin`` assigns prompt groups to warehouses in turn;
@@ -111,10 +111,13 @@ class TransferDock:
         ``concurrency``: threads per warehouse actor. A get blocks one thread of the caller's node
         warehouse (and of the head's) until its rows are ready, so it must exceed the number of
         clients that read at once (the workflow passes a bound from the worker count).
-        ``transport``: ``direct`` (default) -- clients call the warehouses over direct authenticated
-        TCP channels (``channel.py``: about 20 us of CPU a call against about 1 ms for a Ray actor
+        ``transport``: ``direct`` (default) -- clients call the warehouses over ZeroMQ channels
+        (``channel.py``: tens of microseconds of CPU a call against about 1 ms for a Ray actor
         call), with Ray calls wherever a channel cannot be opened; ``ray`` -- Ray actor calls only
         (the warehouses do not listen). Ray starts, places and kills the actors either way.
+        ``encryption``: the channels use CURVE (encrypted; only this dock's clients are admitted);
+        False -- in clear, admitted by a token (a trusted network only). The keys are made here,
+        per dock, and reach the warehouses and clients only through Ray.
         Needs ``ray.init`` first. Call ``shutdown()`` on the returned client to stop the actors.
         """
         import ray
@@ -146,12 +149,13 @@ class TransferDock:
         got = ray.get([w.node_id.remote() for w in warehouses])
         if got != nodes:  # NodeAffinity with soft=False guarantees this; check anyway
             raise DockError(f"warehouses landed on {got}, expected {nodes}")
-        channels = key = None
+        channels = keys = None
         if transport == "direct":
-            key = new_key()
-            channels = ray.get([w.open_channel.remote(key) for w in warehouses])
-            ray.get([w.connect_head.remote(channels[0], key) for w in warehouses[1:]])
-        dock = RayDock(warehouses, nodes, placement, channels, key)
+            keys = DockKeys(encrypted=encryption)
+            channels = ray.get([w.open_channel.remote(keys) for w in warehouses])
+            keys = keys.for_clients()
+            ray.get([w.connect_head.remote(channels[0], keys) for w in warehouses[1:]])
+        dock = RayDock(warehouses, nodes, placement, channels, keys)
         dock._owner = True
         dock.reset(0)
         return dock

@@ -1,44 +1,38 @@
-"""A direct channel from a dock client to a warehouse: one authenticated TCP connection per
-(client thread, warehouse) (:class:`ChannelPool`), with one server thread per connection in the
-warehouse's process.
+"""A direct channel from a dock client to a warehouse over ZeroMQ (``pyzmq``): a DEALER socket per
+(client thread, warehouse) (:class:`ChannelPool`), connected to a socket of its own in the
+warehouse's process, which a thread of its own serves (:class:`ChannelServer`). It carries the calls
+of ``_Warehouse.call`` (the same requests and answers as the Ray path), so a client falls back to Ray
+calls where it cannot connect. Why, the keys, the cost: docs/transfer_dock.md ("Direct channels").
 
-Why not only Ray calls: a Ray actor call from one worker to a threaded actor costs about 1 ms of CPU
-on a 2-core host (submission, the actor's task queue, its executor thread, the reply through the
-caller's core worker), and a dock step makes several per worker and stage. The same request over a
-socket costs about 20 us (``benchmarks/dock_call.py --transport direct``). Ray still places,
-starts, names and kills the warehouses; the channel carries only the calls of
-``_Warehouse.call`` (the same requests and answers as the Ray path), so either path serves every
-call and a client falls back to Ray calls where a connection cannot be opened.
+Security (:class:`DockKeys`, made per dock by its creator): CURVE by default -- encrypted, the client
+checks the warehouse's key, and the warehouse's ZAP handler admits only the run's client key.
+ZeroMQ finishes that handshake before it delivers a message, so nothing from an unknown peer reaches
+``pickle``. ``encrypted=False``: PLAIN, in clear, the run's random token checked by the same handler.
 
-Wire: each message is ``pickle`` protocol 5 with its large buffers (numpy arrays) out of band:
-a header (main length, buffer count, buffer lengths), the main pickle, then each buffer. The
-receiver reads each buffer straight into the bytearray the array will wrap (no copy after the
-socket). A connection is a pipeline: requests are answered in order, so a client may send several
-and read the answers later (``Channel.send`` / ``Channel.result``).
-
-Security: a connection must answer an HMAC-SHA256 challenge with the dock's key (made by the dock's
-creator, carried only inside the pickled client, as the actor handles are) before any request is
-unpickled.
+Wire: one multipart message per request or answer: ``pickle`` protocol 5, then each large buffer
+(numpy array) as a frame of its own, which the receiver's array wraps (no copy). Requests copy their
+buffers as they are sent (the caller may reuse its tensors at once); answers send the store's
+arrays, which are never written in place, without a copy.
 """
 from __future__ import annotations
 
-import hashlib
-import hmac
+import copy
 import pickle
 import secrets
-import socket
-import struct
 import threading
 import time
 import traceback
+import types
 import warnings
+
+import zmq
+import zmq.utils.monitor
+from zmq.auth.thread import ThreadAuthenticator
 
 from .errors import DockError
 
-_HEAD = struct.Struct("<QI")      # main pickle bytes, out-of-band buffer count
-_LEN = struct.Struct("<Q")        # one buffer's bytes
-_JOIN_BELOW = 1 << 16             # frames below this go out in one send
-_NONCE = 32
+
+_SLICE_MS = 1000      # a caller waiting for an answer checks for a lost connection this often
 
 
 class ChannelClosed(DockError):
@@ -46,152 +40,183 @@ class ChannelClosed(DockError):
 
 
 class ChannelTimeout(DockError):
-    """No answer within the caller's timeout; the connection is closed (its stream is mid-message)."""
+    """No answer within the caller's timeout; the channel is closed."""
 
 
-def _frame(obj) -> list:
+class DockKeys:
+    """One dock's credentials: CURVE keypairs (z85) of the warehouses and of the clients, or, with
+    ``encrypted=False``, a PLAIN token. ``for_clients()`` drops the warehouses' secret key."""
+
+    def __init__(self, encrypted: bool = True):
+        self.encrypted = encrypted
+        self.server_public, self.server_secret = zmq.curve_keypair() if encrypted else (None, None)
+        self.client_public, self.client_secret = (zmq.curve_keypair() if encrypted else
+                                                  (None, secrets.token_hex(32).encode()))
+
+    def __repr__(self) -> str:   # never the keys
+        return f"DockKeys({'curve' if self.encrypted else 'plain'})"
+
+    def for_clients(self) -> "DockKeys":
+        k = copy.copy(self)
+        k.server_secret = None
+        return k
+
+    def client(self, sock: zmq.Socket) -> None:
+        if self.encrypted:
+            sock.curve_serverkey, sock.curve_publickey = self.server_public, self.client_public
+            sock.curve_secretkey = self.client_secret
+        else:
+            sock.plain_username, sock.plain_password = b"dock", self.client_secret
+
+    def serve(self, sock: zmq.Socket, auth: ThreadAuthenticator) -> None:
+        if self.encrypted:
+            sock.curve_server, sock.curve_secretkey = True, self.server_secret
+            allow = types.SimpleNamespace(callback=lambda _, key: secrets.compare_digest(key, self.client_public))
+            auth.configure_curve_callback("dock", allow)
+        else:
+            sock.plain_server = True
+            auth.configure_plain("dock", {"dock": self.client_secret.decode()})
+
+
+def _dumps(obj) -> list:
     bufs: list[pickle.PickleBuffer] = []
     main = pickle.dumps(obj, protocol=5, buffer_callback=bufs.append)
-    raws = [b.raw() for b in bufs]
-    head = _HEAD.pack(len(main), len(raws)) + b"".join(_LEN.pack(r.nbytes) for r in raws)
-    return [head, main, *raws]
+    return [main, *(b.raw() for b in bufs)]
 
 
-def _send(sock: socket.socket, parts: list) -> None:
-    if sum(memoryview(p).nbytes for p in parts) < _JOIN_BELOW:
-        sock.sendall(b"".join(parts))
-    else:
-        for p in parts:
-            sock.sendall(p)
+def _loads(frames: list):
+    return pickle.loads(frames[0].buffer, buffers=[f.buffer for f in frames[1:]])
 
 
-def _read_into(sock: socket.socket, buf) -> None:
-    view = memoryview(buf).cast("B")
-    while view.nbytes:
-        n = sock.recv_into(view)
-        if n == 0:
-            raise ChannelClosed("the other end closed the connection")
-        view = view[n:]
+def _socket(ctx: zmq.Context, kind: int, host: str = "") -> zmq.Socket:
+    sock = ctx.socket(kind)
+    sock.sndhwm = sock.rcvhwm = 0        # no high-water mark: a ROUTER drops, the others block, at one
+    sock.linger, sock.ipv6 = 0, ":" in host
+    return sock
 
 
-def _recv(sock: socket.socket):
-    head = bytearray(_HEAD.size)
-    _read_into(sock, head)
-    n_main, n_bufs = _HEAD.unpack(head)
-    lens = bytearray(_LEN.size * n_bufs)
-    if n_bufs:
-        _read_into(sock, lens)
-    main = bytearray(n_main)
-    _read_into(sock, main)
-    bufs = []
-    for (n,) in _LEN.iter_unpack(lens):
-        b = bytearray(n)
-        _read_into(sock, b)
-        bufs.append(b)
-    return pickle.loads(main, buffers=bufs)
-
-
-def _digest(key: bytes, nonce: bytes) -> bytes:
-    return hmac.new(key, nonce, hashlib.sha256).digest()
-
-
-def new_key() -> bytes:
-    return secrets.token_bytes(32)
+def _endpoint(host: str) -> str:
+    return f"tcp://[{host}]" if ":" in host else f"tcp://{host}"
 
 
 class ChannelServer:
-    """Listens on ``host`` (an ephemeral port) and answers each authenticated connection's requests
-    in order with ``handle(request)`` on a thread of its own. An exception raised by ``handle``
-    goes back to the caller and is raised there, with the server-side traceback as a note."""
+    """Listens on ``host`` (an ephemeral port): each client channel first asks there for a socket of
+    its own (another ephemeral port), which a thread of its own serves -- ``handle(request)`` for
+    each request, in order, answered on the same socket -- until the client says goodbye. A blocked
+    claim so holds only its own channel. An exception raised by ``handle`` is raised at the caller,
+    with the server's traceback as a note. ``received``: messages delivered past the handshake."""
 
-    def __init__(self, handle, key: bytes, host: str):
-        self._handle = handle
-        self._key = key
-        self._sock = socket.create_server((host, 0), backlog=256)
-        self.address = (host, self._sock.getsockname()[1])
+    def __init__(self, handle, keys: DockKeys, host: str):
+        self._handle, self._keys, self._host = handle, keys, host
+        self._ctx = zmq.Context()
+        self._auth = ThreadAuthenticator(self._ctx)
+        self._auth.start()
+        self._door, port = self._listen(zmq.ROUTER)
+        self.address = (host, port)
         self._closed = False
-        threading.Thread(target=self._accept, name="dock-channel-accept", daemon=True).start()
+        self.received = 0
+        threading.Thread(target=self._open_channels, name="dock-channel-door", daemon=True).start()
 
-    def _accept(self) -> None:
-        while not self._closed:
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), name="dock-channel", daemon=True).start()
+    def _listen(self, kind: int) -> tuple[zmq.Socket, int]:
+        sock = _socket(self._ctx, kind, self._host)
+        sock.zap_domain, sock.zap_enforce_domain = b"dock", True   # no ZAP handler: refuse, never admit
+        self._keys.serve(sock, self._auth)                         # (ZAP domain "dock")
+        return sock, sock.bind_to_random_port(_endpoint(self._host))
 
-    def _serve(self, conn: socket.socket) -> None:
-        with conn:
-            try:
-                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                nonce = secrets.token_bytes(_NONCE)
-                conn.sendall(nonce)
-                answer = bytearray(_NONCE)
-                _read_into(conn, answer)
-                if not hmac.compare_digest(bytes(answer), _digest(self._key, nonce)):
-                    return                                  # wrong key: close before unpickling anything
-                conn.sendall(b"\x01")
-                while True:
-                    request = _recv(conn)
-                    try:
-                        reply = _frame(("ok", self._handle(request)))
-                    except BaseException as e:   # noqa: BLE001 -- every failure goes back to the caller
-                        reply = self._error_frame(e)
-                    _send(conn, reply)
-            except (ChannelClosed, OSError):
-                return                                      # the client went away
-
-    @staticmethod
-    def _error_frame(e: BaseException) -> list:
-        tb = "".join(traceback.format_exception(e))
+    def _open_channels(self) -> None:
         try:
-            return _frame(("err", e, tb))
-        except Exception:   # noqa: BLE001 -- an exception that does not pickle
-            return _frame(("err", DockError(f"{type(e).__name__}: {e}"), tb))
+            while True:
+                peer = self._door.recv_multipart()[0]
+                self.received += 1
+                sock, port = self._listen(zmq.DEALER)
+                threading.Thread(target=self._serve, args=(sock,), name="dock-channel", daemon=True).start()
+                self._door.send_multipart([peer, b"%d" % port])
+        except zmq.ContextTerminated:
+            self._door.close()
+
+    def _serve(self, sock: zmq.Socket) -> None:
+        try:
+            while True:
+                frames = sock.recv_multipart(copy=False)
+                if not len(frames[0]):               # the client closed its channel
+                    break
+                self.received += 1
+                try:
+                    answer = _dumps(("ok", self._handle(_loads(frames))))
+                except BaseException as e:   # noqa: BLE001 -- every failure goes back to the caller
+                    tb = "".join(traceback.format_exception(e))
+                    try:
+                        answer = _dumps(("err", e, tb))
+                    except Exception:   # noqa: BLE001 -- an exception that does not pickle
+                        answer = _dumps(("err", DockError(f"{type(e).__name__}: {e}"), tb))
+                try:
+                    sock.send_multipart(answer, zmq.NOBLOCK, copy=False)
+                except zmq.Again:                     # the client is gone (it timed out)
+                    pass
+        except zmq.ContextTerminated:
+            pass
+        sock.close()
 
     def close(self) -> None:
-        self._closed = True
-        try:
-            self._sock.close()
-        except OSError:
-            pass
+        """Stop listening and close every channel (their callers see ``ChannelClosed``); a thread
+        busy in ``handle`` closes its channel when that returns."""
+        if not self._closed:
+            self._closed = True
+            self._auth.stop()                         # from now on every handshake fails (zap_enforce_domain)
+            threading.Thread(target=self._ctx.term, name="dock-channel-close", daemon=True).start()
 
 
 class Channel:
     """The client end: ``send`` a request (returns its sequence number, without waiting), then
-    ``result(seq)`` reads answers in order until that one, keeping earlier unread ones."""
+    ``result(seq)`` reads answers in order until that one, keeping earlier unread ones. Opening it
+    asks the server for a socket and waits for both handshakes, so a refused or unauthenticated
+    connection fails here."""
 
-    def __init__(self, address: tuple, key: bytes, connect_timeout: float = 10.0):
-        sock = socket.create_connection(tuple(address), timeout=connect_timeout)
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            nonce = bytearray(_NONCE)
-            _read_into(sock, nonce)
-            sock.sendall(_digest(key, bytes(nonce)))
-            ok = bytearray(1)
-            _read_into(sock, ok)
-        except (OSError, ChannelClosed) as e:
-            sock.close()
-            raise ChannelClosed(f"channel to {address[0]}:{address[1]}: handshake failed ({e}); "
-                                "a wrong dock key, or the warehouse is gone") from None
-        sock.settimeout(None)
-        self._sock = sock
-        self.address = tuple(address)
-        self._sent = 0
-        self._read = 0
+    def __init__(self, address: tuple, keys: DockKeys, connect_timeout: float = 10.0, name: str = "a warehouse"):
+        self.address, self.name, self._sock = tuple(address), name, None
+        door, events = self._connect(address[1], keys, connect_timeout)
+        door.send(b"")
+        port = int(door.recv()) if door.poll(int(connect_timeout * 1000)) else None
+        _close(door, events)
+        if port is None:
+            raise ChannelClosed(f"channel to {self._where}: no answer in {connect_timeout:.0f}s")
+        self._sock, self._events = self._connect(port, keys, connect_timeout)
+        self._slice_ms = self._sock.rcvtimeo = _SLICE_MS
+        self._sent = self._read = 0
         self._answers: dict[int, tuple] = {}
         self._lock = threading.Lock()
 
+    def _connect(self, port: int, keys: DockKeys, timeout: float) -> tuple[zmq.Socket, zmq.Socket]:
+        """A DEALER connected to ``port`` of the server's host, once the handshake succeeded, and the
+        monitor that reports its loss."""
+        host = self.address[0]
+        sock = _socket(zmq.Context.instance(), zmq.DEALER, host)
+        sock.heartbeat_ivl, sock.heartbeat_timeout = 5000, 30000   # ms: a vanished node is noticed
+        keys.client(sock)
+        events = sock.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+            | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_CLOSED | zmq.EVENT_CONNECT_RETRIED
+            | zmq.EVENT_DISCONNECTED)
+        sock.connect(f"{_endpoint(host)}:{port}")
+        event = events.poll(int(timeout * 1000)) and _event(events)
+        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            return sock, events
+        _close(sock, events)
+        why = ("the warehouse refused this client's key" if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH else
+               "refused or unreachable" if event in (zmq.EVENT_CLOSED, zmq.EVENT_CONNECT_RETRIED) else
+               f"no handshake in {timeout:.0f}s" if not event else "not this dock's keys")
+        raise ChannelClosed(f"channel to {self._where}: handshake failed ({why}); a wrong dock key, or the "
+                            "warehouse is gone")
+
+    @property
+    def _where(self) -> str:
+        return f"{self.name} at {self.address[0]}:{self.address[1]}"
+
     def send(self, request) -> int:
-        parts = _frame(request)
+        frames = _dumps(request)
         with self._lock:
             self._check()
-            try:
-                _send(self._sock, parts)
-            except OSError as e:
-                self._close()
-                raise ChannelClosed(f"channel to {self.address[0]}:{self.address[1]}: send failed ({e}); "
-                                    "the warehouse actor died or the dock was shut down") from None
+            self._sock.send_multipart(frames)          # copied: the caller may reuse its buffers
             self._sent += 1
             return self._sent
 
@@ -202,36 +227,45 @@ class Channel:
                 self._check()
                 if seq <= self._read:
                     raise DockError(f"channel: answer {seq} was already taken")
+                # wait in slices: between them, the monitor is asked whether the connection is lost
+                ms = _SLICE_MS if deadline is None else max(min(int((deadline - time.monotonic()) * 1000) + 1,
+                                                                _SLICE_MS), 1)
+                if ms != self._slice_ms:
+                    self._slice_ms = self._sock.rcvtimeo = ms
                 try:
-                    self._sock.settimeout(None if deadline is None else max(deadline - time.monotonic(), 1e-3))
-                    answer = _recv(self._sock)
-                except (socket.timeout, TimeoutError):
-                    self._close()
-                    raise ChannelTimeout(f"channel to {self.address[0]}:{self.address[1]}: no answer in "
-                                         f"{timeout:.1f}s") from None
-                except (OSError, ChannelClosed) as e:
-                    self._close()
-                    raise ChannelClosed(f"channel to {self.address[0]}:{self.address[1]}: connection lost "
-                                        f"({e}); the warehouse actor died or the dock was shut down") from None
+                    frames = self._sock.recv_multipart(copy=False)
+                except zmq.Again:                      # answers already here are read before a loss
+                    if self._lost():
+                        self._close(bye=False)
+                        raise ChannelClosed(f"channel to {self._where}: connection lost; the warehouse "
+                                            "actor died or the dock was shut down") from None
+                    if deadline is not None and time.monotonic() >= deadline:
+                        self._close()
+                        raise ChannelTimeout(f"channel to {self._where}: no answer in {timeout:.1f}s") from None
+                    continue
                 self._read += 1
-                self._answers[self._read] = answer
+                self._answers[self._read] = _loads(frames)
             answer = self._answers.pop(seq)
         if answer[0] == "err":
-            e = answer[1]
-            e.add_note(f"raised in the warehouse process:\n{answer[2]}")
-            raise e
+            answer[1].add_note(f"raised in the warehouse process:\n{answer[2]}")
+            raise answer[1]
         return answer[1]
+
+    def _lost(self) -> bool:
+        lost = False
+        while self._events.poll(0):
+            lost |= _event(self._events) == zmq.EVENT_DISCONNECTED
+        return lost
 
     def _check(self) -> None:
         if self._sock is None:
-            raise ChannelClosed(f"channel to {self.address[0]}:{self.address[1]} is closed")
+            raise ChannelClosed(f"channel to {self._where} is closed")
 
-    def _close(self) -> None:
+    def _close(self, bye: bool = True) -> None:
         if self._sock is not None:
-            try:
-                self._sock.close()
-            except OSError:
-                pass
+            if bye:                                    # the server's thread for this channel ends
+                self._sock.send(b"", zmq.NOBLOCK)
+            _close(self._sock, self._events, linger=1000 if bye else 0)
             self._sock = None
 
     def close(self) -> None:
@@ -245,30 +279,40 @@ class Channel:
             pass
 
 
+def _event(events: zmq.Socket) -> int:
+    return zmq.utils.monitor.recv_monitor_message(events)["event"]
+
+
+def _close(sock: zmq.Socket, events: zmq.Socket, linger: int = 0) -> None:
+    sock.disable_monitor()    # first: an event sent to a closed monitor would block libzmq's I/O thread
+    events.close()
+    sock.close(linger=linger)
+
+
 class ChannelPool:
     """Channels to one listener, one per calling thread, each opened on that thread's first
-    :meth:`get`. Per thread because a connection answers in order: a claim waiting on one thread's
-    connection must not hold up the write another thread sends to the same warehouse, which may be
-    the write that claim waits for. Where a connection cannot be opened (a firewall between nodes,
-    say), ``get`` answers None from then on, for every thread, after one RuntimeWarning, and the
-    caller makes Ray calls. ``to`` names the far end and ``then`` the calls that fall back, for the
-    warning."""
+    :meth:`get`. Per thread because a peer's requests are answered in order: a claim waiting on one
+    thread's channel must not hold up the write another thread sends to the same warehouse, which
+    may be the write that claim waits for. Where a channel cannot be opened (a firewall between
+    nodes, a wrong key), ``get`` answers None from then on, for every thread, after one
+    RuntimeWarning, and the caller makes Ray calls. ``to`` names the far end and ``then`` the calls
+    that fall back, for the warning."""
 
-    def __init__(self, address: tuple, key: bytes, to: str, then: str):
+    def __init__(self, address: tuple, keys: DockKeys, to: str, then: str):
         self.address = tuple(address)
-        self._key, self._to, self._then = key, to, then
+        self._keys, self._to, self._then = keys, to, then
         self._tls = threading.local()
         self._lock = threading.Lock()
         self.opened = 0        # channels opened so far (threads that called get)
-        self.failed = False    # a connection could not be opened: Ray calls from now on
+        self.failed = False    # a channel could not be opened: Ray calls from now on
 
     def get(self) -> Channel | None:
         ch = getattr(self._tls, "channel", None)
         if ch is not None or self.failed:
             return ch
         try:
-            ch = self._tls.channel = Channel(self.address, self._key)
-        except (ChannelClosed, OSError) as e:
+            ch = self._tls.channel = Channel(self.address, self._keys, name=self._to)
+        except (ChannelClosed, zmq.ZMQError) as e:
             with self._lock:
                 first, self.failed = not self.failed, True
             if first:

@@ -28,14 +28,14 @@ class RayDock(DockClient):
     """
 
     def __init__(self, warehouses: list, node_ids: list[str], placement: str,
-                 channels: list | None = None, key: bytes | None = None, direct: bool = True):
+                 channels: list | None = None, keys=None, direct: bool = True):
         self._warehouses = list(warehouses)   # [0] hosts the controller
         self._node_ids = list(node_ids)
         self._placement = placement
-        # Direct channels (``channel.py``): each warehouse's listening address and the dock's key
-        # (None: the warehouses do not listen); ``direct=False``: this client makes Ray calls.
+        # Direct channels (``channel.py``): each warehouse's listening address and the dock's client
+        # keys (None: the warehouses do not listen); ``direct=False``: this client makes Ray calls.
         self._addresses = list(channels) if channels is not None else None
-        self._key = key
+        self._keys = keys
         self._direct = direct and channels is not None
         self._owner = False
         self._init_client()
@@ -52,12 +52,12 @@ class RayDock(DockClient):
         self._home: int | None = None       # this process's node's warehouse (resolved lazily)
         self._ahead = None                  # a reset sent ahead (reset_ahead): a copy has none
         # per warehouse, this client's direct channels to it: one per calling thread (channel.py)
-        self._pools = [ChannelPool(a, self._key, f"warehouse {w}", "its calls")
+        self._pools = [ChannelPool(a, self._keys, f"warehouse {w}", "its calls")
                        for w, a in enumerate(self._addresses)] if self._direct else None
         self.round_trips = 0
         self.wait_s = 0.0
 
-    _SHARED = ("_warehouses", "_node_ids", "_placement", "_addresses", "_key", "_direct")
+    _SHARED = ("_warehouses", "_node_ids", "_placement", "_addresses", "_keys", "_direct")
 
     def __getstate__(self):
         # The actors and how to reach them; not this client's state (its row map, unsettled writes,
@@ -91,6 +91,11 @@ class RayDock(DockClient):
         """``direct`` (channels to the warehouses) or ``ray`` (Ray actor calls)."""
         return "direct" if self._direct else "ray"
 
+    @property
+    def encrypted(self) -> bool:
+        """Whether this client's direct channels are encrypted (CURVE); False on the Ray path."""
+        return self._direct and self._keys.encrypted
+
     def with_transport(self, transport: str) -> "RayDock":
         """A client on the same actors that calls them over ``direct`` channels or ``ray`` calls."""
         if transport not in ("direct", "ray"):
@@ -98,7 +103,7 @@ class RayDock(DockClient):
         if transport == "direct" and self._addresses is None:
             raise DockError("transport 'direct': this dock's warehouses do not listen for channels "
                             "(it was started with TransferDock.ray(transport='ray'))")
-        return RayDock(self._warehouses, self._node_ids, self._placement, self._addresses, self._key,
+        return RayDock(self._warehouses, self._node_ids, self._placement, self._addresses, self._keys,
                        direct=transport == "direct")
 
     def _ctl(self, method: str, *args):
@@ -129,7 +134,7 @@ class RayDock(DockClient):
         (``round_robin`` or ``writer_node``)."""
         if placement not in ("round_robin", "writer_node"):
             raise DockError(f"placement {placement!r}: expected round_robin or writer_node")
-        return RayDock(self._warehouses, self._node_ids, placement, self._addresses, self._key, self._direct)
+        return RayDock(self._warehouses, self._node_ids, placement, self._addresses, self._keys, self._direct)
 
     @property
     def warehouse_nodes(self) -> list[str]:

@@ -174,21 +174,22 @@ class _Warehouse:
         import ray
         return ray.get(self.head.call.remote(("control", (method, *args))))
 
-    def connect_head(self, address: tuple, key: bytes) -> None:
-        """Call the head's controller over direct channels (non-head warehouses): one connection
-        per thread of this warehouse, opened on its first controller call. Per thread, because a
-        claim blocks its connection until the rows are ready, and the commits that make them ready
-        come from other threads."""
+    def connect_head(self, address: tuple, keys) -> None:
+        """Call the head's controller over direct channels (non-head warehouses): one channel per
+        thread of this warehouse, opened on its first controller call. Per thread, because a claim
+        blocks its channel until the rows are ready, and the commits that make them ready come from
+        other threads. ``keys``: the dock's client keys (``channel.DockKeys``)."""
         from .channel import ChannelPool
-        self._head = ChannelPool(address, key, "the head warehouse", f"warehouse {self.index}'s controller calls")
+        self._head = ChannelPool(address, keys, "the head warehouse", f"warehouse {self.index}'s controller calls")
 
-    def open_channel(self, key: bytes) -> tuple:
-        """Listen for direct channels from clients (``channel.py``) on this node's address; answers
-        the address. Each connection is served by a thread of its own through :meth:`call`."""
+    def open_channel(self, keys) -> tuple:
+        """Listen for direct channels from clients (``channel.py``) on this node's address, with the
+        dock's ``keys`` (the only process besides the creator to get their server secret); answers
+        the address. Each peer is served by a thread of its own through :meth:`call`."""
         import ray
         from .channel import ChannelServer
         if self._server is None:
-            self._server = ChannelServer(self.call, key, ray.util.get_node_ip_address())
+            self._server = ChannelServer(self.call, keys, ray.util.get_node_ip_address())
         return self._server.address
 
     def set_peers(self, warehouses: list) -> None:

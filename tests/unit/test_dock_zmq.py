@@ -1,0 +1,225 @@
+"""What the dock's ZeroMQ channel shows to whoever can reach its port, or read its traffic.
+
+* A peer without the run's keys is refused during ZeroMQ's handshake: nothing it sends is delivered
+  to the warehouse's socket, so nothing is unpickled (a pickle that records its own unpickling is
+  the payload; the same payload from a peer with the keys is unpickled, so the check can fail).
+* The bytes on the wire during a dock write and read (relays between client and warehouse record
+  every byte both ways, so this runs without root; ``tests/dist/test_dock_ray.py`` captures a Ray
+  dock's traffic on the loopback interface where the process may) hold no sample bytes with
+  encryption on, and hold them with it off (so the check can fail).
+"""
+from __future__ import annotations
+
+import pickle
+import socket
+import threading
+
+import numpy as np
+import pytest
+import torch
+import zmq
+import zmq.utils.monitor
+
+from rlrecipes.core.dock import ChannelClosed
+from rlrecipes.core.dock.channel import Channel, ChannelServer, DockKeys
+from rlrecipes.core.dock.client import _put_meta
+from rlrecipes.core.dock.packing import columns_from_wire, wire_write
+from rlrecipes.core.dock.warehouse import _Warehouse
+
+UNPICKLED: list[str] = []
+
+
+def _record(tag: str) -> str:
+    UNPICKLED.append(tag)
+    return tag
+
+
+class Tripwire:
+    """Unpickling it calls ``_record``: any unpickle in this process shows in ``UNPICKLED``."""
+
+    def __init__(self, tag: str):
+        self.tag = tag
+
+    def __reduce__(self):
+        return (_record, (self.tag,))
+
+
+@pytest.fixture(params=[True, False], ids=["curve", "plain"])
+def server(request):
+    UNPICKLED.clear()
+    calls: list = []
+    keys = DockKeys(encrypted=request.param)
+    srv = ChannelServer(calls.append, keys, "127.0.0.1")
+    yield srv, keys, calls
+    srv.close()
+
+
+def _raw_dealer(address, setup) -> tuple[zmq.Socket, int]:
+    """A DEALER that sends the tripwire at once (queued until a handshake succeeds) and the first
+    handshake outcome its monitor reports."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.linger = 0
+    setup(sock)
+    mon = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                                  | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+    sock.connect(f"tcp://{address[0]}:{address[1]}")
+    sock.send(pickle.dumps(Tripwire("raw")))
+    assert mon.poll(30_000), "no handshake outcome"
+    event = zmq.utils.monitor.recv_monitor_message(mon)["event"]
+    sock.disable_monitor()
+    mon.close()
+    return sock, event
+
+
+def test_a_peer_without_the_keys_is_refused_before_anything_is_unpickled(server):
+    srv, keys, calls = server
+    other = DockKeys(encrypted=keys.encrypted)
+    # 1. the dock's own client with another run's keys: refused at the handshake
+    with pytest.raises(ChannelClosed, match="handshake failed"):
+        Channel(srv.address, other.for_clients())
+    attempts = {"null mechanism": lambda s: None}
+    if keys.encrypted:
+        def wrong_client_key(s):          # knows the warehouse's public key, not the run's client keypair
+            s.curve_serverkey = keys.server_public
+            s.curve_publickey, s.curve_secretkey = other.client_public, other.client_secret
+
+        def wrong_server_key(s):          # the run's client keypair, talking to an impostor's key
+            s.curve_serverkey = other.server_public
+            s.curve_publickey, s.curve_secretkey = keys.client_public, keys.client_secret
+
+        def plain(s):
+            s.plain_username, s.plain_password = b"dock", b"guess"
+        attempts |= {"wrong client key": wrong_client_key, "wrong server key": wrong_server_key,
+                     "plain": plain}
+    else:
+        def wrong_token(s):
+            s.plain_username, s.plain_password = b"dock", other.client_secret
+
+        def curve(s):
+            s.curve_serverkey = other.server_public or zmq.curve_keypair()[0]
+            s.curve_publickey, s.curve_secretkey = zmq.curve_keypair()
+        attempts |= {"wrong token": wrong_token, "curve": curve}
+    # 2. raw zmq peers that send a pickle right away: the handshake fails, the message is dropped
+    for name, setup in attempts.items():
+        sock, event = _raw_dealer(srv.address, setup)
+        assert event != zmq.EVENT_HANDSHAKE_SUCCEEDED, name
+        sock.close()
+    # 3. a raw TCP peer writing a pickle: the server closes the connection at the greeting
+    with socket.create_connection(srv.address, timeout=30) as s:
+        s.sendall(pickle.dumps(Tripwire("tcp")) * 8)
+        try:
+            while s.recv(4096):
+                pass
+        except ConnectionResetError:
+            pass
+    assert srv.received == 0 and calls == [] and UNPICKLED == []
+    # the same payload from a peer with the keys is delivered and unpickled: the check above can fail
+    ch = Channel(srv.address, keys.for_clients())
+    ch.result(ch.send(Tripwire("mine")), 30)
+    assert srv.received == 2 and calls == ["mine"] and UNPICKLED == ["mine"]     # its socket request + the call
+
+
+class Relay:
+    """A TCP relay on 127.0.0.1 that forwards to ``target`` and records every byte, both ways."""
+
+    def __init__(self, target: tuple):
+        self.target = target
+        self.sent = bytearray()        # client -> server
+        self.answered = bytearray()    # server -> client
+        self._lsock = socket.create_server(("127.0.0.1", 0))
+        self.address = self._lsock.getsockname()
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                a, _ = self._lsock.accept()
+            except OSError:
+                return
+            try:
+                b = socket.create_connection(self.target)
+            except OSError:          # the server is gone (the client's reconnect after the test)
+                a.close()
+                continue
+            threading.Thread(target=self._pump, args=(a, b, self.sent), daemon=True).start()
+            threading.Thread(target=self._pump, args=(b, a, self.answered), daemon=True).start()
+
+    def _pump(self, src, dst, log):
+        try:
+            while data := src.recv(1 << 16):
+                with self._lock:
+                    log += data
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self):
+        self._lsock.close()
+
+
+BIG_MARKER = b"SAMPLE-BYTES-IN-CLEAR/"     # in a column above 64 KiB: its own, out-of-band frame
+SMALL_MARKER = b"small-row-in-clear!"      # in a small column: inside the pickle
+
+
+def _marker_tensor(marker: bytes, rows: int, min_bytes: int) -> torch.Tensor:
+    reps = -(-min_bytes // (rows * len(marker)))
+    row = np.frombuffer(marker * reps, dtype=np.uint8)
+    return torch.from_numpy(np.tile(row, (rows, 1)))          # [rows, reps * len(marker)] uint8
+
+
+@pytest.mark.parametrize("encrypted", [True, False], ids=["encrypted", "in-clear"])
+def test_sample_bytes_on_the_wire_only_when_encryption_is_off(encrypted, monkeypatch):
+    # A warehouse as the Ray actor runs it (hosting the controller), served over the channel; the
+    # client writes two columns and claims them back, as RayDock does. Every port the server listens
+    # on (the one it is reached at, and each channel's own) is reached through a relay.
+    relays: list[Relay] = []
+    listen = ChannelServer._listen
+
+    def relayed(self, kind):
+        sock, port = listen(self, kind)
+        relays.append(Relay(("127.0.0.1", port)))
+        return sock, relays[-1].address[1]
+    monkeypatch.setattr(ChannelServer, "_listen", relayed)
+    wh = _Warehouse(0)
+    wh.clear(0)
+    _, rows, _ = wh.control("reset", 0, (1, 4))
+    keys = DockKeys(encrypted=encrypted)
+    srv = ChannelServer(wh.call, keys, "127.0.0.1")
+    try:
+        ch = Channel(srv.address, keys.for_clients())
+        big = _marker_tensor(BIG_MARKER, len(rows), 128 << 10)
+        small = _marker_tensor(SMALL_MARKER, len(rows), 64)
+        meta, packed = _put_meta({"big": big, "small": small}, rows, own=False)
+        assert ch.result(ch.send(("write", wire_write(rows, packed, meta, range(len(rows))))), 30) is None
+        res = ch.result(ch.send(("claim_read", ("c", ["big", "small"], None, 0, 1, False, 30.0, [], [], []))), 30)
+        assert res[0] == "ok" and sorted(res[1]) == rows
+        got = columns_from_wire(res[5])
+        assert np.array_equal(got["big"].flat, big.numpy().reshape(-1))
+        assert np.array_equal(got["small"].flat, small.numpy().reshape(-1))
+        ch.close()
+    finally:
+        srv.close()
+        for r in relays:
+            r.close()
+    assert len(relays) == 2                                       # the server's address and the channel's
+    for direction in (b"".join(bytes(r.sent) for r in relays), b"".join(bytes(r.answered) for r in relays)):
+        assert len(direction) > (128 << 10)                       # the data did pass the relays
+        for marker in (BIG_MARKER, SMALL_MARKER):
+            assert (marker in direction) is (not encrypted), (marker, encrypted)
+
+
+def test_without_its_zap_handler_a_warehouse_refuses_even_the_right_keys(server):
+    # The server's sockets enforce the ZAP domain: with the handler gone (the server closing, or its
+    # thread lost) a handshake fails instead of admitting whoever knows the warehouse's public key.
+    srv, keys, calls = server
+    srv._auth.stop()
+    with pytest.raises(ChannelClosed, match="handshake failed"):
+        Channel(srv.address, keys.for_clients(), connect_timeout=2)     # refused, or never admitted
+    assert srv.received == 0 and calls == []
