@@ -98,6 +98,9 @@ def main(argv=None) -> None:
                     help="how clients call the dock's warehouses (TransferDock.ray(transport=))")
     ap.add_argument("--encryption", default="on", choices=["on", "off"],
                     help="direct channels encrypted (CURVE) or in clear (TransferDock.ray(encryption=))")
+    ap.add_argument("--wire", default="files", choices=["files", "tcp"],
+                    help="a client on a warehouse's machine: its socket files (files, the default) or TCP as "
+                         "from another node (tcp: what encryption costs; TransferDock.ray(same_host_files=))")
     ap.add_argument("--ops", nargs="+", default=list(OPS), choices=OPS)
     ap.add_argument("--nodes", type=int, default=1, choices=[1, 2],
                     help="2: the client's warehouse is not the controller's (a local two-node cluster)")
@@ -123,7 +126,8 @@ def main(argv=None) -> None:
         # the controller's warehouse first (warehouse 0 hosts it), the client's second
         alive = [n for n in ray.nodes() if n["Alive"]]
         nodes = [n["NodeID"] for n in sorted(alive, key=lambda n: "client_node" in n["Resources"])]
-    dock = TransferDock.ray(transport=args.transport, encryption=args.encryption == "on", nodes=nodes,
+    dock = TransferDock.ray(transport=args.transport, encryption=args.encryption == "on",
+                            same_host_files=args.wire == "files", nodes=nodes,
                             placement="writer_node" if args.nodes > 1 else "round_robin")
     try:
         plain = ray.remote(num_cpus=0)(_Plain).options(**pin).remote()
@@ -137,7 +141,7 @@ def main(argv=None) -> None:
             # open direct channels: the client's to warehouses, the warehouses' to the head's controller
             head_channels = sum(w["head_channels"] for w in dock.stats()["warehouses"])
             print(json.dumps({"op": op, "transport": args.transport if op != "empty" else "ray",
-                              "encrypted": dock.encrypted if op != "empty" else False,
+                              "encrypted": dock.encrypted if op != "empty" else False, "wire": args.wire,
                               "nodes": args.nodes, "calls": args.calls, "us_per_call": round(dt * 1e6),
                               "cpu_us_per_call": round(cpu * 1e6), "cpu_us_per_call_dock": round(dock_cpu * 1e6),
                               "client_channels": ray.get(client.channels.remote()),

@@ -316,6 +316,9 @@ def main(argv=None):
                     help="how clients call the dock's warehouses (TransferDock.ray(transport=))")
     ap.add_argument("--encryption", default="on", choices=["on", "off"],
                     help="direct channels encrypted (CURVE) or in clear (TransferDock.ray(encryption=))")
+    ap.add_argument("--wire", default="files", choices=["files", "tcp"],
+                    help="a client on a warehouse's machine: its socket files (files, the default) or TCP as "
+                         "from another node (tcp: what encryption costs; TransferDock.ray(same_host_files=))")
     ap.add_argument("--num-cpus", type=int, default=2, help="CPUs of the local Ray")
     args = ap.parse_args(argv)
     if args.rows_per_worker % GROUP:
@@ -335,7 +338,8 @@ def main(argv=None):
             ray.get([w.ready.remote() for w in workers])
             port = _free_port()
             ray.get([w.init_group.remote(port) for w in workers])
-            dock = TransferDock.ray(transport=args.transport, encryption=args.encryption == "on")
+            dock = TransferDock.ray(transport=args.transport, encryption=args.encryption == "on",
+                                    same_host_files=args.wire == "files")
             ray.get([w.set_dock.remote(dock) for w in workers])
             try:
                 for mode in args.modes:
@@ -351,7 +355,7 @@ def main(argv=None):
                     print(json.dumps({
                         "mode": mode, "workers": W, "rows": W * R, "seq_len": L,
                         "transport": args.transport if mode != "centralised" else None,
-                        "encrypted": dock.encrypted if mode != "centralised" else None,
+                        "encrypted": dock.encrypted if mode != "centralised" else None, "wire": args.wire,
                         "seconds_per_step": round(float(np.median(st)), 4),
                         "cpu_s_per_step": round(float(cpu), 4),
                         "driver_bytes": int(db),

@@ -309,10 +309,13 @@ def test_dock_traffic_on_the_loopback_interface_shows_sample_bytes_only_when_enc
         pytest.skip("capturing on the loopback interface needs root or CAP_NET_RAW "
                     "(tests/unit/test_dock_zmq.py checks the same through relays)")
     assert dock.encrypted and dock._keys.server_secret is None     # clients never get the warehouses' key
-    plain = TransferDock.ray(nodes=[_node_with("node0")], encryption=False)
+    # same_host_files=False: the clients take TCP, as from another node (on one host they would
+    # use the warehouses' socket files, which never reach a network interface)
+    sealed = TransferDock.ray(nodes=[_node_with("node0")], same_host_files=False)
+    plain = TransferDock.ray(nodes=[_node_with("node0")], encryption=False, same_host_files=False)
     try:
-        assert not plain.encrypted and plain.transport == "direct"
-        for d, encrypted in ((dock, True), (plain, False)):
+        assert sealed.encrypted and not plain.encrypted and plain.transport == "direct"
+        for d, encrypted in ((sealed, True), (plain, False)):
             big_marker, small_marker = os.urandom(12).hex().encode(), os.urandom(10).hex().encode()
             big = torch.frombuffer(bytearray(big_marker * 8192), dtype=torch.uint8).view(8, -1)    # [8, 24 KiB]
             small = torch.frombuffer(bytearray(small_marker * 8), dtype=torch.uint8).view(8, -1)   # [8, 20]
@@ -329,6 +332,7 @@ def test_dock_traffic_on_the_loopback_interface_shows_sample_bytes_only_when_enc
                 assert (cap.seen[m] > 0) is (not encrypted), (m, encrypted, cap.seen)
     finally:
         plain.shutdown()
+        sealed.shutdown()
 
 
 @ray.remote(num_cpus=0, max_concurrency=2)

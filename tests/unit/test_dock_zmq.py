@@ -10,6 +10,7 @@
 """
 from __future__ import annotations
 
+import os
 import pickle
 import socket
 import threading
@@ -74,9 +75,18 @@ def _raw_dealer(address, setup) -> tuple[zmq.Socket, int]:
 def test_a_peer_without_the_keys_is_refused_before_anything_is_unpickled(server):
     srv, keys, calls = server
     other = DockKeys(encrypted=keys.encrypted)
-    # 1. the dock's own client with another run's keys: refused at the handshake
-    with pytest.raises(ChannelClosed, match="handshake failed"):
-        Channel(srv.address, other.for_clients())
+    tcp = srv.address[:2]  # as a client on another machine reaches it (no socket files)
+    # 1. the dock's own client with another run's keys: refused at the handshake, from another
+    #    machine (CURVE, or PLAIN with the run's token) and from this one (PLAIN over the socket files)
+    for address in (tcp, srv.address):
+        with pytest.raises(ChannelClosed, match="handshake failed"):
+            Channel(address, other.for_clients())
+    local = zmq.Context.instance().socket(zmq.DEALER)  # a raw peer at the local door with a guessed token
+    local.linger, local.plain_username, local.plain_password = 0, b"local", b"guess"
+    local.connect(srv.address[2])
+    local.send(pickle.dumps(Tripwire("local")))
+    assert not local.poll(1000)
+    local.close()
     attempts = {"null mechanism": lambda s: None}
     if keys.encrypted:
         def wrong_client_key(s):          # knows the warehouse's public key, not the run's client keypair
@@ -101,11 +111,11 @@ def test_a_peer_without_the_keys_is_refused_before_anything_is_unpickled(server)
         attempts |= {"wrong token": wrong_token, "curve": curve}
     # 2. raw zmq peers that send a pickle right away: the handshake fails, the message is dropped
     for name, setup in attempts.items():
-        sock, event = _raw_dealer(srv.address, setup)
+        sock, event = _raw_dealer(tcp, setup)
         assert event != zmq.EVENT_HANDSHAKE_SUCCEEDED, name
         sock.close()
     # 3. a raw TCP peer writing a pickle: the server closes the connection at the greeting
-    with socket.create_connection(srv.address, timeout=30) as s:
+    with socket.create_connection(tcp, timeout=30) as s:
         s.sendall(pickle.dumps(Tripwire("tcp")) * 8)
         try:
             while s.recv(4096):
@@ -114,9 +124,12 @@ def test_a_peer_without_the_keys_is_refused_before_anything_is_unpickled(server)
             pass
     assert srv.received == 0 and calls == [] and UNPICKLED == []
     # the same payload from a peer with the keys is delivered and unpickled: the check above can fail
-    ch = Channel(srv.address, keys.for_clients())
-    ch.result(ch.send(Tripwire("mine")), 30)
-    assert srv.received == 2 and calls == ["mine"] and UNPICKLED == ["mine"]     # its socket request + the call
+    for n, address in enumerate((tcp, srv.address), 1):
+        ch = Channel(address, keys.for_clients())
+        assert ch.local is (address == srv.address)
+        ch.result(ch.send(Tripwire("mine")), 30)
+        assert srv.received == 2 * n and calls == ["mine"] * n and UNPICKLED == ["mine"] * n  # socket request + call
+        ch.close()
 
 
 class Relay:
@@ -182,10 +195,12 @@ def test_sample_bytes_on_the_wire_only_when_encryption_is_off(encrypted, monkeyp
     relays: list[Relay] = []
     listen = ChannelServer._listen
 
-    def relayed(self, kind):
-        sock, port = listen(self, kind)
-        relays.append(Relay(("127.0.0.1", port)))
-        return sock, relays[-1].address[1]
+    def relayed(self, kind, local):
+        sock, endpoint = listen(self, kind, local)
+        if local:  # the same-machine door: not on the wire at all
+            return sock, endpoint
+        relays.append(Relay(("127.0.0.1", int(endpoint.rsplit(":", 1)[1]))))
+        return sock, f"tcp://127.0.0.1:{relays[-1].address[1]}"
     monkeypatch.setattr(ChannelServer, "_listen", relayed)
     wh = _Warehouse(0)
     wh.clear(0)
@@ -193,7 +208,7 @@ def test_sample_bytes_on_the_wire_only_when_encryption_is_off(encrypted, monkeyp
     keys = DockKeys(encrypted=encrypted)
     srv = ChannelServer(wh.call, keys, "127.0.0.1")
     try:
-        ch = Channel(srv.address, keys.for_clients())
+        ch = Channel(srv.address[:2], keys.for_clients())  # from another machine: TCP
         big = _marker_tensor(BIG_MARKER, len(rows), 128 << 10)
         small = _marker_tensor(SMALL_MARKER, len(rows), 64)
         meta, packed = _put_meta({"big": big, "small": small}, rows, own=False)
@@ -223,3 +238,19 @@ def test_without_its_zap_handler_a_warehouse_refuses_even_the_right_keys(server)
     with pytest.raises(ChannelClosed, match="handshake failed"):
         Channel(srv.address, keys.for_clients(), connect_timeout=2)     # refused, or never admitted
     assert srv.received == 0 and calls == []
+
+
+def test_a_client_on_the_same_machine_uses_the_servers_socket_files(server, tmp_path):
+    # Same machine (same boot id): PLAIN with the dock's token over socket files in a folder only
+    # this user opens; nothing of it is on a network interface, so it is not encrypted (a peer that
+    # could read it could read the processes' memory).
+    srv, keys, calls = server
+    host, port, door, boot = srv.address
+    folder = door[len("ipc://"):].rsplit("/", 1)[0]
+    assert os.stat(folder).st_mode & 0o777 == 0o700
+    ch = Channel(srv.address, keys.for_clients())
+    assert ch.local and ch.result(ch.send("x"), 30) is None and calls == ["x"]
+    ch.close()
+    elsewhere = Channel((host, port, door, "another-machine"), keys.for_clients())  # TCP, with the keys
+    assert not elsewhere.local and elsewhere.result(elsewhere.send("y"), 30) is None and calls == ["x", "y"]
+    elsewhere.close()

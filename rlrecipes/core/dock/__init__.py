@@ -102,7 +102,7 @@ class TransferDock:
     @staticmethod
     def ray(*, name: str | None = None, nodes: Sequence[str] | None = None,
             placement: str = "round_robin", equal_count: bool = True, concurrency: int = 256,
-            transport: str = "direct", encryption: bool = True) -> RayDock:
+            transport: str = "direct", encryption: bool = True, same_host_files: bool = True) -> RayDock:
         """Start the controller and one warehouse per alive Ray node (or per id in ``nodes``).
 
         ``placement``: ``round_robin`` assigns prompt groups to warehouses in turn;
@@ -117,7 +117,10 @@ class TransferDock:
         (the warehouses do not listen). Ray starts, places and kills the actors either way.
         ``encryption``: the channels use CURVE (encrypted; only this dock's clients are admitted);
         False -- in clear, admitted by a token (a trusted network only). The keys are made here,
-        per dock, and reach the warehouses and clients only through Ray.
+        per dock, and reach the warehouses and clients only through Ray. ``same_host_files``: a
+        client on a warehouse's machine reaches it through socket files in a folder only this user
+        opens, admitted by a token and not encrypted (its traffic never leaves the machine); False
+        sends it over TCP as from another node (tests of the wire).
         Needs ``ray.init`` first. Call ``shutdown()`` on the returned client to stop the actors.
         """
         import ray
@@ -151,7 +154,7 @@ class TransferDock:
             raise DockError(f"warehouses landed on {got}, expected {nodes}")
         channels = keys = None
         if transport == "direct":
-            keys = DockKeys(encrypted=encryption)
+            keys = DockKeys(encrypted=encryption, same_host_files=same_host_files)
             channels = ray.get([w.open_channel.remote(keys) for w in warehouses])
             keys = keys.for_clients()
             ray.get([w.connect_head.remote(channels[0], keys) for w in warehouses[1:]])

@@ -19,6 +19,8 @@ from __future__ import annotations
 import copy
 import pickle
 import secrets
+import shutil
+import tempfile
 import threading
 import time
 import traceback
@@ -47,11 +49,12 @@ class DockKeys:
     """One dock's credentials: CURVE keypairs (z85) of the warehouses and of the clients, or, with
     ``encrypted=False``, a PLAIN token. ``for_clients()`` drops the warehouses' secret key."""
 
-    def __init__(self, encrypted: bool = True):
-        self.encrypted = encrypted
+    def __init__(self, encrypted: bool = True, same_host_files: bool = True):
+        self.encrypted, self.same_host_files = encrypted, same_host_files
         self.server_public, self.server_secret = zmq.curve_keypair() if encrypted else (None, None)
         self.client_public, self.client_secret = (zmq.curve_keypair() if encrypted else
                                                   (None, secrets.token_hex(32).encode()))
+        self.local_token = secrets.token_hex(32).encode()  # same-host channels: PLAIN over a private socket file
 
     def __repr__(self) -> str:   # never the keys
         return f"DockKeys({'curve' if self.encrypted else 'plain'})"
@@ -61,21 +64,30 @@ class DockKeys:
         k.server_secret = None
         return k
 
-    def client(self, sock: zmq.Socket) -> None:
-        if self.encrypted:
+    def client(self, sock: zmq.Socket, local: bool = False) -> None:
+        if local:
+            sock.plain_username, sock.plain_password = b"local", self.local_token
+        elif self.encrypted:
             sock.curve_serverkey, sock.curve_publickey = self.server_public, self.client_public
             sock.curve_secretkey = self.client_secret
         else:
             sock.plain_username, sock.plain_password = b"dock", self.client_secret
 
-    def serve(self, sock: zmq.Socket, auth: ThreadAuthenticator) -> None:
+    def admit(self, auth: ThreadAuthenticator) -> None:
+        """The warehouse's ZAP handler: the dock's client key (CURVE) or its tokens (PLAIN)."""
+        users = {"local": self.local_token.decode()}
         if self.encrypted:
-            sock.curve_server, sock.curve_secretkey = True, self.server_secret
             allow = types.SimpleNamespace(callback=lambda _, key: secrets.compare_digest(key, self.client_public))
             auth.configure_curve_callback("dock", allow)
         else:
+            users["dock"] = self.client_secret.decode()
+        auth.configure_plain("dock", users)
+
+    def serve(self, sock: zmq.Socket, local: bool = False) -> None:
+        if self.encrypted and not local:
+            sock.curve_server, sock.curve_secretkey = True, self.server_secret
+        else:
             sock.plain_server = True
-            auth.configure_plain("dock", {"dock": self.client_secret.decode()})
 
 
 def _dumps(obj) -> list:
@@ -99,6 +111,15 @@ def _endpoint(host: str) -> str:
     return f"tcp://[{host}]" if ":" in host else f"tcp://{host}"
 
 
+def host_id() -> str:
+    """This machine (its boot): two processes with the same id reach each other's socket files."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
 class ChannelServer:
     """Listens on ``host`` (an ephemeral port): each client channel first asks there for a socket of
     its own (another ephemeral port), which a thread of its own serves -- ``handle(request)`` for
@@ -111,28 +132,44 @@ class ChannelServer:
         self._ctx = zmq.Context()
         self._auth = ThreadAuthenticator(self._ctx)
         self._auth.start()
-        self._door, port = self._listen(zmq.ROUTER)
-        self.address = (host, port)
+        keys.admit(self._auth)
+        # clients on this machine come through socket files in a folder only this user can open
+        # (PLAIN with the dock's token: their traffic never leaves the host); the others by TCP
+        self._dir = tempfile.mkdtemp(prefix="rlrecipes-dock-")
+        self._opened = 0
+        self._door, door = self._listen(zmq.ROUTER, local=False)
+        self._local_door, local_door = self._listen(zmq.ROUTER, local=True)
+        self.address = (host, int(door.rsplit(":", 1)[1]), local_door, host_id())
         self._closed = False
         self.received = 0
         threading.Thread(target=self._open_channels, name="dock-channel-door", daemon=True).start()
 
-    def _listen(self, kind: int) -> tuple[zmq.Socket, int]:
+    def _listen(self, kind: int, local: bool) -> tuple[zmq.Socket, str]:
         sock = _socket(self._ctx, kind, self._host)
         sock.zap_domain, sock.zap_enforce_domain = b"dock", True   # no ZAP handler: refuse, never admit
-        self._keys.serve(sock, self._auth)                         # (ZAP domain "dock")
-        return sock, sock.bind_to_random_port(_endpoint(self._host))
+        self._keys.serve(sock, local)                              # (ZAP domain "dock")
+        if local:
+            self._opened += 1
+            sock.bind(f"ipc://{self._dir}/{self._opened}")
+        else:
+            sock.bind_to_random_port(_endpoint(self._host))
+        return sock, sock.last_endpoint.decode()
 
     def _open_channels(self) -> None:
+        doors = zmq.Poller()
+        for door in (self._door, self._local_door):
+            doors.register(door, zmq.POLLIN)
         try:
             while True:
-                peer = self._door.recv_multipart()[0]
-                self.received += 1
-                sock, port = self._listen(zmq.DEALER)
-                threading.Thread(target=self._serve, args=(sock,), name="dock-channel", daemon=True).start()
-                self._door.send_multipart([peer, b"%d" % port])
+                for door, _ in doors.poll():
+                    peer = door.recv_multipart()[0]
+                    self.received += 1
+                    sock, endpoint = self._listen(zmq.DEALER, local=door is self._local_door)
+                    threading.Thread(target=self._serve, args=(sock,), name="dock-channel", daemon=True).start()
+                    door.send_multipart([peer, endpoint.encode()])
         except zmq.ContextTerminated:
             self._door.close()
+            self._local_door.close()
 
     def _serve(self, sock: zmq.Socket) -> None:
         try:
@@ -164,6 +201,7 @@ class ChannelServer:
             self._closed = True
             self._auth.stop()                         # from now on every handshake fails (zap_enforce_domain)
             threading.Thread(target=self._ctx.term, name="dock-channel-close", daemon=True).start()
+            shutil.rmtree(self._dir, ignore_errors=True)
 
 
 class Channel:
@@ -174,30 +212,32 @@ class Channel:
 
     def __init__(self, address: tuple, keys: DockKeys, connect_timeout: float = 10.0, name: str = "a warehouse"):
         self.address, self.name, self._sock = tuple(address), name, None
-        door, events = self._connect(address[1], keys, connect_timeout)
+        # the same machine: the server's socket files (no encryption needed: nothing leaves the host)
+        self.local = keys.same_host_files and len(address) > 3 and bool(address[3]) and address[3] == host_id()
+        door, events = self._connect(address[2] if self.local else f"{_endpoint(address[0])}:{address[1]}",
+                                     keys, connect_timeout)
         door.send(b"")
-        port = int(door.recv()) if door.poll(int(connect_timeout * 1000)) else None
+        endpoint = door.recv().decode() if door.poll(int(connect_timeout * 1000)) else None
         _close(door, events)
-        if port is None:
+        if endpoint is None:
             raise ChannelClosed(f"channel to {self._where}: no answer in {connect_timeout:.0f}s")
-        self._sock, self._events = self._connect(port, keys, connect_timeout)
+        self._sock, self._events = self._connect(endpoint, keys, connect_timeout)
         self._slice_ms = self._sock.rcvtimeo = _SLICE_MS
         self._sent = self._read = 0
         self._answers: dict[int, tuple] = {}
         self._lock = threading.Lock()
 
-    def _connect(self, port: int, keys: DockKeys, timeout: float) -> tuple[zmq.Socket, zmq.Socket]:
-        """A DEALER connected to ``port`` of the server's host, once the handshake succeeded, and the
-        monitor that reports its loss."""
-        host = self.address[0]
-        sock = _socket(zmq.Context.instance(), zmq.DEALER, host)
+    def _connect(self, endpoint: str, keys: DockKeys, timeout: float) -> tuple[zmq.Socket, zmq.Socket]:
+        """A DEALER connected to ``endpoint``, once the handshake succeeded, and the monitor that
+        reports its loss."""
+        sock = _socket(zmq.Context.instance(), zmq.DEALER, self.address[0])
         sock.heartbeat_ivl, sock.heartbeat_timeout = 5000, 30000   # ms: a vanished node is noticed
-        keys.client(sock)
+        keys.client(sock, self.local)
         events = sock.get_monitor_socket(
             zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
             | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_CLOSED | zmq.EVENT_CONNECT_RETRIED
             | zmq.EVENT_DISCONNECTED)
-        sock.connect(f"{_endpoint(host)}:{port}")
+        sock.connect(endpoint)
         event = events.poll(int(timeout * 1000)) and _event(events)
         if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             return sock, events
