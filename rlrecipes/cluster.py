@@ -106,6 +106,79 @@ def cluster_resources(resource: str) -> ClusterResources:
     return ClusterResources(len(per_node), per_node, resource, cpus)
 
 
+@dataclass
+class LostNode:
+    """A node of the run that Ray's GCS reports dead (or no longer lists)."""
+
+    node_id: str
+    ip: str
+    reason: str = ""
+    """Ray's own words for the death (``DeathReasonMessage``), e.g. that its raylet received SIGTERM."""
+
+    def describe(self) -> str:
+        return f"node {self.node_id} ({self.ip})" + (f" [{self.reason}]" if self.reason else "")
+
+
+def lost_nodes(node_ids: Sequence[str], table: Optional[Sequence[Mapping]] = None) -> list[LostNode]:
+    """Which of ``node_ids`` are no longer alive, in their first order; ``table`` is ``ray.nodes()``
+    (fetched when None). A GCS that cannot answer counts as "nothing known lost"."""
+    if table is None:
+        import ray
+
+        try:
+            table = ray.nodes()
+        except Exception:  # noqa: BLE001 - the caller reports what it already knows
+            return []
+    known = {n.get("NodeID"): n for n in table}
+    out = []
+    for node in dict.fromkeys(node_ids):
+        n = known.get(node)
+        if n is None or not n.get("Alive"):
+            out.append(LostNode(node, (n or {}).get("NodeManagerAddress") or "address unknown",
+                                ((n or {}).get("DeathReasonMessage") or "").strip()))
+    return out
+
+
+def unanswering_nodes(node_ids: Sequence[str], table: Optional[Sequence[Mapping]] = None,
+                      timeout_s: float = 1.0) -> list[LostNode]:
+    """Which of ``node_ids`` the GCS still lists alive but whose raylet does not accept a TCP
+    connection on its port: a raylet that was killed, or a machine that went away, before Ray's
+    health checks (15 s or more) mark the node dead."""
+    import socket
+
+    if table is None:
+        import ray
+
+        try:
+            table = ray.nodes()
+        except Exception:  # noqa: BLE001
+            return []
+    known = {n.get("NodeID"): n for n in table}
+    out = []
+    for node in dict.fromkeys(node_ids):
+        n = known.get(node)
+        if n is None or not n.get("Alive") or not n.get("NodeManagerPort"):
+            continue
+        ip, port = n.get("NodeManagerAddress"), int(n["NodeManagerPort"])
+        try:
+            socket.create_connection((ip, port), timeout=timeout_s).close()
+        except OSError as e:
+            out.append(LostNode(node, ip, f"its raylet at {ip}:{port} does not answer: "
+                                          f"{e.strerror or type(e).__name__}"))
+    return out
+
+
+def wait_for_lost_nodes(node_ids: Sequence[str], wait_s: float, poll_s: float = 0.25) -> list[LostNode]:
+    """:func:`lost_nodes`, polled for up to ``wait_s`` seconds until one shows up (the GCS may mark a
+    node dead a moment after the actors on it failed)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        lost = lost_nodes(node_ids)
+        if lost or time.monotonic() >= deadline:
+            return lost
+        time.sleep(poll_s)
+
+
 def check_resources(found: ClusterResources, nodes: int, devices_per_node: int, recipe_dir: Optional[Path] = None,
                     cpus_needed: float = 0) -> None:
     """Raise ClusterError unless the cluster has `nodes` nodes with `devices_per_node` devices each."""

@@ -12,10 +12,12 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 import time
+from collections import deque
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Iterator, Optional
 
 # Stages whose time is model compute; everything else in a step is overhead.
 COMPUTE_STAGES = ("rollout", "ref", "old", "values", "update", "critic_update")
@@ -120,3 +122,90 @@ class MetricsWriter:
 
 def _clean(row: dict) -> dict:
     return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
+
+
+def read_rows(path: Path, first_step: int = 0) -> Iterator[dict]:
+    """The rows of a metrics file from ``first_step`` on, one at a time (a half-written or damaged
+    line is skipped: the file may have been cut by a stopped run)."""
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(row, dict) and row.get("step", -1) >= first_step:
+                yield row
+
+
+class RunSummary:
+    """What the end-of-run summary and the bad-run check need from a run's rows, in bounded memory.
+
+    :meth:`add` takes one row at a time and keeps sums, counts, the first and last five rewards and
+    the first reward error, so nothing grows with the step count. The median TPS/card over the rows
+    after the first is exact: :meth:`from_file` streams ``metrics.jsonl`` once at the end of a run and
+    holds that one column only while it reads (``tps_median``)."""
+
+    EDGE = 5  # rewards averaged at either end
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.first_rewards: list[float] = []
+        self.last_rewards: deque = deque(maxlen=self.EDGE)
+        self.sums: dict[str, float] = {}  # timing_s/*, perf/overhead_share, reward errors and samples
+        self.skipped = 0
+        self.first_error: str = ""
+        self.tps_median: Optional[float] = None
+        self._tps: list[float] = []
+
+    def add(self, row: dict) -> None:
+        self.steps += 1
+        reward = row.get("reward/mean")
+        if not _number(reward):
+            reward = None
+        if reward is not None and self.steps <= self.EDGE:
+            self.first_rewards.append(reward)
+        self.last_rewards.append(reward)
+        for k, v in row.items():
+            if (k.startswith("timing_s/") or k in ("perf/overhead_share", "reward/errors", "reward/samples")) \
+                    and isinstance(v, (int, float)):
+                self.sums[k] = self.sums.get(k, 0.0) + v
+        if row.get("actor/skipped_step"):
+            self.skipped += 1
+        if not self.first_error and row.get("reward/first_error"):
+            self.first_error = str(row["reward/first_error"])
+        if row.get("perf/tps_per_card") is not None:
+            self._tps.append(row["perf/tps_per_card"])
+
+    def finish(self) -> "RunSummary":
+        """Compute the median TPS/card (step 1 on, or the only row) and drop the column."""
+        tps = self._tps[1:] or self._tps
+        self.tps_median = statistics.median(tps) if tps else None
+        self._tps = []
+        return self
+
+    @classmethod
+    def from_file(cls, path: Path, first_step: int = 0) -> "RunSummary":
+        """The summary of the rows of ``path`` from ``first_step`` on (one streaming pass)."""
+        s = cls()
+        if Path(path).is_file():
+            for row in read_rows(path, first_step):
+                s.add(row)
+        return s.finish()
+
+    def mean(self, key: str) -> float:
+        return self.sums.get(key, 0.0) / self.steps if self.steps else 0.0
+
+    @property
+    def stage_keys(self) -> list[str]:
+        return sorted(k for k in self.sums if k.startswith("timing_s/") and k != "timing_s/step")
+
+    def reward_ends(self) -> tuple[Optional[float], Optional[float]]:
+        """Mean reward of the first and of the last five steps (None without rewards)."""
+        last = [r for r in self.last_rewards if r is not None]
+        if not self.first_rewards or not last:
+            return None, None
+        return statistics.fmean(self.first_rewards), statistics.fmean(last)
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)

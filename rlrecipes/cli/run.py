@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import shlex
-import statistics
 import time
 from pathlib import Path
 from typing import List, Optional
@@ -16,7 +15,7 @@ import typer
 from rich.live import Live
 from rich.table import Table
 
-from ._common import console, err_console, user_errors
+from ._common import bounds, console, die, err_console, user_errors
 
 
 def launch_commands(recipe_dir: Path, nodes: int, extra: list[str]) -> list[str]:
@@ -35,7 +34,8 @@ class RunView:
     """Renders the driver's events: live view (terminal) or JSON lines (--quiet), then a summary."""
 
     def __init__(self, quiet: bool) -> None:
-        self.quiet, self.live, self.started, self.rows = quiet, None, None, []
+        self.quiet, self.live, self.started = quiet, None, None
+        self.last: dict = {}  # the newest metrics row (the view keeps no others)
         self.t0 = time.time()
 
     def __call__(self, ev) -> None:
@@ -61,7 +61,8 @@ class RunView:
                 else:
                     console.print(f"training steps {ev.start_step}..{ev.total_steps - 1}")
         elif isinstance(ev, E.Progress):
-            self.rows += ev.new_rows
+            if ev.new_rows:
+                self.last = ev.new_rows[-1]
             if self.quiet:
                 for row in ev.new_rows:
                     console.print(json.dumps({k: v for k, v in row.items() if not k.startswith("timing_s/")}),
@@ -87,7 +88,7 @@ class RunView:
         t = Table(title=f"{s.recipe} · {s.algorithm} · {time.time() - self.t0:.0f}s", show_edge=False)
         for c in ("step", "stage", "reward", "TPS/card", "step s", "loss", "kl"):
             t.add_column(c, justify="right")
-        last = self.rows[-1] if self.rows else {}
+        last = self.last
         fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
         t.add_row(f"{max(step, 0) + 1}/{s.total_steps}", stage, fmt(last.get("reward/mean"), ".3f"),
                   fmt(last.get("perf/tps_per_card"), ".1f"), fmt(last.get("timing_s/step"), ".2f"),
@@ -96,25 +97,22 @@ class RunView:
 
     @staticmethod
     def _summary(ev) -> None:
-        rows = ev.rows
-        if not rows:
+        s = ev.summary  # metrics.RunSummary: bounded, whatever the run's length
+        if not s.steps:
             return
-        first = [r["reward/mean"] for r in rows[:5] if r.get("reward/mean") is not None]
-        last = [r["reward/mean"] for r in rows[-5:] if r.get("reward/mean") is not None]
-        tps = [r["perf/tps_per_card"] for r in rows[1:] or rows]
-        t = Table(title=f"{ev.recipe}: {len(rows)} steps in {ev.seconds:.0f}s")
+        first, last = s.reward_ends()
+        t = Table(title=f"{ev.recipe}: {s.steps} steps in {ev.seconds:.0f}s")
         t.add_column("metric")
         t.add_column("value", justify="right")
-        if first and last:
-            t.add_row("reward, mean of first 5 steps", f"{statistics.fmean(first):.3f}")
-            t.add_row("reward, mean of last 5 steps", f"{statistics.fmean(last):.3f}")
-        t.add_row("TPS/card, median (step 1 on)", f"{statistics.median(tps):.1f}")
-        t.add_row("step seconds, mean", f"{statistics.fmean(r['timing_s/step'] for r in rows):.2f}")
-        t.add_row("share outside model compute",
-                  f"{statistics.fmean(r.get('perf/overhead_share', 0) for r in rows):.1%}")
-        stages = sorted({k for r in rows for k in r if k.startswith("timing_s/") and k != "timing_s/step"})
-        for s in stages:
-            t.add_row(f"  {s}", f"{statistics.fmean(r.get(s, 0.0) for r in rows):.3f}")
+        if first is not None:
+            t.add_row(f"reward, mean of first {s.EDGE} steps", f"{first:.3f}")
+            t.add_row(f"reward, mean of last {s.EDGE} steps", f"{last:.3f}")
+        if s.tps_median is not None:
+            t.add_row("TPS/card, median (step 1 on)", f"{s.tps_median:.1f}")
+        t.add_row("step seconds, mean", f"{s.mean('timing_s/step'):.2f}")
+        t.add_row("share outside model compute", f"{s.mean('perf/overhead_share'):.1%}")
+        for k in s.stage_keys:
+            t.add_row(f"  {k}", f"{s.mean(k):.3f}")
         t.add_row("metrics", str(ev.run_dir / "metrics.jsonl"))
         console.print(t)
 
@@ -130,16 +128,19 @@ def register(app: typer.Typer) -> None:
     @user_errors
     def run(recipe: str = typer.Argument(..., help="Registered name or path to a recipe folder."),
             overrides: Optional[List[str]] = typer.Argument(None, help="KEY=VALUE overrides, e.g. trainer.steps=5"),
-            nodes: Optional[int] = typer.Option(None, "--nodes", "-n", min=1, help="Node count (default: the recipe's)."),
-            devices_per_node: Optional[int] = typer.Option(None, "--devices-per-node", "-d", min=1),
+            nodes: Optional[int] = typer.Option(None, "--nodes", "-n", **bounds("resources.nodes"),
+                                                help="Node count (default: the recipe's)."),
+            devices_per_node: Optional[int] = typer.Option(None, "--devices-per-node", "-d",
+                                                           **bounds("resources.devices_per_node")),
             smoke: bool = typer.Option(False, "--smoke", help="Tiny same-architecture model on this machine."),
             dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan and per-node launch commands; start nothing."),
-            steps: Optional[int] = typer.Option(None, "--steps", min=1, help="Override trainer.steps."),
+            steps: Optional[int] = typer.Option(None, "--steps", **bounds("trainer.steps"), help="Override trainer.steps."),
             out: Optional[Path] = typer.Option(None, "--out", help="Run folder (default: <trainer.out_dir>/<recipe>-<time>)."),
             resume: Optional[Path] = typer.Option(None, "--resume", help="Continue the run in this folder from its last checkpoint."),
             keep_batch: bool = typer.Option(False, "--keep-batch", help="Keep the global batch when scaling nodes."),
             address: Optional[str] = typer.Option(None, "--address", help="Ray address (default: RAY_ADDRESS or auto)."),
             quiet: bool = typer.Option(False, "--quiet", "-q", help="No live progress; one line per step.")) -> None:
+        from ..inputs import command_problems
         from ..plan import PlanError, build_plan, format_violations
         from ..recipe import find_recipe, load_recipe
         from .plan import render_plan
@@ -161,8 +162,14 @@ def register(app: typer.Typer) -> None:
         if dry_run:
             extra = ["--smoke"] if smoke else []
             console.print("\n[bold]launch commands[/] (run on every node; the head starts the recipe):")
-            for line in launch_commands(find_recipe(recipe), plan.nodes, extra + ovr):
+            folder = find_recipe(recipe)
+            for line in launch_commands(folder, plan.nodes, extra + ovr):
                 console.print(f"  {line}", highlight=False, soft_wrap=True)
+            missing = command_problems(["bash", str(folder / "launch.sh"), *extra, *ovr])
+            for m in missing:
+                console.print(f"    missing: {m}", highlight=False, soft_wrap=True)
+            if missing:
+                die("--dry-run: the launch commands name paths that are not there:\n  - " + "\n  - ".join(missing))
             return
         from ..workflow.driver import run_recipe
 

@@ -30,7 +30,7 @@ from .checks import (NODE_INDEPENDENT_RULES, PlanError, RoleLayout, Violation, c
 from .long_context import kv_check, sequence_summary
 from .memory import DTYPE_BYTES, GiB, Memory, node_independent_bytes, ref_memory, rollout_memory, train_memory
 from .agent import agent_checks
-from .long_tail import pool_checks, smoke_devices
+from .long_tail import pool_checks, smoke_fit
 from .reshard import full_reshard, lora_reshard, lora_specs, reshard_bytes
 
 
@@ -216,9 +216,8 @@ def build_plan(recipe: Recipe, nodes: Optional[int] = None, devices_per_node: Op
     ``keep_batch``: hold the global batch instead of scaling it with the actor DP. ``_search``
     (internal): the exact reshard bytes and the nearest valid node counts; the search itself plans
     without them."""
-    if devices_per_node is None and smoke_devices(recipe) != recipe.resources.devices_per_node:
-        recipe = recipe.model_copy(deep=True)  # a disaggregated smoke keeps its train group whole
-        recipe.resources.devices_per_node = smoke_devices(recipe)
+    if devices_per_node is None:
+        recipe = smoke_fit(recipe)
     res = recipe.resources
     nodes = nodes or res.nodes
     dpn = devices_per_node or res.devices_per_node
@@ -430,7 +429,9 @@ def resolve(recipe: Recipe, plan: Plan) -> Recipe:
     """
     if not plan.ok:
         raise PlanError(format_violations(plan))
-    r = recipe.model_copy(deep=True)
+    fit = smoke_fit(recipe)
+    r = fit.model_copy(deep=True) if fit.resources.devices_per_node == plan.devices_per_node else \
+        recipe.model_copy(deep=True)
     r.trainer.global_batch, r.trainer.mini_batch = plan.global_batch, plan.mini_batch
     r.resources.nodes, r.resources.devices_per_node = plan.nodes, plan.devices_per_node
     return r

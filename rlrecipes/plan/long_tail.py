@@ -45,4 +45,17 @@ def smoke_devices(r: Recipe) -> int:
     return dpn + res.rollout_devices
 
 
-__all__ = ["POOL_RULE", "pool_checks", "smoke_devices"]
+def smoke_fit(r: Recipe) -> Recipe:
+    """``r`` with the device count of :func:`smoke_devices`; the workers then share the smoke's CPUs
+    (``cpus_per_worker`` scaled down), so the run asks this machine for no more CPUs than before."""
+    grown = smoke_devices(r)
+    if grown == r.resources.devices_per_node:
+        return r
+    r = r.model_copy(deep=True)
+    res = r.resources
+    res.cpus_per_worker = res.cpus_per_worker * res.devices_per_node / grown
+    res.devices_per_node = grown
+    return r
+
+
+__all__ = ["POOL_RULE", "pool_checks", "smoke_devices", "smoke_fit"]

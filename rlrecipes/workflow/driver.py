@@ -7,8 +7,11 @@ TransferDock (controller + per-node warehouses), and reports progress as events
 (``workflow/events.py``) that the CLI renders. Sample data never passes through here.
 
 Failure behaviour: a dead worker stops the run within seconds with a message naming the worker
-and its stage (the last checkpoint is untouched: ``latest`` only moves after a complete save);
-Ctrl-C stops the workers and Ray cleanly.
+and its stage (the last checkpoint is untouched: ``latest`` only moves after a complete save); a
+lost node (Ray reports it dead, or its raylet refuses connections) is named with the worker ranks
+it held, the last checkpoint and the ``--resume`` command; Ctrl-C stops the workers and Ray cleanly.
+The driver keeps no metrics rows: they go to ``metrics.jsonl`` as they arrive, and the summary is
+read back from it at the end.
 """
 from __future__ import annotations
 
@@ -16,14 +19,16 @@ import datetime as _dt
 import json
 import os
 import re
+import shlex
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 import yaml
 
 from ..loggers import build as build_loggers
-from ..metrics import MetricsError, MetricsWriter
+from ..metrics import MetricsError, MetricsWriter, RunSummary
 from ..plan import Plan, refuse_missing_engines, resolve
 from ..recipe import Recipe, resolve_path
 from . import checkpoint
@@ -32,10 +37,17 @@ from .worker import Worker
 
 
 class _Progress:
-    """Tiny actor: rank 0 reports its stage and each step's metrics row; the driver polls."""
+    """Tiny actor: rank 0 reports its stage and each step's metrics row; the driver polls.
+
+    A row stays here only until the driver has it: each poll says how many rows the driver holds
+    so far (``taken``), those are dropped, and the rest are returned. An answer that never reached
+    the driver (a poll cut short by Ctrl-C) is therefore sent again, and memory stays flat however
+    long the run."""
 
     def __init__(self) -> None:
-        self.step, self.stage_name, self.rows, self.t = -1, "setup", [], time.time()
+        self.step, self.stage_name, self.t = -1, "setup", time.time()
+        self.pending: list[dict] = []
+        self.taken = 0  # rows the driver confirmed, dropped here
         self.rollout_facts: dict[int, dict] = {}
 
     def stage(self, step: int, name: str) -> None:
@@ -46,10 +58,50 @@ class _Progress:
         self.rollout_facts[step] = facts
 
     def metrics(self, row: dict) -> None:
-        self.rows.append({**self.rollout_facts.pop(row.get("step"), {}), **row})
+        self.pending.append({**self.rollout_facts.pop(row.get("step"), {}), **row})
 
-    def poll(self, since: int) -> tuple[int, str, list]:
-        return self.step, self.stage_name, self.rows[since:]
+    def poll(self, taken: int) -> tuple[int, str, list]:
+        """(step, stage, the rows after the first ``taken``); the first ``taken`` are dropped."""
+        if taken > self.taken:
+            del self.pending[:taken - self.taken]
+            self.taken = taken
+        return self.step, self.stage_name, list(self.pending)
+
+    def where(self) -> tuple[int, str]:
+        return self.step, self.stage_name
+
+
+def _progress_actor():
+    """The :class:`_Progress` actor, on the driver's node. Its calls (a row per step, a stage every
+    0.1 s, a poll every 0.5 s) record no Ray task events, which nobody reads."""
+    import ray
+
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    quiet = ray.method(enable_task_events=False)
+    for name in ("stage", "rollout", "metrics", "poll", "where"):
+        quiet(getattr(_Progress, name))
+    # on the driver's node (not soft: Ray 2.60 placed a soft-affine zero-CPU actor on another node):
+    # a lost worker node must not take the run's progress and rows with it
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    return ray.remote(_Progress).options(num_cpus=0, scheduling_strategy=here).remote()
+
+
+class _Collector:
+    """The driver's side of :class:`_Progress`: each row goes to metrics.jsonl as it arrives and
+    only the count is kept (the end-of-run summary is read back from the file)."""
+
+    def __init__(self, progress, writer: MetricsWriter) -> None:
+        self.progress, self.writer, self.taken = progress, writer, 0
+
+    def take(self, timeout: Optional[float] = None) -> tuple[int, str, list]:
+        import ray
+
+        step, stage, new = ray.get(self.progress.poll.remote(self.taken), timeout=timeout)
+        for row in new:
+            self.writer.write(row)
+            self.taken += 1
+        return step, stage, new
 
 
 def _run_dir(recipe: Recipe, out: Optional[Path], resume: Optional[Path], smoke: bool) -> Path:
@@ -155,6 +207,7 @@ def run_recipe(recipe: Recipe, plan: Plan, on_event: EventSink, out: Optional[Pa
     from .. import device as dev
     from ..cluster import (ClusterError, check_device_runtime, check_resources, cluster_resources, connect,
                            start_hint)
+    from ..algos.spec import pooled_rollout
     from ..core.dock import TransferDock
     from ..inputs import run_inputs
 
@@ -165,7 +218,7 @@ def run_recipe(recipe: Recipe, plan: Plan, on_event: EventSink, out: Optional[Pa
     ckpt = None
     if resume is not None:
         recipe = resumed_recipe(run_dir, list(overrides or []))
-        why = checkpoint.resume_problem(run_dir)
+        why = checkpoint.resume_problem(run_dir, notice=lambda text: on_event(Notice(text)))
         if why:
             raise RunError(why)
         ckpt = checkpoint.latest(run_dir)
@@ -206,19 +259,22 @@ def run_recipe(recipe: Recipe, plan: Plan, on_event: EventSink, out: Optional[Pa
     docks: list = []
     pg = None
     progress = None
-    rows: list = []
+    rows: Optional[_Collector] = None
+    start = 0
     t0 = time.time()
     try:
         # one dock per step in flight: rollout may run max_staleness steps ahead of training.
         # One worker: the dock lives in its process (TransferDock.in_worker), as the controller and
         # the node warehouse would be its only peers; else Ray actors, where a blocked get holds a
         # warehouse thread (room for every worker's get and writes at once).
-        n_docks = 1 + (recipe.algorithm.max_staleness if recipe.resources.placement == "disaggregated" else 0)
+        n_docks = 1 + (recipe.algorithm.max_staleness if recipe.resources.placement == "disaggregated" else 0) \
+            + (1 if pooled_rollout(recipe) else 0)  # a pooled rollout's carry-over dock
         docks = ([TransferDock.in_worker()] if world == 1 else
                  [TransferDock.ray(name=f"dock-{os.getpid()}-{i}", concurrency=max(64, 4 * world + 16),
-                                   transport=recipe.resources.dock_transport)
+                                   transport=recipe.resources.dock_transport,
+                                   encryption=recipe.resources.dock_encryption)
                   for i in range(n_docks)])
-        progress = ray.remote(_Progress).options(num_cpus=0).remote()
+        progress = _progress_actor()
         pg, workers = place_workers(recipe, world, device_type, run_dir, docks, progress)
         pids = ray.get([w.pid.remote() for w in workers])
         nodes = ray.get([w.node_id.remote() for w in workers])
@@ -227,9 +283,11 @@ def run_recipe(recipe: Recipe, plan: Plan, on_event: EventSink, out: Optional[Pa
             "pids": pids, "nodes": nodes, "dock_backend": "in_worker" if in_worker else "ray",
             "dock_transport": "in_process" if in_worker else docks[0].transport,
             "dock_warehouse_nodes": nodes[:1] if in_worker else docks[0].warehouse_nodes}))
+        where = WorkerPlacement(run_dir, nodes, _resume_command(recipe, run_dir, embedded, address))
         addr = ray.get(workers[0].node_ip.remote())
         port = ray.get(workers[0].open_store.remote())
-        info = _wait([w.setup.remote(addr, port, str(ckpt) if ckpt else None) for w in workers], progress, "setup")
+        info = _wait([w.setup.remote(addr, port, str(ckpt) if ckpt else None) for w in workers], progress, "setup",
+                     where=where)
         start = info[0]["start_step"]
         total = recipe.trainer.steps
         if start >= total:
@@ -245,10 +303,11 @@ def run_recipe(recipe: Recipe, plan: Plan, on_event: EventSink, out: Optional[Pa
                                        config=recipe.model_dump(mode="json"), resume=resume is not None)
         on_event(RunStarted(recipe.name, recipe.algorithm.name, run_dir, world, plan.roles["actor"].describe(),
                             plan.roles["rollout"].describe(), info[0]["stages"], info[0]["data"], start, total))
+        rows = _Collector(progress, writer)
         futures = [w.run.remote(start, total) for w in workers]
-        _watch(futures, progress, writer, rows, on_event)
+        _watch(futures, rows, on_event, where)
     except KeyboardInterrupt:
-        _drain(progress, writer, rows)  # every row the workers finished reaches metrics.jsonl
+        _drain(rows)  # every row the workers finished reaches metrics.jsonl
         on_event(Interrupted(run_dir))
         raise
     except MetricsError as e:
@@ -273,8 +332,9 @@ def run_recipe(recipe: Recipe, plan: Plan, on_event: EventSink, out: Optional[Pa
                 pass
         if started_here:
             ray.shutdown()
-    on_event(RunFinished(recipe.name, run_dir, rows, time.time() - t0))
-    bad = _bad_run(recipe, rows)
+    summary = RunSummary.from_file(run_dir / "metrics.jsonl", first_step=start)  # this session's rows
+    on_event(RunFinished(recipe.name, run_dir, summary, time.time() - t0))
+    bad = _bad_run(recipe, summary)
     if bad:
         raise RunError(bad, code=1)
     return run_dir
@@ -303,69 +363,175 @@ def place_workers(recipe: Recipe, world: int, device_type: str, run_dir: Path, d
                 for rank in range(world)]
 
 
-def _bad_run(recipe: Recipe, rows: list[dict]) -> Optional[str]:
+def _bad_run(recipe: Recipe, summary: RunSummary) -> Optional[str]:
     """Why a finished run did not really train (trainer.fail_when_bad_share), or None."""
-    if not rows:
+    if not summary.steps:
         return None
     limit = recipe.trainer.fail_when_bad_share
-    skipped = sum(1 for r in rows if r.get("actor/skipped_step")) / len(rows)
+    skipped = summary.skipped / summary.steps
     if skipped >= limit:
         return (f"{skipped:.0%} of the steps skipped their update (non-finite loss or gradient; "
                 f"trainer.fail_when_bad_share={limit}); lower trainer.lr or check the data. Metrics are in the run folder")
-    errors = sum(r.get("reward/errors") or 0 for r in rows)
-    scored = sum(r.get("reward/samples") or 0 for r in rows)
+    errors, scored = summary.sums.get("reward/errors", 0), summary.sums.get("reward/samples", 0)
     if scored and errors / scored >= limit:
-        first = next((r["reward/first_error"] for r in rows if r.get("reward/first_error")), "")
         return (f"the reward function raised on {errors / scored:.0%} of the samples (trainer.fail_when_bad_share="
-                f"{limit}), so nothing was learned; first error: {first}. Fix reward.fn")
+                f"{limit}), so nothing was learned; first error: {summary.first_error}. Fix reward.fn")
     return None
 
 
-def _drain(progress, writer, rows: list) -> None:
+def _drain(rows: Optional[_Collector]) -> None:
     """After Ctrl-C: write the rows rank 0 already sent (best effort; the workers may be gone)."""
-    import ray
-
-    if progress is None or writer is None:
+    if rows is None:
         return
     try:
-        _, _, new = ray.get(progress.poll.remote(len(rows)), timeout=5)
+        rows.take(timeout=5)
+    except MetricsError:
+        raise
     except Exception:  # noqa: BLE001 - interrupted anyway
         return
-    for row in new:
-        writer.write(row)
-        rows.append(row)
 
 
-def _wait(futures, progress, phase: str, tick=None, poll_s: float = 0.5) -> list:
+#: seconds between two looks at the cluster's node table while the workers run
+NODE_CHECK_S = 2.0
+#: how long a worker's death that Ray attributes to its node waits for the GCS to mark the node dead
+NODE_GRACE_S = 5.0
+
+
+@dataclass
+class WorkerPlacement:
+    """Where the workers run, so that a lost node can be named with the ranks it took."""
+
+    run_dir: Path
+    nodes: list[str]
+    """The Ray node id of each worker rank (``workers.json``'s ``nodes``)."""
+    resume: str
+    """The command that continues the run from its last checkpoint."""
+
+
+def _resume_command(recipe: Recipe, run_dir: Path, embedded: bool, address: Optional[str]) -> str:
+    cmd = f"rlrecipes run {recipe.name} --resume {shlex.quote(str(run_dir))}"
+    if embedded:
+        cmd += " --smoke"
+    if address:
+        cmd += f" --address {shlex.quote(address)}"
+    return cmd
+
+
+def _wait(futures, progress, phase: str, tick=None, poll_s: float = 0.5,
+          where: Optional[WorkerPlacement] = None) -> list:
     """Wait for every worker's call; ``tick()`` runs after each poll (and once more on a failure).
 
-    The first failure stops the run with the root cause (see :func:`_root_cause`)."""
+    The first failure stops the run with the root cause (see :func:`_failure`). With ``where``, the
+    cluster's node table is read every :data:`NODE_CHECK_S` seconds too: a node of the run that
+    Ray reports dead stops the run at once, naming it and the worker ranks it held, even while the
+    workers' calls have not failed yet."""
     import ray
 
+    from ..cluster import lost_nodes
+
     pending = list(futures)
+    next_check = time.monotonic() + NODE_CHECK_S
     while pending:
         done, pending = ray.wait(pending, num_returns=len(pending), timeout=poll_s)
         for f in done:
             try:
                 ray.get(f)
             except Exception as e:  # a worker raised or died: stop everything now
-                if tick is not None:
-                    tick()
-                raise RunError(_root_cause(futures, f, e, progress, phase), code=1) from None
+                _last_tick(tick)
+                raise RunError(_failure(futures, f, e, progress, phase, where), code=1) from None
+        if where is not None and time.monotonic() >= next_check:
+            next_check = time.monotonic() + NODE_CHECK_S
+            lost = lost_nodes(where.nodes)
+            if lost:
+                _last_tick(tick)
+                _settle(futures)
+                raise RunError(_node_loss(where, lost, progress), code=1)
         if tick is not None:
             tick()
     return ray.get(futures)
 
 
-def _root_cause(futures, f, e, progress, phase, grace_s: float = 3.0) -> str:
-    """The first failure seen is often a survivor's broken collective; a dead worker is the cause.
+def _last_tick(tick) -> None:
+    """The rows that arrived before a failure still reach metrics.jsonl (best effort)."""
+    if tick is None:
+        return
+    try:
+        tick()
+    except MetricsError:
+        raise
+    except Exception:  # noqa: BLE001 - the failure being reported matters more
+        pass
 
-    Waits up to ``grace_s`` for the other workers' outcomes and reports a dead worker first.
-    """
+
+def _failure(futures, f, e, progress, phase: str, where: Optional[WorkerPlacement]) -> str:
+    """The message for a failed worker call: a lost node when Ray reports one of the run's nodes
+    dead (waiting up to :data:`NODE_GRACE_S` when the actor's death names its node), else the root
+    cause among the workers' failures."""
+    from ..cluster import lost_nodes, unanswering_nodes, wait_for_lost_nodes
+
+    lost = wait_for_lost_nodes(where.nodes, NODE_GRACE_S if _node_died(e) else 0.0) if where is not None else []
+    failures = _settle(futures, (f, e))
+    if where is not None and not lost:
+        lost = lost_nodes(where.nodes)  # the grace may have let the GCS catch up
+        if not lost:  # a raylet killed outright: the GCS learns it only from its health checks
+            lost = unanswering_nodes([where.nodes[futures.index(d)] for d, x in failures if _died(x)])
+    if lost:
+        return _node_loss(where, lost, progress)
+    return _root_cause(futures, failures, progress, phase)
+
+
+def _died(e: Exception) -> bool:
+    """The actor itself is gone (its process or node), not a Python error raised in it."""
     import ray
 
-    failures = [(f, e)]
-    others = [x for x in futures if x is not f]
+    return isinstance(e, ray.exceptions.RayActorError) and not isinstance(e, ray.exceptions.RayTaskError)
+
+
+def _node_died(e: Exception) -> bool:
+    """Ray says the actor died with its node (rather than its process alone)."""
+    if not _died(e):
+        return False
+    return bool(re.search(r"node (has )?died|node .*(dead|died|removed|terminated)", str(e), re.IGNORECASE))
+
+
+def _node_loss(where: WorkerPlacement, lost: list, progress) -> str:
+    import ray
+
+    try:
+        position = ray.get(progress.where.remote(), timeout=2)
+    except Exception:  # noqa: BLE001 - the message stands without it
+        position = None
+    return node_loss_message(where, lost, position)
+
+
+def node_loss_message(where: WorkerPlacement, lost: list, position: Optional[tuple[int, str]] = None) -> str:
+    """Which nodes went (``cluster.LostNode``), with which worker ranks, where the run stood
+    (``(step, stage)``), the last checkpoint and the command that continues from it."""
+    at = f" during stage {position[1]!r} of step {position[0]}" if position else ""
+    parts = []
+    for node in lost:
+        ranks = [r for r, n in enumerate(where.nodes) if n == node.node_id]
+        held = (f"which held worker rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}" if ranks
+                else "which held none of the workers")
+        parts.append(f"{node.describe()}, {held}")
+    last = checkpoint.latest(where.run_dir)
+    if last is not None:
+        after = (f"The last checkpoint, {last}, is intact (checkpoints/{checkpoint.CKPT_LATEST} only moves after a "
+                 f"complete save). Once the cluster has its nodes again, continue from it with: {where.resume}")
+    else:
+        after = ("No checkpoint had been written yet (trainer.checkpoint_interval), so the run starts again "
+                 "once the cluster has its nodes again.")
+    return (f"lost {'a node' if len(lost) == 1 else f'{len(lost)} nodes'} of the Ray cluster{at}: "
+            f"{'; '.join(parts)}. The other workers were stopped. {after}")
+
+
+def _settle(futures, first: Optional[tuple] = None, grace_s: float = 3.0) -> list[tuple]:
+    """``first`` (a failed call and its error) and the other calls' failures that come within
+    ``grace_s``. Each error is retrieved here, so Ray does not print it as unhandled at exit."""
+    import ray
+
+    failures = [first] if first is not None else []
+    others = [x for x in futures if first is None or x is not first[0]]
     if others:
         done, _ = ray.wait(others, num_returns=len(others), timeout=grace_s)
         for d in done:
@@ -373,8 +539,16 @@ def _root_cause(futures, f, e, progress, phase, grace_s: float = 3.0) -> str:
                 ray.get(d)
             except Exception as e2:  # noqa: BLE001
                 failures.append((d, e2))
-    died = [(d, x) for d, x in failures if isinstance(x, (ray.exceptions.ActorDiedError, ray.exceptions.RayActorError))
-            and not isinstance(x, ray.exceptions.RayTaskError)]
+    return failures
+
+
+def _root_cause(futures, failures: list[tuple], progress, phase) -> str:
+    """The first failure seen is often a survivor's broken collective; a dead worker is the cause.
+
+    ``failures`` (:func:`_settle`): the first one, then the others that came within its grace; a
+    dead worker is reported first.
+    """
+    died = [(d, x) for d, x in failures if _died(x)]
     f, e = died[0] if died else failures[0]
     msg = _worker_error(futures.index(f), e, progress, phase)
     if len(failures) > 1:
@@ -386,7 +560,7 @@ def _worker_error(rank: int, e: Exception, progress, phase: str) -> str:
     import ray
 
     try:
-        step, stage, _ = ray.get(progress.poll.remote(0), timeout=5)
+        step, stage = ray.get(progress.where.remote(), timeout=5)
     except Exception:
         step, stage = -1, phase
     text = str(e)
@@ -399,16 +573,12 @@ def _worker_error(rank: int, e: Exception, progress, phase: str) -> str:
     return f"worker rank {rank} failed in {phase}, stage {stage!r} of step {step}: {text.splitlines()[-1] if text else e!r}"
 
 
-def _watch(futures, progress, writer, rows: list, on_event: EventSink) -> None:
-    """Collect rank 0's metrics rows into metrics.jsonl while the workers run; emit progress."""
-    import ray
+def _watch(futures, rows: _Collector, on_event: EventSink, where: Optional["WorkerPlacement"] = None) -> None:
+    """Write rank 0's metrics rows into metrics.jsonl while the workers run; emit progress."""
 
     def tick() -> None:
-        step, stage, new = ray.get(progress.poll.remote(len(rows)))
-        for row in new:
-            writer.write(row)
-            rows.append(row)
-        on_event(Progress(step, stage, list(new)))
+        step, stage, new = rows.take()
+        on_event(Progress(step, stage, new))
 
-    _wait(futures, progress, "run", tick)
+    _wait(futures, rows.progress, "run", tick, where=where)
     tick()  # rows rank 0 sent just before returning

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Union
+from typing import TYPE_CHECKING, Callable, Union
+
+if TYPE_CHECKING:
+    from ..metrics import RunSummary
 
 
 class RunError(RuntimeError):
@@ -34,7 +37,8 @@ class RunStarted:
 
 @dataclass
 class Progress:
-    """Polled about twice a second: the step and stage rank 0 is in, and new metrics rows."""
+    """Polled about twice a second: the step and stage rank 0 is in, and the metrics rows that
+    arrived since the previous event (each row is in exactly one event; keep what you need)."""
 
     step: int
     stage: str
@@ -43,9 +47,12 @@ class Progress:
 
 @dataclass
 class RunFinished:
+    """The run ended normally. ``summary`` aggregates this session's rows (bounded memory: the
+    driver keeps no rows; it is read back from metrics.jsonl at the end)."""
+
     recipe: str
     run_dir: Path
-    rows: list[dict]
+    summary: "RunSummary"
     seconds: float
 
 

@@ -30,6 +30,34 @@ class StageFailure(RuntimeError):
     """A stage failed on a worker; the message names the worker (rank) and the stage."""
 
 
+class CheckpointRows:
+    """The metrics rows the leader's next checkpoint covers (every row up to its step), in memory
+    that does not grow with the run: only the rows since the last checkpoint are held; iterating
+    streams the last checkpoint's own copy (``metrics.jsonl`` in its folder, the one ``--resume``
+    reconciles from) and then those."""
+
+    def __init__(self, prior: Path | None = None) -> None:
+        self.prior, self.recent = prior, []
+
+    def append(self, row: dict) -> None:
+        self.recent.append(row)
+
+    def saved(self, ckpt: Path | None) -> None:
+        """``ckpt`` (the checkpoint just written) now holds every row: start over after it."""
+        self.prior, self.recent = ckpt, []
+
+    def __iter__(self):
+        from ..metrics import read_rows
+
+        prior = self.prior / "metrics.jsonl" if self.prior is not None else None
+        if prior is not None and prior.is_file():
+            yield from read_rows(prior)
+        yield from self.recent
+
+    def __bool__(self) -> bool:  # an iterable, not a list: never "empty" before it is read
+        return True
+
+
 class Worker:
     """Runs inside a Ray actor (see ``driver.py``)."""
 
@@ -105,7 +133,7 @@ class Worker:
         dev.set_device(device)
         store = self._store or dist.TCPStore(master_addr, master_port, self.world, is_master=False,
                                              timeout=self._timeout())
-        role, rank, world, bridge, groups = Role.BOTH, self.rank, self.world, None, None
+        role, rank, world, bridge, groups, signals = Role.BOTH, self.rank, self.world, None, None, None
         if r.resources.placement == "disaggregated":
             # two worlds (train ranks first, then rollout ranks) joined by the bridge group
             from ..core.resharder.bridge import bridge_group
@@ -116,17 +144,20 @@ class Worker:
             mine = groups.train_ranks if role == Role.TRAIN else groups.rollout_ranks
             rank, world = mine.index(self.rank), len(mine)
             bridge = bridge_group(store, self.rank, self.world, self._timeout())
+            signals = dist.PrefixStore("signals/", store)  # both worlds see it (Context.signals)
             store = dist.PrefixStore(f"{role.value}/", store)
         dist.init_process_group(dev.comm_backend(device_type), store=store, rank=rank, world_size=world,
                                 timeout=self._timeout())
         dev.manual_seed_all(r.trainer.seed)
         ctx = self.ctx = build_context(rank, world, role, r, self.run_dir, device, self.docks, self.progress,
                                        bridge_group=bridge, groups=groups)
+        if signals is not None:
+            ctx.signals = signals
         if role == Role.ROLLOUT:
             start_step = self._rollout_start(resume_from)
         else:
             start_step = checkpoint.load(ctx, Path(resume_from)) if resume_from else 0
-        self.rows = checkpoint.covered_rows(Path(resume_from)) if resume_from and ctx.leader else []
+        self.rows = CheckpointRows(Path(resume_from) if resume_from else None)  # leader: its checkpoints' rows
         ctx.version = start_step
         if role == Role.BOTH:
             reshard_weights(ctx)  # rollout weights = actor weights before the first rollout
@@ -169,13 +200,15 @@ class Worker:
             ctx.step = step
             try:
                 last = train_step(ctx, step)
-                if ctx.leader:
-                    self.rows.append(last)
                 k = self.recipe.trainer.checkpoint_interval
+                if ctx.leader and k:
+                    self.rows.append(last)
                 if k and (step + 1) % k == 0:
                     ctx.report("checkpoint")
                     self._require_finite(step, "checkpointed")
                     checkpoint.save(ctx, step, self.rows)
+                    if ctx.leader:
+                        self.rows.saved(checkpoint.latest(self.run_dir))
             except Exception as e:
                 raise self._fail(e, f"stage {ctx.stage!r} of step {step}") from e
         lora = self.recipe.actor.lora.enabled
