@@ -38,7 +38,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-COMMON = ["data.synthetic=longtail", "rollout.sampling.max_new_tokens=64", "trainer.export_hf=false",
+COMMON = ["data.synthetic=longtail", "rollout.sampling.max_new_tokens=128", "trainer.export_hf=false",
           "resources.cpus_per_worker=1", "trainer.checkpoint_interval=0"]
 DISAGG = ["resources.placement=disaggregated", "resources.rollout_devices=1", "algorithm.max_staleness=1"]
 

@@ -63,6 +63,9 @@ class _Generation:
         todo = [(g, s) for g in groups for s in g.samples if not s.done]
         if not todo:
             return 0
+        if self.session is not None and len(todo) * 2 < len(self.rows):
+            self.close()  # most of the session's rows are finished, yet each decode step computes them all:
+            # a new session over the unfinished ones (one prefill of their prefixes) is cheaper
         if self.session is None:
             self.rows = todo
             contexts = [torch.cat([g.prompt.reshape(-1).long(), torch.tensor(s.tokens, dtype=torch.long)])
