@@ -14,7 +14,7 @@ Modes, all ``rlrecipes run qwen25_7b --smoke`` on 2 devices with the same data, 
 - ``disaggregated_k1``: 1 train worker + 1 rollout worker, ``algorithm.max_staleness=1``;
 - ``partial``: the same with ``rollout.partial=true`` (a new version interrupts the generation;
   the unfinished samples continue under it);
-- ``partial_oversample``: the same with ``rollout.oversample`` (default 2): a step trains on the
+- ``partial_oversample``: the same with ``rollout.oversample`` (default 3): a step trains on the
   first complete groups, the unfinished stay in the dock for the next step.
 
 Per mode (medians over steps 3..; the first steps hold warm-up and the pipeline fill):
@@ -25,7 +25,7 @@ generated tokens: 0 when nothing is thrown away); the response length; and, for 
 the carried groups and their age. The last line compares ``partial_oversample`` with
 ``disaggregated_k1`` (the target is at most 0.7).
 
-Usage: ``python benchmarks/long_tail.py [--steps 16] [--warm-steps 400] [--oversample 2]``.
+Usage: ``python benchmarks/long_tail.py [--steps 16] [--warm-steps 400] [--oversample 3]``.
 """
 from __future__ import annotations
 
@@ -125,7 +125,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--warm-steps", type=int, default=400)
-    ap.add_argument("--oversample", type=float, default=2.0)
+    ap.add_argument("--oversample", type=float, default=3.0)
     ap.add_argument("--modes", default="colocated,disaggregated_k1,partial,partial_oversample")
     a = ap.parse_args()
     results = {}
