@@ -41,7 +41,14 @@ def rows(run: Path) -> list[dict]:
 def start(run: Path, *extra: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "rlrecipes", "run", "qwen25_7b", "--smoke", "--steps", "200",
                              "--out", str(run), "--quiet", *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env())
+                            text=True, env=env(), preexec_fn=interruptible)
+
+
+def interruptible() -> None:
+    """In the child: Ctrl-C's default, as a terminal gives it. A harness started in the background of
+    a non-interactive shell has SIGINT ignored, and a child inherits that (Python then never raises
+    KeyboardInterrupt): the Ctrl-C tests would test the harness."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def wait_for(cond, proc, timeout=300):

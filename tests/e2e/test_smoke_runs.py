@@ -127,11 +127,18 @@ def test_killed_worker_stops_run_and_keeps_checkpoint(tmp_path):
     assert ckpt.is_dir() and (ckpt / "trainer_state.json").is_file() and latest <= ckpt.name
 
 
+def interruptible() -> None:
+    """In the child: Ctrl-C's default, as a terminal gives it (a harness started in the background of a
+    non-interactive shell has SIGINT ignored, and children inherit that: the test would test the harness)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_stops_cleanly(tmp_path):
     run = tmp_path / "int"
     env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
     proc = subprocess.Popen([sys.executable, "-m", "rlrecipes", "run", "qwen25_7b", "--smoke", "--steps", "200",
-                             "--out", str(run), "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                             "--out", str(run), "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=interruptible)
     try:
         deadline = time.time() + 300
         while time.time() < deadline and not ((run / "metrics.jsonl").is_file() and metrics(run)):
