@@ -50,6 +50,24 @@ def model_flops_per_step(shape: dict, lengths: list[int]) -> float:
     return sum(6 * matmul * n + 6 * layers * h * n * n / 2 for n in lengths)
 
 
+def timed_train_steps(eng, batch, dev, *, warmup: int, steps: int) -> tuple[float, dict, object]:
+    """``warmup`` untimed train steps (kernels, allocator, Adam state), then the median seconds of
+    ``steps`` timed ones, the last step's metrics and the device memory stats (peak since warm-up)."""
+    from rlrecipes import device as devmod
+
+    for _ in range(warmup):
+        eng.train_step(batch, pg_loss)
+    devmod.synchronize(dev)
+    devmod.reset_peak_memory(dev)
+    times, metrics = [], {}
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        metrics = eng.train_step(batch, pg_loss)
+        devmod.synchronize(dev)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), metrics, devmod.memory_stats(dev)
+
+
 def plan_memory(folder: Path, device: str, dtype: str, budget: int, prompt: int, response: int,
                 recompute: bool, memory_gb: float, engine: str = "native"):
     from rlrecipes.plan import build_plan
@@ -120,17 +138,7 @@ def main() -> None:
     batch = SeqBatch(prompts=[torch.randint(0, v, (args.prompt,), generator=g) for _ in range(args.samples)],
                      responses=[torch.randint(0, v, (args.response,), generator=g) for _ in range(args.samples)],
                      per_sample={"advantages": torch.randn(args.samples, generator=g)})
-    metrics = eng.train_step(batch, pg_loss)  # warm-up: kernels, allocator, Adam state
-    devmod.synchronize(dev)
-    devmod.reset_peak_memory(dev)
-    times = []
-    for _ in range(args.steps):
-        t0 = time.perf_counter()
-        metrics = eng.train_step(batch, pg_loss)
-        devmod.synchronize(dev)
-        times.append(time.perf_counter() - t0)
-    stats = devmod.memory_stats(dev)
-    step_s = statistics.median(times)
+    step_s, metrics, stats = timed_train_steps(eng, batch, dev, warmup=1, steps=args.steps)
     lengths = [args.prompt + args.response] * args.samples
     flops = model_flops_per_step(shape, lengths)
     peak = args.peak_tflops * 1e12 if args.peak_tflops else devmod.peak_flops(dev)

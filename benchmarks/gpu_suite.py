@@ -276,11 +276,8 @@ def child_train(spec: dict) -> None:
 def train_once(spec: dict, opts: dict, folder: Path, dims, shape: dict | None, dev) -> dict:
     """engine_throughput.py's measurement: load through the sharded loader, one warm-up step, then the
     median of ``steps`` timed train steps of ``samples`` sequences packed into token-budgeted micro-batches."""
-    import statistics
-
     import torch
-    from engine_memory import pg_loss
-    from engine_throughput import plan_memory
+    from engine_throughput import plan_memory, timed_train_steps
 
     from rlrecipes import device as devmod
     from rlrecipes.engines.base import SeqBatch
@@ -309,19 +306,7 @@ def train_once(spec: dict, opts: dict, folder: Path, dims, shape: dict | None, d
     batch = SeqBatch(prompts=[torch.randint(0, v, (p,), generator=g) for _ in range(n)],
                      responses=[torch.randint(0, v, (k,), generator=g) for k in rlens],
                      per_sample={"advantages": torch.randn(n, generator=g)})
-    for _ in range(spec["warmup"]):  # kernels, allocator, Adam state
-        eng.train_step(batch, pg_loss)
-    devmod.synchronize(dev)
-    devmod.reset_peak_memory(dev)
-    times = []
-    metrics = {}
-    for _ in range(spec["steps"]):
-        t = time.perf_counter()
-        metrics = eng.train_step(batch, pg_loss)
-        devmod.synchronize(dev)
-        times.append(time.perf_counter() - t)
-    stats = devmod.memory_stats(dev)
-    step_s = statistics.median(times)
+    step_s, metrics, stats = timed_train_steps(eng, batch, dev, warmup=spec["warmup"], steps=spec["steps"])
     lengths = [p + k for k in rlens]
     flops = model_flops(dims, shape, lengths)
     peak = devmod.peak_flops(dev)
