@@ -340,7 +340,10 @@ def send_weights(ctx: Context) -> None:
 
 
 def announce_version(store, version: int) -> None:
+    """``version`` is about to be sent. The key of the one before goes: its send completed, so the
+    rollout has it (one key lives in the store however long the run)."""
     store.set(f"version/{version}", b"1")
+    store.delete_key(f"version/{version - 1}")
 
 
 def version_waiting(store, version: int) -> bool:
@@ -364,7 +367,7 @@ def publish(ctx: Context, b: StageBatch) -> dict:
     """Send the version this step produced, if a later rollout step will use it (max_staleness)."""
     v = b.state.step + 1
     if v + ctx.recipe.algorithm.max_staleness < ctx.end_step:
-        if ctx.rank == 0 and ctx.signals is not None:
+        if ctx.rank == 0 and ctx.recipe.rollout.partial:
             announce_version(ctx.signals, v)  # a partial rollout stops between chunks to take it
         send_weights(ctx)
     return {}
