@@ -21,7 +21,7 @@ to the second node, whose warehouse holds the client's rows (``writer_node`` pla
 controller: each commit and claim then also crosses from that warehouse to the head's controller
 (a direct channel of its own with ``--transport direct``, a Ray call with ``ray``).
 
-    python benchmarks/dock_call.py [--calls 1000] [--rows 32] [--width 8] [--transport direct|ray]
+    python benchmarks/dock_call.py [--calls 5000] [--rows 32] [--width 8] [--transport direct|ray]
                                    [--encryption on|off] [--nodes 1|2]
 """
 from __future__ import annotations
@@ -91,7 +91,7 @@ def _actors_cpu() -> float:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--calls", type=int, default=1000)
+    ap.add_argument("--calls", type=int, default=5000)
     ap.add_argument("--rows", type=int, default=32)
     ap.add_argument("--width", type=int, default=8, help="int64 values per row")
     ap.add_argument("--transport", default="direct", choices=["direct", "ray"],

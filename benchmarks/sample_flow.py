@@ -309,7 +309,9 @@ def main(argv=None):
     ap.add_argument("--workers", type=int, nargs="+", default=[2, 4, 8, 16])
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--rows-per-worker", type=int, default=64)
-    ap.add_argument("--steps", type=int, default=3, help="measured steps (after one warm-up step)")
+    ap.add_argument("--steps", type=int, default=10,
+                    help="measured steps (after one warm-up step); CPU is read in 10 ms ticks per process, "
+                         "so a few steps give a coarse figure")
     ap.add_argument("--modes", nargs="+", default=["centralised", "dock", "dock+cache"],
                     choices=["centralised", "dock", "dock+cache"])
     ap.add_argument("--transport", default="direct", choices=["direct", "ray"],

@@ -1,54 +1,19 @@
-"""TransferDock: the sample flow between RL stages without a central driver.
+"""TransferDock: the sample flow between RL stages without a central driver. One row per sample;
+columns (``prompt_ids``, ``response_ids``, ``scores``, ...) are written by the stage that produces
+them and read by every stage that needs them. Semantics, balancing, transports and cost:
+docs/transfer_dock.md.
 
-Modules: ``client.py`` (the :class:`DockClient` API, :class:`Batch`), ``metadata.py`` (controller
-bookkeeping and the balanced hand-out), ``balance.py`` (LPT / Karmarkar-Karp), ``packing.py`` (columns
-as numpy arrays, the column store), ``warehouse.py`` (the controller and the warehouse: the one
-implementation of writes, claims and reads), ``channel.py`` (the direct client-warehouse
-channel over ZeroMQ), ``local.py`` (in-process backend: one warehouse in the
-client's process), ``ray_backend.py`` (the client of per-node warehouse actors); :class:`TransferDock`
-(here) constructs either.
+* ``TransferDock.local()`` -- in-process and thread-safe: one warehouse (``warehouse.py``) hosting
+  the controller in the client's process (``local.py``); ``in_worker()`` builds it in the one
+  process that uses it.
+* ``TransferDock.ray()`` -- one warehouse actor per Ray node holding the tensors of its rows, the
+  metadata-only controller (``metadata.py``, ``balance.py``) inside the first node's; clients
+  (``ray_backend.py``) ask the controller which rows and where, and read and write the warehouses
+  directly: over ZeroMQ channels (``channel.py``) by default, else Ray actor calls. The driver
+  never touches sample data.
 
-One row per sample; columns (``prompt_ids``, ``response_ids``, ``scores``, ``ref_log_probs``, ...)
-are written by the stage that produces them and read by every stage that needs them.
-
-Two backends, one API (:class:`DockClient`):
-
-* ``TransferDock.local()`` -- in-process and thread-safe: one warehouse (lock) hosting the
-  controller (condition variable) in the client's process; unit tests and single-process runs.
-* ``TransferDock.ray()`` -- a *controller* that holds metadata only (per-column readiness,
-  per-consumer consumption, row -> warehouse map, groups, per-row token lengths, cache holders) and
-  one *warehouse* actor per Ray node, pinned there with ``NodeAffinitySchedulingStrategy``, that
-  holds the tensors of the rows assigned to it. The controller runs inside the first node's
-  warehouse process, so claims and commits there cost no extra hop. Warehouses are threaded actors
-  (one lock around the store, one condition around the metadata): a call costs about half of an
-  asyncio actor's on a small host (0.7 vs 1.3 ms measured here), and a blocked claim holds a thread.
-  Clients (worker actors, each with the same picklable handle) ask the controller *which* rows and
-  *where*, then write to / read from the warehouses directly -- by default over a ZeroMQ channel
-  per (client thread, warehouse), authenticated and encrypted with CURVE (``channel.py``: tens of
-  microseconds of CPU a call where a Ray actor call costs about 1 ms), else through Ray actor calls. The driver never touches sample data. A get is one client round trip: the
-  caller's node warehouse claims at the controller and answers with the rows it holds. A put is
-  sent without waiting: the warehouse stores the rows and commits them (marks them ready) at the
-  controller, so readiness never runs ahead of the data; the writer settles the answer at its next
-  blocking call (``flush``).
-
-Data travels as flat numpy arrays (one per column and warehouse call). Over a channel each array
-wraps the message frame it arrived in (no copy). Over Ray calls, arrays above Ray's inline
-threshold go through the shared-memory object store and are read back zero-copy, so the tensors of
-a :class:`Batch` may be read-only views of object-store memory: ``clone()`` before writing in place
-(or pass ``copy=True`` to :meth:`DockClient.get`).
-
-Balancing (documented choice): ``get(consumer, cols, count=None, dp_rank=r, dp_size=k)`` means
-"everything of this stage". The first rank of the consumer to ask waits until every live row that
-the consumer has not taken yet has ``cols`` ready, then partitions those rows (or whole groups)
-into ``k`` bins by token count -- greedy LPT with equal row counts per bin (``equal_count=True``,
-default; what micro-batched training wants) or Karmarkar-Karp differencing (``equal_count=False``)
--- and every rank receives its own bin. The partition is deterministic (ties broken by row id).
-Among partitions no less balanced (``partition_sticky``: the heaviest bin is no heavier than the
-plain partition's), the claim keeps rows where they are: rows of cached columns (``mark_cached``)
-with their holder (its rank taken as the DP rank), so a balanced step's ``TensorCache.exchange``
-moves nothing and an unbalanced one only the excess; stored rows in contiguous blocks of the row
-order, so a rank's read is one slice of one writer's chunk.
-``count=N`` streams: the rank takes the first ``N`` ready rows nobody of that consumer took yet.
+Tensors of a :class:`Batch` may be read-only views of a received buffer or of object-store memory:
+``clone()`` before writing in place (or ``get(..., copy=True)``).
 """
 from __future__ import annotations
 

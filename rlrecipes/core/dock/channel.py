@@ -1,18 +1,19 @@
-"""A direct channel from a dock client to a warehouse over ZeroMQ (``pyzmq``): a DEALER socket per
+"""Direct channels from dock clients to warehouses over ZeroMQ (``pyzmq``): a DEALER socket per
 (client thread, warehouse) (:class:`ChannelPool`), connected to a socket of its own in the
-warehouse's process, which a thread of its own serves (:class:`ChannelServer`). It carries the calls
-of ``_Warehouse.call`` (the same requests and answers as the Ray path), so a client falls back to Ray
-calls where it cannot connect. Why, the keys, the cost: docs/transfer_dock.md ("Direct channels").
+warehouse's process that a thread of its own serves (:class:`ChannelServer`), carrying the calls of
+``_Warehouse.call`` (the Ray path's requests and answers). Keys, cost, failure semantics:
+docs/transfer_dock.md ("Direct channels").
 
-Security (:class:`DockKeys`, made per dock by its creator): CURVE by default -- encrypted, the client
-checks the warehouse's key, and the warehouse's ZAP handler admits only the run's client key.
-ZeroMQ finishes that handshake before it delivers a message, so nothing from an unknown peer reaches
-``pickle``. ``encrypted=False``: PLAIN, in clear, the run's random token checked by the same handler.
+Security (:class:`DockKeys`, made per dock): between machines CURVE -- encrypted, the client checks
+the warehouse's key and the warehouse's ZAP handler admits only the run's client key; ZeroMQ
+finishes that handshake before it delivers a message, so nothing from an unknown peer reaches
+``pickle``. ``encrypted=False``: PLAIN, the run's random token, in clear. On one machine: the
+warehouse's socket files (a 0700 folder), PLAIN with a second token; that traffic never leaves it.
 
-Wire: one multipart message per request or answer: ``pickle`` protocol 5, then each large buffer
-(numpy array) as a frame of its own, which the receiver's array wraps (no copy). Requests copy their
-buffers as they are sent (the caller may reuse its tensors at once); answers send the store's
-arrays, which are never written in place, without a copy.
+Wire: a multipart message per request or answer: ``pickle`` protocol 5, then each out-of-band
+buffer (numpy array) as a frame the receiver's array wraps. Requests copy their buffers as they are
+sent (the caller may reuse its tensors at once); answers send the store's arrays, never written in
+place, without a copy.
 """
 from __future__ import annotations
 
@@ -35,6 +36,9 @@ from .errors import DockError
 
 
 _SLICE_MS = 1000      # a caller waiting for an answer checks for a lost connection this often
+_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+           | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_CLOSED | zmq.EVENT_CONNECT_RETRIED
+           | zmq.EVENT_DISCONNECTED)
 
 
 class ChannelClosed(DockError):
@@ -47,14 +51,15 @@ class ChannelTimeout(DockError):
 
 class DockKeys:
     """One dock's credentials: CURVE keypairs (z85) of the warehouses and of the clients, or, with
-    ``encrypted=False``, a PLAIN token. ``for_clients()`` drops the warehouses' secret key."""
+    ``encrypted=False``, a PLAIN token; and the token of same-machine channels. ``for_clients()``
+    drops the warehouses' secret key."""
 
     def __init__(self, encrypted: bool = True, same_host_files: bool = True):
         self.encrypted, self.same_host_files = encrypted, same_host_files
         self.server_public, self.server_secret = zmq.curve_keypair() if encrypted else (None, None)
         self.client_public, self.client_secret = (zmq.curve_keypair() if encrypted else
                                                   (None, secrets.token_hex(32).encode()))
-        self.local_token = secrets.token_hex(32).encode()  # same-host channels: PLAIN over a private socket file
+        self.local_token = secrets.token_hex(32).encode()
 
     def __repr__(self) -> str:   # never the keys
         return f"DockKeys({'curve' if self.encrypted else 'plain'})"
@@ -65,25 +70,25 @@ class DockKeys:
         return k
 
     def client(self, sock: zmq.Socket, local: bool = False) -> None:
-        if local:
-            sock.plain_username, sock.plain_password = b"local", self.local_token
-        elif self.encrypted:
+        if local or not self.encrypted:
+            sock.plain_username, sock.plain_password = (b"local", self.local_token) if local else \
+                (b"dock", self.client_secret)
+        else:
             sock.curve_serverkey, sock.curve_publickey = self.server_public, self.client_public
             sock.curve_secretkey = self.client_secret
-        else:
-            sock.plain_username, sock.plain_password = b"dock", self.client_secret
 
-    def admit(self, auth: ThreadAuthenticator) -> None:
-        """The warehouse's ZAP handler: the dock's client key (CURVE) or its tokens (PLAIN)."""
+    def serve(self, sock: zmq.Socket, auth: ThreadAuthenticator, local: bool = False) -> None:
+        """Make ``sock`` a server of this dock's mechanism; ``auth`` (the ZAP handler, domain
+        "dock") admits the dock's client key (CURVE) or tokens (PLAIN). Without the handler every
+        handshake fails (``zap_enforce_domain``)."""
         users = {"local": self.local_token.decode()}
         if self.encrypted:
-            allow = types.SimpleNamespace(callback=lambda _, key: secrets.compare_digest(key, self.client_public))
-            auth.configure_curve_callback("dock", allow)
+            auth.configure_curve_callback("dock", types.SimpleNamespace(
+                callback=lambda _, key: secrets.compare_digest(key, self.client_public)))
         else:
             users["dock"] = self.client_secret.decode()
         auth.configure_plain("dock", users)
-
-    def serve(self, sock: zmq.Socket, local: bool = False) -> None:
+        sock.zap_domain, sock.zap_enforce_domain = b"dock", True
         if self.encrypted and not local:
             sock.curve_server, sock.curve_secretkey = True, self.server_secret
         else:
@@ -92,12 +97,22 @@ class DockKeys:
 
 def _dumps(obj) -> list:
     bufs: list[pickle.PickleBuffer] = []
-    main = pickle.dumps(obj, protocol=5, buffer_callback=bufs.append)
-    return [main, *(b.raw() for b in bufs)]
+    return [pickle.dumps(obj, protocol=5, buffer_callback=bufs.append), *(b.raw() for b in bufs)]
 
 
-def _loads(frames: list):
-    return pickle.loads(frames[0].buffer, buffers=[f.buffer for f in frames[1:]])
+def _recv(sock: zmq.Socket):
+    """One message: its first frame as bytes (a copy is cheaper than a frame object for the small
+    pickle), the out-of-band buffers as frames the arrays wrap. None: an empty goodbye frame."""
+    head, bufs = sock.recv(), []
+    while sock.get(zmq.RCVMORE):
+        bufs.append(sock.recv(copy=False).buffer)
+    return pickle.loads(head, buffers=bufs) if head else None
+
+
+def _send(sock: zmq.Socket, frames: list, flags: int = 0, copy: bool = True) -> None:
+    for f in frames[:-1]:
+        sock.send(f, flags | zmq.SNDMORE, copy=copy)
+    sock.send(frames[-1], flags, copy=copy)
 
 
 def _socket(ctx: zmq.Context, kind: int, host: str = "") -> zmq.Socket:
@@ -121,9 +136,9 @@ def host_id() -> str:
 
 
 class ChannelServer:
-    """Listens on ``host`` (an ephemeral port): each client channel first asks there for a socket of
-    its own (another ephemeral port), which a thread of its own serves -- ``handle(request)`` for
-    each request, in order, answered on the same socket -- until the client says goodbye. A blocked
+    """Listens on ``host`` (an ephemeral port) and on a socket file: each client channel first asks
+    there for a socket of its own, which a thread of its own serves -- ``handle(request)`` for each
+    request, in order, answered on the same socket -- until the client says goodbye. A blocked
     claim so holds only its own channel. An exception raised by ``handle`` is raised at the caller,
     with the server's traceback as a note. ``received``: messages delivered past the handshake."""
 
@@ -132,22 +147,16 @@ class ChannelServer:
         self._ctx = zmq.Context()
         self._auth = ThreadAuthenticator(self._ctx)
         self._auth.start()
-        keys.admit(self._auth)
-        # clients on this machine come through socket files in a folder only this user can open
-        # (PLAIN with the dock's token: their traffic never leaves the host); the others by TCP
-        self._dir = tempfile.mkdtemp(prefix="rlrecipes-dock-")
-        self._opened = 0
-        self._door, door = self._listen(zmq.ROUTER, local=False)
-        self._local_door, local_door = self._listen(zmq.ROUTER, local=True)
-        self.address = (host, int(door.rsplit(":", 1)[1]), local_door, host_id())
-        self._closed = False
-        self.received = 0
+        self._dir = tempfile.mkdtemp(prefix="rlrecipes-dock-")   # socket files only this user opens
+        self._opened, self._closed, self.received = 0, False, 0
+        (tcp_door, tcp), (files_door, files) = (self._listen(zmq.ROUTER, local) for local in (False, True))
+        self._doors = [tcp_door, files_door]
+        self.address = (host, int(tcp.rsplit(":", 1)[1]), files, host_id())
         threading.Thread(target=self._open_channels, name="dock-channel-door", daemon=True).start()
 
     def _listen(self, kind: int, local: bool) -> tuple[zmq.Socket, str]:
         sock = _socket(self._ctx, kind, self._host)
-        sock.zap_domain, sock.zap_enforce_domain = b"dock", True   # no ZAP handler: refuse, never admit
-        self._keys.serve(sock, local)                              # (ZAP domain "dock")
+        self._keys.serve(sock, self._auth, local)
         if local:
             self._opened += 1
             sock.bind(f"ipc://{self._dir}/{self._opened}")
@@ -157,29 +166,26 @@ class ChannelServer:
 
     def _open_channels(self) -> None:
         doors = zmq.Poller()
-        for door in (self._door, self._local_door):
+        for door in self._doors:
             doors.register(door, zmq.POLLIN)
         try:
             while True:
                 for door, _ in doors.poll():
                     peer = door.recv_multipart()[0]
                     self.received += 1
-                    sock, endpoint = self._listen(zmq.DEALER, local=door is self._local_door)
+                    sock, endpoint = self._listen(zmq.DEALER, local=door is self._doors[1])
                     threading.Thread(target=self._serve, args=(sock,), name="dock-channel", daemon=True).start()
                     door.send_multipart([peer, endpoint.encode()])
         except zmq.ContextTerminated:
-            self._door.close()
-            self._local_door.close()
+            for door in self._doors:
+                door.close()
 
     def _serve(self, sock: zmq.Socket) -> None:
         try:
-            while True:
-                frames = sock.recv_multipart(copy=False)
-                if not len(frames[0]):               # the client closed its channel
-                    break
+            while (request := _recv(sock)) is not None:      # None: the client closed its channel
                 self.received += 1
                 try:
-                    answer = _dumps(("ok", self._handle(_loads(frames))))
+                    answer = _dumps(("ok", self._handle(request)))
                 except BaseException as e:   # noqa: BLE001 -- every failure goes back to the caller
                     tb = "".join(traceback.format_exception(e))
                     try:
@@ -187,7 +193,7 @@ class ChannelServer:
                     except Exception:   # noqa: BLE001 -- an exception that does not pickle
                         answer = _dumps(("err", DockError(f"{type(e).__name__}: {e}"), tb))
                 try:
-                    sock.send_multipart(answer, zmq.NOBLOCK, copy=False)
+                    _send(sock, answer, zmq.NOBLOCK, copy=False)
                 except zmq.Again:                     # the client is gone (it timed out)
                     pass
         except zmq.ContextTerminated:
@@ -208,11 +214,10 @@ class Channel:
     """The client end: ``send`` a request (returns its sequence number, without waiting), then
     ``result(seq)`` reads answers in order until that one, keeping earlier unread ones. Opening it
     asks the server for a socket and waits for both handshakes, so a refused or unauthenticated
-    connection fails here."""
+    connection fails here. A client on the server's machine uses its socket files."""
 
     def __init__(self, address: tuple, keys: DockKeys, connect_timeout: float = 10.0, name: str = "a warehouse"):
         self.address, self.name, self._sock = tuple(address), name, None
-        # the same machine: the server's socket files (no encryption needed: nothing leaves the host)
         self.local = keys.same_host_files and len(address) > 3 and bool(address[3]) and address[3] == host_id()
         door, events = self._connect(address[2] if self.local else f"{_endpoint(address[0])}:{address[1]}",
                                      keys, connect_timeout)
@@ -228,15 +233,12 @@ class Channel:
         self._lock = threading.Lock()
 
     def _connect(self, endpoint: str, keys: DockKeys, timeout: float) -> tuple[zmq.Socket, zmq.Socket]:
-        """A DEALER connected to ``endpoint``, once the handshake succeeded, and the monitor that
+        """A DEALER connected to ``endpoint`` once the handshake succeeded, and the monitor that
         reports its loss."""
         sock = _socket(zmq.Context.instance(), zmq.DEALER, self.address[0])
         sock.heartbeat_ivl, sock.heartbeat_timeout = 5000, 30000   # ms: a vanished node is noticed
         keys.client(sock, self.local)
-        events = sock.get_monitor_socket(
-            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-            | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_CLOSED | zmq.EVENT_CONNECT_RETRIED
-            | zmq.EVENT_DISCONNECTED)
+        events = sock.get_monitor_socket(_EVENTS)
         sock.connect(endpoint)
         event = events.poll(int(timeout * 1000)) and _event(events)
         if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
@@ -255,8 +257,9 @@ class Channel:
     def send(self, request) -> int:
         frames = _dumps(request)
         with self._lock:
-            self._check()
-            self._sock.send_multipart(frames)          # copied: the caller may reuse its buffers
+            if self._sock is None:
+                raise ChannelClosed(f"channel to {self._where} is closed")
+            _send(self._sock, frames)                  # copied: the caller may reuse its buffers
             self._sent += 1
             return self._sent
 
@@ -264,16 +267,17 @@ class Channel:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             while seq not in self._answers:
-                self._check()
+                if self._sock is None:
+                    raise ChannelClosed(f"channel to {self._where} is closed")
                 if seq <= self._read:
                     raise DockError(f"channel: answer {seq} was already taken")
                 # wait in slices: between them, the monitor is asked whether the connection is lost
-                ms = _SLICE_MS if deadline is None else max(min(int((deadline - time.monotonic()) * 1000) + 1,
-                                                                _SLICE_MS), 1)
+                ms = _SLICE_MS if deadline is None else \
+                    max(min(int((deadline - time.monotonic()) * 1000) + 1, _SLICE_MS), 1)
                 if ms != self._slice_ms:
                     self._slice_ms = self._sock.rcvtimeo = ms
                 try:
-                    frames = self._sock.recv_multipart(copy=False)
+                    answer = _recv(self._sock)
                 except zmq.Again:                      # answers already here are read before a loss
                     if self._lost():
                         self._close(bye=False)
@@ -284,7 +288,7 @@ class Channel:
                         raise ChannelTimeout(f"channel to {self._where}: no answer in {timeout:.1f}s") from None
                     continue
                 self._read += 1
-                self._answers[self._read] = _loads(frames)
+                self._answers[self._read] = answer
             answer = self._answers.pop(seq)
         if answer[0] == "err":
             answer[1].add_note(f"raised in the warehouse process:\n{answer[2]}")
@@ -296,10 +300,6 @@ class Channel:
         while self._events.poll(0):
             lost |= _event(self._events) == zmq.EVENT_DISCONNECTED
         return lost
-
-    def _check(self) -> None:
-        if self._sock is None:
-            raise ChannelClosed(f"channel to {self._where} is closed")
 
     def _close(self, bye: bool = True) -> None:
         if self._sock is not None:

@@ -22,7 +22,7 @@ class Batch:
     """Rows handed to one consumer rank.
 
     ``columns[name]`` is a stacked tensor ``[rows, *shape]`` for columns put stacked, else a list of
-    per-row tensors (unpadded). Cached columns are not in ``columns``; ``holders[name][i]`` is the
+    per-row tensors (unpadded; the workflow's micro-batching pads them, ``workflow/batching.py``). Cached columns are not in ``columns``; ``holders[name][i]`` is the
     rank whose TensorCache holds row ``rows[i]`` (fetch with ``TensorCache.exchange``).
     """
 
@@ -43,41 +43,9 @@ class Batch:
     def __getitem__(self, name: str):
         return self.columns[name]
 
-    def lengths(self, name: str) -> torch.Tensor:
-        """Row lengths (first dim) of a column; ``[rows]`` int64."""
-        col = self.columns[name]
-        if isinstance(col, torch.Tensor):
-            return torch.full((col.shape[0],), col.shape[1] if col.dim() > 1 else 1, dtype=torch.int64)
-        return torch.tensor([t.shape[0] if t.dim() else 1 for t in col], dtype=torch.int64)
-
-    def padded(self, name: str, pad_value: float | int = 0, *, left: bool = False,
-               max_len: int | None = None) -> torch.Tensor:
-        """A list column right- (or left-) padded into ``[rows, max_len]`` (a copy)."""
-        col = self.columns[name]
-        if isinstance(col, torch.Tensor):
-            return col.clone()
-        if not col:
-            return torch.zeros(0, max_len or 0)
-        n = max_len if max_len is not None else max(t.shape[0] for t in col)
-        out = torch.full((len(col), n, *col[0].shape[1:]), pad_value, dtype=col[0].dtype)  # [rows, n]
-        for i, t in enumerate(col):
-            t = t[:n]
-            if left:
-                out[i, n - t.shape[0]:] = t
-            else:
-                out[i, : t.shape[0]] = t
-        return out
-
-    def mask(self, name: str, *, left: bool = False, max_len: int | None = None) -> torch.Tensor:
-        """``[rows, max_len]`` bool mask of real (unpadded) positions of a list column."""
-        lens = self.lengths(name)
-        n = max_len if max_len is not None else int(lens.max()) if len(lens) else 0
-        ar = torch.arange(n)
-        return (ar[None, :] >= n - lens[:, None]) if left else (ar[None, :] < lens[:, None])
-
 
 class DockClient(abc.ABC):
-    """The API every backend implements. See the module docstring for the semantics."""
+    """The API every backend implements; the semantics: docs/transfer_dock.md."""
 
     round_trips: int = 0
     """Blocking calls this client made to other processes (0 in process)."""

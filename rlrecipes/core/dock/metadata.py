@@ -8,12 +8,8 @@ from typing import Sequence
 import numpy as np
 
 from .errors import DockError
-from .balance import max_load, partition_kk, partition_lpt, partition_sticky
+from .balance import partition_claim
 
-
-# ----------------------------------------------------------------------------------------------
-# Metadata: the controller's state, shared by both backends. Pure Python, no tensors, no locking.
-# ----------------------------------------------------------------------------------------------
 
 @dataclass
 class _ConsumerState:
@@ -25,7 +21,8 @@ class _ConsumerState:
 
 
 class _Meta:
-    """Readiness / consumption / groups / placement of the rows of one step."""
+    """Readiness / consumption / groups / placement of the rows of one step: the controller's
+    state, shared by both backends. No tensors, no locking."""
 
     def __init__(self, n_warehouses: int = 1, equal_count: bool = True):
         self.n_warehouses = n_warehouses
@@ -45,16 +42,13 @@ class _Meta:
         self.kinds: dict[str, tuple[str, bool]] = {} # col -> (dtype, stacked)
         self.consumers: dict[str, _ConsumerState] = {}
         self.next_wh = 0
-        self.version = 0                             # bumped on every change waiters care about
         self.last_partition: list[list[int]] | None = None   # of the last count=None claim
         self.last_holders: dict = {}                          # its cached columns' holders, per bin
 
     # -- allocation ----------------------------------------------------------------------------
     def _grow(self, n: int):
         def grow(a, fill):
-            out = np.full(n, fill, a.dtype)
-            out[: a.size] = a
-            return out
+            return np.concatenate([a, np.full(n - a.size, fill, a.dtype)])
         self.group_of = grow(self.group_of, -1)
         self.dropped = grow(self.dropped, False)
         self.warehouse = grow(self.warehouse, 0)
@@ -68,21 +62,15 @@ class _Meta:
         if n_groups < 0 or group_size < 1:
             raise DockError(f"add_groups(n_groups={n_groups}, group_size={group_size}): "
                             "need n_groups >= 0 and group_size >= 1")
-        start = self.n_rows
+        start, gids = self.n_rows, np.arange(len(self.groups), len(self.groups) + n_groups)
         self.n_rows += n_groups * group_size
         self._grow(self.n_rows)
-        for g in range(n_groups):
-            first = start + g * group_size
-            gid = len(self.groups)
-            self.groups.append((first, group_size))
-            self.group_of[first:first + group_size] = gid
-            if warehouse is None:  # round robin by group range
-                wh = self.next_wh % self.n_warehouses
-                self.next_wh += 1
-            else:
-                wh = warehouse
-            self.warehouse[first:first + group_size] = wh
-        self.version += 1
+        self.groups += [(start + g * group_size, group_size) for g in range(n_groups)]
+        self.group_of[start:] = np.repeat(gids, group_size)
+        if warehouse is None:  # round robin by group
+            warehouse = np.repeat((self.next_wh + np.arange(n_groups)) % self.n_warehouses, group_size)
+            self.next_wh += n_groups
+        self.warehouse[start:] = warehouse
         return list(range(start, self.n_rows))
 
     def _check_rows(self, rows: Sequence[int], what: str) -> np.ndarray:
@@ -124,17 +112,21 @@ class _Meta:
             self.holder[col][r] = holder
             if lens is not None:
                 self.lengths[col][r] = np.asarray(list(lens), np.int64)
-        self.version += 1
 
     def drop_rows(self, rows: Sequence[int]) -> dict[int, list[int]]:
         r = np.asarray(list(rows), np.int64)
         if r.size and (r.min() < 0 or r.max() >= self.n_rows):
             raise DockError(f"drop_rows: rows outside 0..{self.n_rows - 1} in step {self.step}")
         self.dropped[r] = True
-        self.version += 1
+        return self._by_warehouse(r)
+
+    def _by_warehouse(self, r: np.ndarray) -> dict[int, list[int]]:
+        wh = self.warehouse[r]
+        if r.size and (wh == wh[0]).all():  # one warehouse (the usual case)
+            return {int(wh[0]): r.tolist()}
         by_wh: dict[int, list[int]] = {}
-        for x in r.tolist():
-            by_wh.setdefault(int(self.warehouse[x]), []).append(x)
+        for x, w in zip(r.tolist(), wh.tolist()):
+            by_wh.setdefault(w, []).append(x)
         return by_wh
 
     # -- reads ---------------------------------------------------------------------------------
@@ -155,13 +147,9 @@ class _Meta:
     def row_tokens(self, columns: Sequence[str]) -> np.ndarray:
         """Balancing weight per row: summed numel of the requested columns that vary in length,
         else of every column that does; at least 1."""
-        var = [c for c in self.lengths if c in self.kinds and not self.kinds[c][1]] + \
-              [c for c in self.lengths if c not in self.kinds]  # cached columns: lengths given
+        var = [c for c in self.lengths if c not in self.kinds or not self.kinds[c][1]]  # cached ones too
         use = [c for c in columns if c in var] or var
-        w = np.zeros(self.n_rows, np.int64)
-        for c in use:
-            w += self.lengths[c]
-        return np.maximum(w, 1)
+        return np.maximum(sum((self.lengths[c] for c in use), np.zeros(self.n_rows, np.int64)), 1)
 
     def try_claim(self, consumer: str, columns: Sequence[str], count: int | None, dp_rank: int,
                   dp_size: int, whole_groups: bool) -> list[int] | None:
@@ -172,9 +160,7 @@ class _Meta:
             raise DockError(f"get({consumer!r}): count must be >= 1 or None, got {count}")
         cs = self._consumer(consumer)
         self.last_partition, self.last_holders = None, {}
-        live = ~self.dropped
-        untaken = live & ~cs.taken
-        avail = untaken & self._ready_all(columns)
+        untaken = ~self.dropped & ~cs.taken
         if count is None:
             if cs.dp_size is None:
                 cs.dp_size = dp_size
@@ -182,51 +168,22 @@ class _Meta:
                 raise DockError(f"get({consumer!r}, count=None): dp_size {dp_size} differs from "
                                 f"the {cs.dp_size} this consumer used before in step {self.step}")
             rnd = cs.cursor.get(dp_rank, 0)
-            if rnd < len(cs.partitions):
-                cs.cursor[dp_rank] = rnd + 1
-                self.last_partition, self.last_holders = cs.partitions[rnd], cs.holders[rnd]
-                return cs.partitions[rnd][dp_rank]
-            # New round: everything not taken must be ready (so whole groups are complete).
-            if not untaken.any() or (avail != untaken).any():
-                return None
-            rows = np.flatnonzero(avail)
-            w = self.row_tokens(columns)
-            if whole_groups:
-                units = self._groups_of(rows)
-            else:
-                units = [[int(x)] for x in rows]
-            sizes = [len(u) for u in units]
-            weights = (np.add.reduceat(w[np.concatenate(units)], np.cumsum([0] + sizes[:-1])).astype(float).tolist()
-                       if units else [])  # one pass over the rows, not a numpy call per unit
-            bins = (partition_lpt(weights, dp_size, True) if self.equal_count
-                    else partition_kk(weights, dp_size))
-            # Where it costs no balance, rows cached on ranks stay with their holder, and stored rows
-            # go out in contiguous blocks (row order): a rank's read is then one slice of what one
-            # writer put, not a gather from every writer's chunk.
-            home = self._home_bins(columns, units, dp_size)
-            stay = partition_sticky(weights, dp_size, home, self.equal_count)
-            if max_load(weights, stay) <= max_load(weights, bins):
-                bins = stay
-            part = [sorted(x for i in b for x in units[i]) for b in bins]
-            cs.taken[rows] = True
-            cs.partitions.append(part)
-            # a snapshot every rank of the round gets alike (TensorCache.exchange skips its
-            # collectives when each bin's rows are all held by that bin's rank)
-            cs.holders.append({c: [self.holder[c][np.asarray(b, np.int64)].tolist() for b in part]
-                               for c in columns if c in self.holder and (self.holder[c][rows] >= 0).all()})
+            if rnd == len(cs.partitions):  # new round: every row not taken must be ready (groups complete)
+                if not untaken.any() or (untaken & ~self._ready_all(columns)).any():
+                    return None
+                self._partition(cs, columns, np.flatnonzero(untaken), dp_size, whole_groups)
             cs.cursor[dp_rank] = rnd + 1
-            self.version += 1
-            self.last_partition, self.last_holders = part, cs.holders[-1]
-            return part[dp_rank]
+            self.last_partition, self.last_holders = cs.partitions[rnd], cs.holders[rnd]
+            return cs.partitions[rnd][dp_rank]
         # Streaming: the first `count` ready rows (or whole groups) nobody of this consumer took.
+        avail = untaken & self._ready_all(columns)
         if whole_groups:
+            flat, sizes = self._groups_of(np.flatnonzero(untaken))
             chosen: list[int] = []
-            remaining_units = 0
-            for g in self._groups_of(np.flatnonzero(untaken)):
-                remaining_units += 1
-                if avail[g].all() and len(chosen) + len(g) <= count:
-                    chosen.extend(g)
-            all_left_ready = remaining_units > 0 and bool((avail == untaken).all())
+            for g in np.split(flat, np.cumsum(sizes)[:-1]) if sizes.size else []:
+                if avail[g].all() and len(chosen) + g.size <= count:
+                    chosen += g.tolist()
+            all_left_ready = sizes.size > 0 and bool((avail == untaken).all())
             if not chosen or (len(chosen) < count and not all_left_ready):
                 return None
         else:
@@ -236,35 +193,56 @@ class _Meta:
                 return None
             chosen = rows[:count].tolist()
         cs.taken[chosen] = True
-        self.version += 1
         return chosen
 
-    def _home_bins(self, columns: Sequence[str], units: list[list[int]], dp_size: int) -> list[int]:
-        """Per unit, the bin it would rather be in. With a cached column claimed: the rank whose
-        TensorCache holds it (the holder rank counts as the DP rank, as in a pure-DP layout; -1 when
-        its rows are held apart or on a rank outside ``0..dp_size-1``), for the largest such column.
-        Else its block of the row order (unit i of n: bin ``i * dp_size // n``)."""
-        cached = [c for c in columns if c in self.holder and (self.holder[c] >= 0).any()]
-        if not cached or not units:
-            return [i * dp_size // len(units) for i in range(len(units))]
-        col = max(cached, key=lambda c: int(self.lengths[c].sum()))
-        held = self.holder[col]
-        home = []
-        for u in units:
-            h = held[u]
-            home.append(int(h[0]) if (h == h[0]).all() and 0 <= h[0] < dp_size else -1)
-        return home
+    def _partition(self, cs: _ConsumerState, columns: Sequence[str], rows, dp_size: int, whole_groups: bool):
+        """A new round of ``cs``: ``rows`` (or their whole groups: units) over ``dp_size`` bins."""
+        w = self.row_tokens(columns)
+        if whole_groups:  # unit u: rows flat[starts[u]:starts[u] + sizes[u]]; flat ascending
+            flat, sizes = self._groups_of(rows)
+            starts = np.cumsum(sizes) - sizes
+            weights = np.add.reduceat(w[flat], starts).astype(float).tolist() if flat.size else []
+        else:
+            flat, sizes, starts = rows, 1, np.arange(rows.size)
+            weights = w[rows].astype(float).tolist()
+        # Where it costs no balance, rows cached on ranks stay with their holder, and stored rows
+        # go out in contiguous blocks (row order): a rank's read is then one slice of what one
+        # writer put, not a gather from every writer's chunk.
+        home = self._home_bins(columns, flat, starts, dp_size)
+        unit_bin = np.zeros(len(weights), np.int64)
+        for b, units in enumerate(partition_claim(weights, dp_size, home, self.equal_count)):
+            unit_bin[units] = b
+        row_bin = np.repeat(unit_bin, sizes)
+        part = [flat[row_bin == b] for b in range(dp_size)]
+        cs.taken[rows] = True
+        cs.partitions.append([p.tolist() for p in part])
+        # a snapshot every rank of the round gets alike (TensorCache.exchange skips its
+        # collectives when each bin's rows are all held by that bin's rank)
+        cs.holders.append({c: [self.holder[c][p].tolist() for p in part]
+                           for c in columns if c in self.holder and (self.holder[c][rows] >= 0).all()})
 
-    def _groups_of(self, rows: np.ndarray) -> list[list[int]]:
-        """Rows grouped by prompt group; only groups whose every live row is in ``rows``."""
-        rowset = set(rows.tolist())
-        out = []
-        for gid in sorted({int(self.group_of[r]) for r in rowset}):
-            first, size = self.groups[gid]
-            members = [x for x in range(first, first + size) if not self.dropped[x]]
-            if members and all(x in rowset for x in members):
-                out.append(members)
-        return out
+    def _home_bins(self, columns: Sequence[str], flat, starts, dp_size: int) -> np.ndarray:
+        """Per unit (its rows ``flat[starts[u]:starts[u + 1]]``), the bin it would rather be in. With a
+        cached column claimed: the rank whose TensorCache holds it (the holder rank counts as the DP
+        rank, as in a pure-DP layout; -1 when its rows are held apart or on a rank outside
+        ``0..dp_size-1``), for the largest such column. Else its block of the row order (unit i of n:
+        bin ``i * dp_size // n``)."""
+        cached = [c for c in columns if c in self.holder and (self.holder[c] >= 0).any()]
+        if not cached or not starts.size:
+            return np.arange(starts.size) * dp_size // max(starts.size, 1)
+        held = self.holder[max(cached, key=lambda c: int(self.lengths[c].sum()))][flat]
+        lo, hi = np.minimum.reduceat(held, starts), np.maximum.reduceat(held, starts)
+        return np.where((lo == hi) & (lo >= 0) & (lo < dp_size), lo, -1)
+
+    def _groups_of(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The prompt groups whose every live row is in ``rows`` (one at least): their live rows,
+        ascending (a group's rows are contiguous, groups in order), and the number per group."""
+        live, inside = ~self.dropped, np.zeros(self.n_rows, bool)
+        inside[rows] = True
+        count = lambda sel: np.bincount(self.group_of[sel], minlength=len(self.groups))  # noqa: E731
+        ok = (count(live & inside) > 0) & (count(live & ~inside) == 0)
+        flat = np.flatnonzero(live & ok[self.group_of])
+        return flat, count(flat)[ok]
 
     def diagnose(self, consumer: str, columns: Sequence[str], count, dp_rank, dp_size) -> dict:
         cs = self._consumer(consumer)
@@ -282,20 +260,17 @@ class _Meta:
         r = np.asarray(list(rows), np.int64)
         cached, stored_cols = {}, []
         for c in columns:
-            h = self.holder[c][r] if c in self.holder else np.full(r.size, -1)
-            if (h >= 0).any():
-                if (h < 0).any():
-                    raise DockError(f"column {c!r}: rows {r[h < 0][:8].tolist()} are in the dock "
-                                    f"but rows {r[h >= 0][:8].tolist()} are cached on ranks; "
-                                    "a column must be either cached or stored for a whole batch")
-                cached[c] = h.tolist()
-            else:
+            h = self.holder[c][r] if c in self.holder else None
+            if h is None or not (h >= 0).any():
                 stored_cols.append(c)
-        by_wh: dict[int, list[int]] = {}
-        for x in r.tolist():
-            by_wh.setdefault(int(self.warehouse[x]), []).append(x)
+            elif (h < 0).any():
+                raise DockError(f"column {c!r}: rows {r[h < 0][:8].tolist()} are in the dock "
+                                f"but rows {r[h >= 0][:8].tolist()} are cached on ranks; "
+                                "a column must be either cached or stored for a whole batch")
+            else:
+                cached[c] = h.tolist()
         kinds = {c: self.kinds.get(c, ("float32", True)) for c in stored_cols}
-        return cached, {"columns": stored_cols, "by_warehouse": by_wh, "kinds": kinds,
+        return cached, {"columns": stored_cols, "by_warehouse": self._by_warehouse(r), "kinds": kinds,
                         "partition": self.last_partition, "partition_holders": self.last_holders}
 
     def cached_on(self, column: str, rows: Sequence[int]) -> list[int | None]:

@@ -14,6 +14,11 @@ from .packing import Packed, columns_from_wire, slice_packed, concat_packed, unp
 from .client import Batch, DockClient, _put_meta, _cached_meta, _empty_batch
 
 
+def _ray():
+    import ray   # not at import: a process that only plans or uses a local dock does not load Ray
+    return ray
+
+
 class RayDock(DockClient):
     """Ray backend client: picklable (actor handles + config), used the same way in every actor.
 
@@ -72,14 +77,10 @@ class RayDock(DockClient):
         """Warehouse ``w``'s ``method`` (see ``_Warehouse.call``), sent without waiting: over the
         direct channel when there is one (a :class:`Reply`), else one Ray call with one argument
         (an ``ObjectRef``). :meth:`_wait` takes either."""
-        ch = self._channel(w)
+        ch = self._pools[w].get() if self._direct else None    # this thread's channel (ChannelPool)
         if ch is not None:
             return Reply(ch, ch.send((method, args)))
         return self._warehouses[w].call.remote((method, args))
-
-    def _channel(self, w: int):
-        """The calling thread's channel to warehouse ``w``, or None: Ray calls (see ChannelPool)."""
-        return self._pools[w].get() if self._direct else None
 
     @property
     def channels_open(self) -> int:
@@ -117,9 +118,9 @@ class RayDock(DockClient):
         t0 = time.perf_counter()
         try:
             if not isinstance(refs, list):
-                return refs.result(timeout) if isinstance(refs, Reply) else self._ray().get(refs, timeout=timeout)
+                return refs.result(timeout) if isinstance(refs, Reply) else _ray().get(refs, timeout=timeout)
             ray_refs = [r for r in refs if not isinstance(r, Reply)]
-            got = iter(self._ray().get(ray_refs, timeout=timeout) if ray_refs else ())
+            got = iter(_ray().get(ray_refs, timeout=timeout) if ray_refs else ())
             return [r.result(timeout) if isinstance(r, Reply) else next(got) for r in refs]
         finally:
             self.round_trips += 1
@@ -140,10 +141,6 @@ class RayDock(DockClient):
     def warehouse_nodes(self) -> list[str]:
         """Node id of each warehouse (index = warehouse number)."""
         return list(self._node_ids)
-
-    def _ray(self):
-        import ray
-        return ray
 
     def _start_reset(self, step, groups):
         self._deferred_drops = []   # moot: the new step has none of those rows
@@ -166,7 +163,7 @@ class RayDock(DockClient):
     def _local_warehouse(self) -> int | None:
         if self._home is None:
             try:
-                node = self._ray().get_runtime_context().get_node_id()
+                node = _ray().get_runtime_context().get_node_id()
             except Exception:
                 node = None
             self._home = self._node_ids.index(node) if node in self._node_ids else -1
@@ -257,7 +254,7 @@ class RayDock(DockClient):
     # -- reads -------------------------------------------------------------------------------------
     def get(self, consumer, columns, count=None, *, dp_rank=0, dp_size=1, whole_groups=False,
             timeout=DEFAULT_TIMEOUT_S, copy=False) -> Batch:
-        ray = self._ray()
+        ray = _ray()
         columns = list(columns)
         home = self._local_warehouse()
         home = 0 if home is None else home
@@ -330,7 +327,7 @@ class RayDock(DockClient):
         """Kill the warehouses and with them the controller (only from the client that created them)."""
         if not self._owner:
             return
-        ray = self._ray()
+        ray = _ray()
         for a in self._warehouses:
             try:
                 ray.kill(a)

@@ -20,37 +20,47 @@ class _Controller:
     """The metadata controller: ``_Meta`` behind one condition variable. It runs in the head
     warehouse's process, called from that actor's threads (a threaded actor: a Ray call to it costs
     about half the latency of an asyncio actor's on a small host); a claim blocks its thread until
-    the rows are ready."""
+    the rows are ready. :meth:`call` runs the other ``_Meta`` methods under the condition."""
+
+    CHANGES = frozenset({"mark_ready", "drop_rows"})               # waiting claims look again
+    READS = frozenset({"cached_on", "all_consumed", "stats"})
 
     def __init__(self, n_warehouses: int, equal_count: bool):
         self.meta = _Meta(n_warehouses, equal_count)
         self.cond = threading.Condition()
+
+    def call(self, method: str, *args):
+        """A controller call by name: a method of this class, or one of ``_Meta``'s (CHANGES,
+        READS); anything else raises."""
+        if method in self.CHANGES or method in self.READS:
+            with self.cond:
+                out = getattr(self.meta, method)(*args)
+                if method in self.CHANGES:
+                    self.cond.notify_all()
+                return out
+        if method not in ("reset", "add_groups", "placement", "commit", "claim", "step"):
+            raise DockError(f"no controller method {method!r}")
+        return getattr(self, method)(*args)
 
     def reset(self, step, groups=None, warehouse=None):
         """Start ``step``; with ``groups=(n_groups, group_size)`` allocate them too (as add_groups)."""
         with self.cond:
             self.meta.reset(step)
             self.cond.notify_all()
-            return self._add(groups[0], groups[1], warehouse) if groups is not None else None
+            return self._add(*groups, warehouse) if groups is not None else None
+
+    def add_groups(self, n_groups, group_size, warehouse=None):
+        with self.cond:
+            self.cond.notify_all()
+            return self._add(n_groups, group_size, warehouse)
 
     def _add(self, n_groups, group_size, warehouse):
         rows = self.meta.add_groups(n_groups, group_size, warehouse)
         return self.meta.step, rows, self.meta.warehouse[rows].tolist() if rows else []
 
-    def add_groups(self, n_groups, group_size, warehouse=None):
-        with self.cond:
-            out = self._add(n_groups, group_size, warehouse)
-            self.cond.notify_all()
-            return out
-
     def placement(self, rows):
         with self.cond:
             return self.meta.step, self.meta.placement(rows)
-
-    def mark_ready(self, meta, rows, holder=-1):
-        with self.cond:
-            self.meta.mark_ready(meta, rows, holder)
-            self.cond.notify_all()
 
     def commit(self, step, warehouse, meta, rows):
         """A warehouse stored ``rows``: mark them ready. Called by the warehouse (not the client)
@@ -87,27 +97,8 @@ class _Controller:
                     return ("timeout", self.meta.diagnose(consumer, columns, count, dp_rank, dp_size))
                 self.cond.wait(left)
 
-    def cached_on(self, column, rows):
-        with self.cond:
-            return self.meta.cached_on(column, rows)
-
-    def all_consumed(self, consumer):
-        with self.cond:
-            return self.meta.all_consumed(consumer)
-
-    def drop_rows(self, rows):
-        with self.cond:
-            by_wh = self.meta.drop_rows(rows)
-            self.cond.notify_all()
-            return by_wh
-
-    def stats(self):
-        with self.cond:
-            return self.meta.stats()
-
     def step(self):
-        with self.cond:
-            return self.meta.step
+        return self.meta.step
 
 
 class _Warehouse:
@@ -119,8 +110,6 @@ class _Warehouse:
     forwarded there, so a write completes without the writer."""
 
     MAX_HOPS = 2
-    CONTROL = frozenset({"reset", "add_groups", "placement", "mark_ready", "commit", "claim", "cached_on",
-                         "all_consumed", "drop_rows", "stats", "step"})
     CALLS = frozenset({"control", "clear", "start_step", "write", "read", "apply", "claim_read", "drop"})
     _WRITES_AT = {"apply": 0, "claim_read": 7}   # the position of the ``writes`` argument
 
@@ -159,15 +148,15 @@ class _Warehouse:
 
     def control(self, method: str, *args):
         """A controller call from a client or another warehouse (head warehouse only)."""
-        if self.ctl is None or method not in self.CONTROL:
-            raise DockError(f"warehouse {self.index}: no controller method {method!r} here")
-        return getattr(self.ctl, method)(*args)
+        if self.ctl is None:
+            raise DockError(f"warehouse {self.index}: no controller here")
+        return self.ctl.call(method, *args)
 
     def _control(self, method: str, *args):
         """The controller: in this process on the head warehouse (no hop), else one call to the
         head -- over this thread's direct channel when the dock has them, else a Ray call."""
         if self.ctl is not None:
-            return getattr(self.ctl, method)(*args)
+            return self.ctl.call(method, *args)
         ch = self._head.get() if self._head is not None else None
         if ch is not None:
             return ch.result(ch.send(("control", (method, *args))))
