@@ -24,7 +24,7 @@ from .channel import ChannelClosed, ChannelTimeout, DockKeys
 from .client import Batch, DockClient
 from .errors import DEFAULT_TIMEOUT_S, DockError, DockTimeout
 from .local import LocalDock
-from .ray_backend import RayDock
+from .ray_backend import RayDock, _check
 from .warehouse import _Warehouse
 
 __all__ = [
@@ -68,25 +68,19 @@ class TransferDock:
     def ray(*, name: str | None = None, nodes: Sequence[str] | None = None,
             placement: str = "round_robin", equal_count: bool = True, concurrency: int = 256,
             transport: str = "direct", encryption: bool = True, same_host_files: bool = True) -> RayDock:
-        """Start the controller and one warehouse per alive Ray node (or per id in ``nodes``).
+        """Start the controller and one warehouse per alive Ray node (or per id in ``nodes``);
+        needs ``ray.init`` first; ``shutdown()`` on the returned client stops the actors.
 
-        ``placement``: ``round_robin`` assigns prompt groups to warehouses in turn;
-        ``writer_node`` puts the groups on the warehouse of the node that calls ``add_groups``.
-        ``name``: a name prefix for the actors (findable with ``ray.get_actor``).
-        ``concurrency``: threads per warehouse actor. A get blocks one thread of the caller's node
-        warehouse (and of the head's) until its rows are ready, so it must exceed the number of
-        clients that read at once (the workflow passes a bound from the worker count).
-        ``transport``: ``direct`` (default) -- clients call the warehouses over ZeroMQ channels
-        (``channel.py``: tens of microseconds of CPU a call against about 1 ms for a Ray actor
-        call), with Ray calls wherever a channel cannot be opened; ``ray`` -- Ray actor calls only
-        (the warehouses do not listen). Ray starts, places and kills the actors either way.
-        ``encryption``: the channels use CURVE (encrypted; only this dock's clients are admitted);
-        False -- in clear, admitted by a token (a trusted network only). The keys are made here,
-        per dock, and reach the warehouses and clients only through Ray. ``same_host_files``: a
-        client on a warehouse's machine reaches it through socket files in a folder only this user
-        opens, admitted by a token and not encrypted (its traffic never leaves the machine); False
-        sends it over TCP as from another node (tests of the wire).
-        Needs ``ray.init`` first. Call ``shutdown()`` on the returned client to stop the actors.
+        ``placement``: ``round_robin`` (prompt groups to warehouses in turn) or ``writer_node`` (on
+        the warehouse of the node that calls ``add_groups``). ``name``: a prefix of the actors'
+        names. ``concurrency``: threads per warehouse; a get blocks one of its node warehouse's (and
+        of the head's) until its rows are ready, so it must exceed the clients that read at once.
+        ``transport``: ``direct`` (ZeroMQ channels, with Ray calls wherever a channel cannot open)
+        or ``ray`` (Ray actor calls only). ``encryption``: CURVE between machines (only this
+        dock's clients are admitted); False: in clear, admitted by a token (a trusted network
+        only). ``same_host_files``: a client on a warehouse's machine uses its socket files (a
+        token, not encrypted: nothing leaves the machine); False: TCP, as from another node. The
+        keys are made here, per dock, and travel only through Ray. See docs/transfer_dock.md.
         """
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -94,10 +88,8 @@ class TransferDock:
         if not ray.is_initialized():
             raise DockError("TransferDock.ray(): Ray is not initialised; call ray.init() (or "
                             "rlrecipes.cluster) first, or use TransferDock.local()")
-        if placement not in ("round_robin", "writer_node"):
-            raise DockError(f"TransferDock.ray(placement={placement!r}): expected round_robin or writer_node")
-        if transport not in ("direct", "ray"):
-            raise DockError(f"TransferDock.ray(transport={transport!r}): expected direct or ray")
+        _check("placement", placement, ("round_robin", "writer_node"))
+        _check("transport", transport, ("direct", "ray"))
         if nodes is None:
             nodes = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
         nodes = list(nodes)

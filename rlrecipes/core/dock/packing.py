@@ -1,6 +1,8 @@
 """Columns as flat numpy arrays (one per column and warehouse call), and the column store a warehouse holds."""
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 import warnings
 
@@ -50,14 +52,11 @@ class Packed:
     dtype: str                  # torch dtype name
     stacked: bool               # put as one stacked tensor [rows, *shape] (else a list)
 
-    @property
+    @functools.cached_property
     def offsets(self) -> np.ndarray:
-        """``[rows + 1]`` start of each row in ``flat`` (computed once)."""
-        off = self.__dict__.get("_offsets")
-        if off is None or off.size != len(self.shapes) + 1:
-            sizes = np.fromiter((math.prod(s) for s in self.shapes), np.int64, len(self.shapes))
-            off = self.__dict__["_offsets"] = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-        return off
+        """``[rows + 1]`` start of each row in ``flat``."""
+        sizes = np.fromiter((math.prod(s) for s in self.shapes), np.int64, len(self.shapes))
+        return np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
 
     @property
     def nbytes(self) -> int:
@@ -101,6 +100,14 @@ def wire_write(rows: Sequence[int], packed: dict, meta: dict, pos: Sequence[int]
     per-row lengths)}``) as one warehouse takes it: ``(rows, wire columns, meta)``."""
     return ([rows[i] for i in pos], columns_to_wire({c: slice_packed(p, pos) for c, p in packed.items()}),
             {c: (d, st, [ls[i] for i in pos]) for c, (d, st, ls) in meta.items()})
+
+
+def positions_by(keys: Sequence[int]) -> dict[int, list[int]]:
+    """The positions of each key (a warehouse per row): ``{key: [positions]}``, in order."""
+    out: dict[int, list[int]] = {}
+    for i, k in enumerate(keys):
+        out.setdefault(int(k), []).append(i)
+    return out
 
 
 def columns_from_wire(wire: dict) -> dict:
@@ -218,18 +225,9 @@ class _ColumnStore:
         if missing:
             raise DockError(f"column {col!r} has no data for rows {missing[:8]}"
                             f"{' ...' if len(missing) > 8 else ''} in this store")
-        # Group consecutive reads from the same chunk so the gather is a few slices.
-        parts: list[Packed] = []
-        run_chunk, run_pos = None, []
-        for r in rows:
-            c, j = idx[r]
-            if c != run_chunk and run_pos:
-                parts.append(slice_packed(self.chunks[col][run_chunk], run_pos))
-                run_pos = []
-            run_chunk = c
-            run_pos.append(j)
-        if run_pos:
-            parts.append(slice_packed(self.chunks[col][run_chunk], run_pos))
+        # consecutive reads from the same chunk are one slice (a view for a run of its positions)
+        parts = [slice_packed(self.chunks[col][c], [j for _, j in run])
+                 for c, run in itertools.groupby((idx[r] for r in rows), key=lambda at: at[0])]
         if not parts:
             return Packed(np.zeros(0, np.float32), [], "float32", True)
         return concat_packed(parts)

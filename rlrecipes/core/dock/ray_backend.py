@@ -3,6 +3,7 @@ metadata-only controller inside the first node's (so its claims and commits cost
 there); the client talks to both, and the driver never touches sample data."""
 from __future__ import annotations
 
+import itertools
 import time
 
 import numpy as np
@@ -10,8 +11,13 @@ import numpy as np
 from .channel import ChannelPool, ChannelTimeout, Reply
 
 from .errors import DockError, DockTimeout, DEFAULT_TIMEOUT_S
-from .packing import Packed, columns_from_wire, slice_packed, concat_packed, unpack, wire_write
+from .packing import Packed, columns_from_wire, concat_packed, positions_by, slice_packed, unpack, wire_write
 from .client import Batch, DockClient, _put_meta, _cached_meta, _empty_batch
+
+
+def _check(what: str, value: str, allowed: tuple) -> None:
+    if value not in allowed:
+        raise DockError(f"TransferDock {what} {value!r}: expected one of {', '.join(allowed)}")
 
 
 def _ray():
@@ -99,8 +105,7 @@ class RayDock(DockClient):
 
     def with_transport(self, transport: str) -> "RayDock":
         """A client on the same actors that calls them over ``direct`` channels or ``ray`` calls."""
-        if transport not in ("direct", "ray"):
-            raise DockError(f"transport {transport!r}: expected direct or ray")
+        _check("transport", transport, ("direct", "ray"))
         if transport == "direct" and self._addresses is None:
             raise DockError("transport 'direct': this dock's warehouses do not listen for channels "
                             "(it was started with TransferDock.ray(transport='ray'))")
@@ -133,8 +138,7 @@ class RayDock(DockClient):
     def with_placement(self, placement: str) -> "RayDock":
         """A client on the same actors that allocates rows with another policy
         (``round_robin`` or ``writer_node``)."""
-        if placement not in ("round_robin", "writer_node"):
-            raise DockError(f"placement {placement!r}: expected round_robin or writer_node")
+        _check("placement", placement, ("round_robin", "writer_node"))
         return RayDock(self._warehouses, self._node_ids, placement, self._addresses, self._keys, self._direct)
 
     @property
@@ -186,10 +190,7 @@ class RayDock(DockClient):
                 _, whs = self._wait(self._ctl("placement", rows))
                 self._learn(rows, whs)
             wh_of = [self._wh_of[r] for r in rows]
-        by_wh: dict[int, list[int]] = {}
-        for i, w in enumerate(wh_of):
-            by_wh.setdefault(w, []).append(i)
-        for w, pos in by_wh.items():
+        for w, pos in positions_by(wh_of).items():
             write = wire_write(rows, packed, meta, pos)
             if defer:
                 self._deferred.setdefault(w, []).append(write)
@@ -220,13 +221,13 @@ class RayDock(DockClient):
                 deferred.setdefault(0, [])
         for w, writes in deferred.items():
             ms, ds = (marks, drops) if w == 0 else ([], [])
-            self._pending.append(("apply", self._call(w, "apply", writes, ms, ds),
-                                  [wr[0] for wr in writes] + [None] * (len(ms) + (1 if ds else 0))))
+            self._pending.append(("apply", self._call(w, "apply", writes, ms, ds), [wr[0] for wr in writes]))
         return carried
 
     def _settle(self, answers, rows_of) -> None:
-        """Answers of writes (None, ``("moved", step, warehouses)`` or ``("error", message)``)."""
-        for rows, res in zip(rows_of, answers):
+        """Answers of writes (None, ``("moved", step, warehouses)`` or ``("error", message)``); a
+        failed mark or drop answers after its call's writes."""
+        for rows, res in itertools.zip_longest(rows_of, answers):
             if res is None:
                 continue
             if res[0] == "error":
@@ -241,15 +242,8 @@ class RayDock(DockClient):
         if not self._pending:
             return
         pending, self._pending = self._pending, []
-        answers, rows_of = [], []
         for (kind, _, rows), res in zip(pending, self._wait([ref for _, ref, _ in pending])):
-            if kind == "apply":
-                answers += res
-                rows_of += rows
-            else:
-                answers.append(res)
-                rows_of.append(rows)
-        self._settle(answers, rows_of)
+            self._settle(*((res, rows) if kind == "apply" else ([res], [rows])))
 
     # -- reads -------------------------------------------------------------------------------------
     def get(self, consumer, columns, count=None, *, dp_rank=0, dp_size=1, whole_groups=False,
@@ -268,7 +262,7 @@ class RayDock(DockClient):
             raise DockTimeout(consumer, columns, timeout, {
                 "step": "?", "total": "?", "live": "?", "taken": "?", "dp_rank": dp_rank,
                 "dp_size": dp_size, "wanted": count, "ready": {}, "ready_all": "? (controller unresponsive)"})
-        self._settle(res[-1], [w[0] for w in writes] + [None] * (len(marks) + (1 if drops else 0)))
+        self._settle(res[-1], [w[0] for w in writes])
         if res[0] == "timeout":
             raise DockTimeout(consumer, columns, timeout, res[1])
         _, rows, cached, stored, read_at, local_data, _ = res

@@ -12,7 +12,7 @@ import threading
 import time
 
 from .errors import DockError
-from .packing import columns_from_wire, columns_to_wire, wire_write, _ColumnStore
+from .packing import columns_from_wire, columns_to_wire, positions_by, wire_write, _ColumnStore
 from .metadata import _Meta
 
 
@@ -126,11 +126,9 @@ class _Warehouse:
         self._head = None     # ChannelPool to the head's listener (connect_head)
 
     def call(self, request: tuple):
-        """The one entry point of a Ray call: ``request = (method, args)``. Ray serializes every
-        positional argument of an actor call as an object of its own (about 20 us each on the caller
-        and again on the callee), so a claim with its ten arguments costs a fifth more as ten
-        arguments than as one tuple; every client and peer call goes through here. Column data
-        travels in the wire format of ``packing.to_wire`` both ways."""
+        """The one entry point of a channel or Ray call: ``request = (method, args)`` (one Ray argument:
+        Ray serializes each of an actor call's arguments as an object of its own, about 20 us each).
+        Column data travels in the wire format of ``packing.to_wire`` both ways."""
         method, args = request
         if method not in self.CALLS:
             raise DockError(f"warehouse {self.index}: no method {method!r} to call")
@@ -217,12 +215,9 @@ class _Warehouse:
         whs = res[2]
         if hops >= self.MAX_HOPS or not self.peers:
             return ("error", f"put: rows {list(rows)[:8]} kept moving between warehouses")
-        by_wh: dict[int, list[int]] = {}
-        for i, w in enumerate(whs):
-            by_wh.setdefault(int(w), []).append(i)
         import ray
         answers = ray.get([self.peers[w].call.remote(("write", (*wire_write(rows, packed, meta, pos), hops + 1)))
-                           for w, pos in by_wh.items()])
+                           for w, pos in positions_by(whs).items()])
         bad = next((a for a in answers if a is not None and a[0] == "error"), None)
         return bad or ("moved", res[1], whs)
 
@@ -236,28 +231,24 @@ class _Warehouse:
         """What a client deferred until its next call, in one call and in this order: writes to this
         warehouse (``(rows, packed, meta)`` each, as :meth:`write`), cache marks (``(meta, rows,
         rank)`` each) and dropped rows (one list), the last two for the controller. Answers one
-        entry per write and mark, and one for the drops if any: None, ``("moved", ...)`` or
-        ``("error", message)``; it stops at the first error (later entries answer None)."""
-        n = len(writes) + len(marks) + (1 if drops else 0)
+        entry per write: None, ``("moved", ...)`` or ``("error", message)``; it stops at the first
+        error, and a failed mark or drop adds an ``("error", message)`` after the writes'."""
         answers = []
         for rows, packed, meta in writes:
             answers.append(self.write(rows, packed, meta))
             if answers[-1] is not None and answers[-1][0] == "error":
-                return answers + [None] * (n - len(answers))
-        steps = [("mark_ready", m) for m in marks] + ([("drop_rows", (list(drops),))] if drops else [])
-        for method, args in steps:
-            try:
-                res = self._control(method, *args)
-            except DockError as e:
-                answers.append(("error", str(e)))
-                return answers + [None] * (n - len(answers))
-            answers.append(None)
-            if method == "drop_rows":   # the dropped rows' data: here, and on the other warehouses
-                for w, rs in res.items():
-                    if w == self.index:
-                        self.drop(rs)
-                    else:
-                        self.peers[w].call.remote(("drop", (rs,)))
+                return answers
+        try:
+            for mark in marks:
+                self._control("mark_ready", *mark)
+            # the dropped rows' data: here, and on the other warehouses
+            for w, rs in (self._control("drop_rows", list(drops)) if drops else {}).items():
+                if w == self.index:
+                    self.drop(rs)
+                else:
+                    self.peers[w].call.remote(("drop", (rs,)))
+        except DockError as e:
+            answers.append(("error", str(e)))
         return answers
 
     def claim_read(self, consumer, columns, count, dp_rank, dp_size, whole_groups, timeout,
