@@ -12,8 +12,9 @@ warehouse's socket files (a 0700 folder), PLAIN with a second token; that traffi
 
 Wire: a multipart message per request or answer: ``pickle`` protocol 5, then each out-of-band
 buffer (numpy array) as a frame the receiver's array wraps. Requests copy their buffers as they are
-sent (the caller may reuse its tensors at once); answers send the store's arrays, never written in
-place, without a copy.
+sent (the caller may reuse its tensors at once) unless the caller keeps them until the answer
+(``send(copy=False)``: deferred writes); answers send the store's arrays, never written in place,
+without a copy.
 """
 from __future__ import annotations
 
@@ -254,12 +255,14 @@ class Channel:
     def _where(self) -> str:
         return f"{self.name} at {self.address[0]}:{self.address[1]}"
 
-    def send(self, request) -> int:
+    def send(self, request, copy: bool = True) -> int:
+        """``copy=False``: large buffers are sent from where they are, so the caller leaves them
+        unchanged until the answer (else it may reuse them at once)."""
         frames = _dumps(request)
         with self._lock:
             if self._sock is None:
                 raise ChannelClosed(f"channel to {self._where} is closed")
-            _send(self._sock, frames)                  # copied: the caller may reuse its buffers
+            _send(self._sock, frames, copy=copy)
             self._sent += 1
             return self._sent
 

@@ -79,13 +79,15 @@ class RayDock(DockClient):
         self.__dict__.update(d)
         self._init_client()   # a copy is a new client: its own row map, no unsettled writes
 
-    def _call(self, w: int, method: str, *args):
+    def _call(self, w: int, method: str, *args, copy: bool = True):
         """Warehouse ``w``'s ``method`` (see ``_Warehouse.call``), sent without waiting: over the
         direct channel when there is one (a :class:`Reply`), else one Ray call with one argument
-        (an ``ObjectRef``). :meth:`_wait` takes either."""
+        (an ``ObjectRef``). :meth:`_wait` takes either. ``copy=False``: the call carries deferred
+        writes, whose tensors stay unchanged until it is answered (``put(defer=True)``), so they are
+        sent without a copy."""
         ch = self._pools[w].get() if self._direct else None    # this thread's channel (ChannelPool)
         if ch is not None:
-            return Reply(ch, ch.send((method, args)))
+            return Reply(ch, ch.send((method, args), copy))
         return self._warehouses[w].call.remote((method, args))
 
     @property
@@ -221,7 +223,7 @@ class RayDock(DockClient):
                 deferred.setdefault(0, [])
         for w, writes in deferred.items():
             ms, ds = (marks, drops) if w == 0 else ([], [])
-            self._pending.append(("apply", self._call(w, "apply", writes, ms, ds), [wr[0] for wr in writes]))
+            self._pending.append(("apply", self._call(w, "apply", writes, ms, ds, copy=False), [wr[0] for wr in writes]))
         return carried
 
     def _settle(self, answers, rows_of) -> None:
@@ -254,7 +256,7 @@ class RayDock(DockClient):
         home = 0 if home is None else home
         writes, marks, drops = self._send_deferred(carrier=home)   # the home warehouse's go with the claim
         ref = self._call(home, "claim_read", consumer, columns, count, dp_rank, dp_size, whole_groups,
-                         float(timeout), writes, marks, drops)
+                         float(timeout), writes, marks, drops, copy=False)
         self.flush()   # this client's other writes settle while the claim is in flight
         try:
             res = self._wait(ref, timeout=timeout + 60.0)
