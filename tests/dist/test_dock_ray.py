@@ -178,6 +178,10 @@ def test_deferred_writes_and_marks_ride_on_the_next_call(dock):
     dock.put({"e": torch.ones(6)}, rows, defer=True)
     dock.flush()
     assert dock.stats()["ready"]["e"] == 6
+    # a refused deferred mark raises at the call that carried it, named as a deferred one
+    dock.mark_cached({"z": None}, [10_000], rank=0, defer=True)
+    with pytest.raises(DockError, match="a deferred mark_cached or drop_rows failed: .*never allocated"):
+        dock.flush()
     # a held drop: another client's claim waits for it (the dropped rows are never written), and
     # the dropping client's next call carries it
     rows = dock.reset(next(_steps), groups=(3, 2))

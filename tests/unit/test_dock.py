@@ -394,3 +394,16 @@ def test_undo_of_a_rejected_write_keeps_a_write_stored_after_it():
     store.undo(gone)
     with pytest.raises(DockError, match="no data"):
         store.read("b", [7])
+
+
+def test_a_warehouse_answers_only_the_controllers_own_calls():
+    """Clients name controller calls over the wire: anything but its calls is refused by name."""
+    from rlrecipes.core.dock.warehouse import _Warehouse
+    wh = _Warehouse(0)
+    for name in ("_add", "call", "__init__", "try_claim", "reset_everything", "meta"):
+        with pytest.raises(DockError, match=f"no controller method '{name}'"):
+            wh.call(("control", (name,)))
+    with pytest.raises(DockError, match="no method 'ctl'"):
+        wh.call(("ctl", ()))
+    assert wh.call(("control", ("step",))) == 0 and wh.call(("control", ("stats",)))["rows"] == 0
+

@@ -18,7 +18,8 @@ from rlrecipes.core.dock.channel import Channel, ChannelPool, ChannelServer, Doc
 
 
 class Handler:
-    """Echoes ``("echo", x)``, raises on ``("fail", msg)``, waits on ``("block", None)``."""
+    """Echoes ``("echo", x)``, raises on ``("fail", msg)``, waits on ``("block", None)``, answers
+    what does not unpickle on ``("odd", None)``."""
 
     def __init__(self):
         self.calls = 0
@@ -30,6 +31,8 @@ class Handler:
         kind, arg = request
         if kind == "fail":
             raise DockError(arg)
+        if kind == "odd":
+            return Unpicklable()
         if kind == "block":
             self.blocked.set()
             self.release.wait(10)
@@ -67,6 +70,32 @@ def test_a_request_copies_its_buffers_so_the_caller_may_reuse_them_at_once(serve
     seq = ch.send(("echo", x))
     x[:] = 7                                                           # as a caller's next step would
     assert not ch.result(seq, 10).any()
+
+
+class Unpicklable:
+    """Pickles fine; unpickling raises (as an exception whose ``__init__`` does not take its args)."""
+
+    def __reduce__(self):
+        return (_refuse, ())
+
+
+def _refuse():
+    raise TypeError("cannot rebuild this object here")
+
+
+def test_a_message_that_does_not_unpickle_fails_only_its_own_call(served):
+    h, keys, srv = served
+    ch = Channel(srv.address, keys)
+    # a request the server cannot unpickle: answered as an error, the channel stays in order
+    first, second = ch.send(("echo", Unpicklable())), ch.send(("echo", "A"))
+    with pytest.raises(TypeError, match="cannot rebuild"):
+        ch.result(first, 10)
+    assert ch.result(second, 10) == "A"
+    # an answer the caller cannot unpickle: that call raises, the next answers are still its own
+    bad, after, last = ch.send(("odd", None)), ch.send(("echo", "B")), ch.send(("echo", "C"))
+    with pytest.raises(DockError, match=f"answer {bad} does not unpickle here: TypeError: cannot rebuild"):
+        ch.result(bad, 10)
+    assert ch.result(after, 10) == "B" and ch.result(last, 10) == "C"
 
 
 def test_a_handler_error_is_raised_at_the_caller_with_the_server_traceback(served):

@@ -24,12 +24,12 @@ from .channel import ChannelClosed, ChannelTimeout, DockKeys
 from .client import Batch, DockClient
 from .errors import DEFAULT_TIMEOUT_S, DockError, DockTimeout
 from .local import LocalDock
-from .ray_backend import RayDock, _check
+from .ray_backend import RayDock, _check_choice
 from .warehouse import _Warehouse
 
 __all__ = [
-    "Batch", "ChannelClosed", "ChannelTimeout", "DEFAULT_TIMEOUT_S", "DockClient", "DockError", "DockTimeout", "InWorker", "LocalDock", "RayDock",
-    "TransferDock", "partition_kk", "partition_lpt", "partition_sticky",
+    "Batch", "ChannelClosed", "ChannelTimeout", "DEFAULT_TIMEOUT_S", "DockClient", "DockError", "DockTimeout",
+    "InWorker", "LocalDock", "RayDock", "TransferDock", "partition_kk", "partition_lpt", "partition_sticky",
 ]
 
 
@@ -88,8 +88,8 @@ class TransferDock:
         if not ray.is_initialized():
             raise DockError("TransferDock.ray(): Ray is not initialised; call ray.init() (or "
                             "rlrecipes.cluster) first, or use TransferDock.local()")
-        _check("placement", placement, ("round_robin", "writer_node"))
-        _check("transport", transport, ("direct", "ray"))
+        _check_choice("placement", placement, ("round_robin", "writer_node"))
+        _check_choice("transport", transport, ("direct", "ray"))
         if nodes is None:
             nodes = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
         nodes = list(nodes)

@@ -12,9 +12,8 @@ warehouse's socket files (a 0700 folder), PLAIN with a second token; that traffi
 
 Wire: a multipart message per request or answer: ``pickle`` protocol 5, then each out-of-band
 buffer (numpy array) as a frame the receiver's array wraps. Requests copy their buffers as they are
-sent (the caller may reuse its tensors at once) unless the caller keeps them until the answer
-(``send(copy=False)``: deferred writes); answers send the store's arrays, never written in place,
-without a copy.
+sent (the caller may reuse its tensors at once); answers send the store's arrays, never written in
+place, without a copy.
 """
 from __future__ import annotations
 
@@ -78,10 +77,9 @@ class DockKeys:
             sock.curve_serverkey, sock.curve_publickey = self.server_public, self.client_public
             sock.curve_secretkey = self.client_secret
 
-    def serve(self, sock: zmq.Socket, auth: ThreadAuthenticator, local: bool = False) -> None:
-        """Make ``sock`` a server of this dock's mechanism; ``auth`` (the ZAP handler, domain
-        "dock") admits the dock's client key (CURVE) or tokens (PLAIN). Without the handler every
-        handshake fails (``zap_enforce_domain``)."""
+    def admit(self, auth: ThreadAuthenticator) -> None:
+        """The warehouse's ZAP handler (domain "dock"): the dock's client key (CURVE) or tokens
+        (PLAIN)."""
         users = {"local": self.local_token.decode()}
         if self.encrypted:
             auth.configure_curve_callback("dock", types.SimpleNamespace(
@@ -89,6 +87,10 @@ class DockKeys:
         else:
             users["dock"] = self.client_secret.decode()
         auth.configure_plain("dock", users)
+
+    def serve(self, sock: zmq.Socket, local: bool = False) -> None:
+        """Make ``sock`` a server of this dock's mechanism, admitted by the ZAP handler; without the
+        handler every handshake fails (``zap_enforce_domain``)."""
         sock.zap_domain, sock.zap_enforce_domain = b"dock", True
         if self.encrypted and not local:
             sock.curve_server, sock.curve_secretkey = True, self.server_secret
@@ -101,13 +103,13 @@ def _dumps(obj) -> list:
     return [pickle.dumps(obj, protocol=5, buffer_callback=bufs.append), *(b.raw() for b in bufs)]
 
 
-def _recv(sock: zmq.Socket):
-    """One message: its first frame as bytes (a copy is cheaper than a frame object for the small
-    pickle), the out-of-band buffers as frames the arrays wrap. None: an empty goodbye frame."""
+def _recv(sock: zmq.Socket) -> tuple[bytes, list]:
+    """One message's frames: the first as bytes (a copy is cheaper than a frame object for the
+    small pickle), the out-of-band buffers as frames the arrays wrap. An empty first frame: goodbye."""
     head, bufs = sock.recv(), []
     while sock.get(zmq.RCVMORE):
         bufs.append(sock.recv(copy=False).buffer)
-    return pickle.loads(head, buffers=bufs) if head else None
+    return head, bufs
 
 
 def _send(sock: zmq.Socket, frames: list, flags: int = 0, copy: bool = True) -> None:
@@ -148,6 +150,7 @@ class ChannelServer:
         self._ctx = zmq.Context()
         self._auth = ThreadAuthenticator(self._ctx)
         self._auth.start()
+        keys.admit(self._auth)
         self._dir = tempfile.mkdtemp(prefix="rlrecipes-dock-")   # socket files only this user opens
         self._opened, self._closed, self.received = 0, False, 0
         (tcp_door, tcp), (files_door, files) = (self._listen(zmq.ROUTER, local) for local in (False, True))
@@ -157,7 +160,7 @@ class ChannelServer:
 
     def _listen(self, kind: int, local: bool) -> tuple[zmq.Socket, str]:
         sock = _socket(self._ctx, kind, self._host)
-        self._keys.serve(sock, self._auth, local)
+        self._keys.serve(sock, local)
         if local:
             self._opened += 1
             sock.bind(f"ipc://{self._dir}/{self._opened}")
@@ -183,10 +186,10 @@ class ChannelServer:
 
     def _serve(self, sock: zmq.Socket) -> None:
         try:
-            while (request := _recv(sock)) is not None:      # None: the client closed its channel
+            while (frames := _recv(sock))[0]:                # empty: the client closed its channel
                 self.received += 1
                 try:
-                    answer = _dumps(("ok", self._handle(request)))
+                    answer = _dumps(("ok", self._handle(pickle.loads(frames[0], buffers=frames[1]))))
                 except BaseException as e:   # noqa: BLE001 -- every failure goes back to the caller
                     tb = "".join(traceback.format_exception(e))
                     try:
@@ -255,14 +258,12 @@ class Channel:
     def _where(self) -> str:
         return f"{self.name} at {self.address[0]}:{self.address[1]}"
 
-    def send(self, request, copy: bool = True) -> int:
-        """``copy=False``: large buffers are sent from where they are, so the caller leaves them
-        unchanged until the answer (else it may reuse them at once)."""
+    def send(self, request) -> int:
         frames = _dumps(request)
         with self._lock:
             if self._sock is None:
                 raise ChannelClosed(f"channel to {self._where} is closed")
-            _send(self._sock, frames, copy=copy)
+            _send(self._sock, frames)                  # copied: the caller may reuse its buffers
             self._sent += 1
             return self._sent
 
@@ -280,7 +281,7 @@ class Channel:
                 if ms != self._slice_ms:
                     self._slice_ms = self._sock.rcvtimeo = ms
                 try:
-                    answer = _recv(self._sock)
+                    head, bufs = _recv(self._sock)
                 except zmq.Again:                      # answers already here are read before a loss
                     if self._lost():
                         self._close(bye=False)
@@ -291,10 +292,16 @@ class Channel:
                         raise ChannelTimeout(f"channel to {self._where}: no answer in {timeout:.1f}s") from None
                     continue
                 self._read += 1
-                self._answers[self._read] = answer
+                try:
+                    self._answers[self._read] = pickle.loads(head, buffers=bufs)
+                except Exception as e:   # noqa: BLE001 -- this answer only: the next ones stay in order
+                    self._answers[self._read] = ("err", DockError(
+                        f"channel to {self._where}: answer {self._read} does not unpickle here: "
+                        f"{type(e).__name__}: {e}"), "")
             answer = self._answers.pop(seq)
         if answer[0] == "err":
-            answer[1].add_note(f"raised in the warehouse process:\n{answer[2]}")
+            if answer[2]:
+                answer[1].add_note(f"raised in the warehouse process:\n{answer[2]}")
             raise answer[1]
         return answer[1]
 

@@ -22,8 +22,9 @@ class Batch:
     """Rows handed to one consumer rank.
 
     ``columns[name]`` is a stacked tensor ``[rows, *shape]`` for columns put stacked, else a list of
-    per-row tensors (unpadded; the workflow's micro-batching pads them, ``workflow/batching.py``). Cached columns are not in ``columns``; ``holders[name][i]`` is the
-    rank whose TensorCache holds row ``rows[i]`` (fetch with ``TensorCache.exchange``).
+    per-row tensors (unpadded; the workflow's micro-batching pads them: ``workflow/batching.py``).
+    Cached columns are not in ``columns``; ``holders[name][i]`` is the rank whose TensorCache holds
+    row ``rows[i]`` (fetch with ``TensorCache.exchange``).
     """
 
     rows: list[int]

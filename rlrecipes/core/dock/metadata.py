@@ -213,7 +213,8 @@ class _Meta:
         for b, units in enumerate(partition_claim(weights, dp_size, home, self.equal_count)):
             unit_bin[units] = b
         row_bin = np.repeat(unit_bin, sizes)
-        part = [flat[row_bin == b] for b in range(dp_size)]
+        order = np.argsort(row_bin, kind="stable")             # rows stay ascending within a bin
+        part = np.split(flat[order], np.cumsum(np.bincount(row_bin, minlength=dp_size))[:-1])
         cs.taken[rows] = True
         cs.partitions.append([p.tolist() for p in part])
         # a snapshot every rank of the round gets alike (TensorCache.exchange skips its

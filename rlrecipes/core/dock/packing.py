@@ -45,7 +45,8 @@ def _from_numpy(a: np.ndarray, dtype_name: str, copy: bool) -> torch.Tensor:
 
 @dataclass
 class Packed:
-    """Rows of one column: ``flat`` holds them back to back; row i has shape ``shapes[i]``."""
+    """Rows of one column: ``flat`` holds them back to back; row i has shape ``shapes[i]``. Never
+    changed once made (``offsets`` is computed once): a new Packed for other rows."""
 
     flat: np.ndarray            # [sum of row numels]
     shapes: list[tuple]         # per row
@@ -63,12 +64,9 @@ class Packed:
         return int(self.flat.nbytes)
 
 
-# ----------------------------------------------------------------------------------------------
-# On the wire (Ray calls): plain tuples, bytes and lists, which Ray's msgpack path serializes in C.
-# A dataclass or a small numpy array goes through cloudpickle instead, at about 0.1 ms a call on the
-# caller and again on the callee. Arrays above WIRE_BYTES_MAX stay arrays: pickle5 sends them out of
-# band and the reader maps them from the object store without a copy.
-# ----------------------------------------------------------------------------------------------
+# On the wire: plain tuples, bytes and lists, which Ray's msgpack path serializes in C (a dataclass
+# or a small array costs about 0.1 ms more a Ray call at each end). Arrays above WIRE_BYTES_MAX stay
+# arrays: out of band (pickle5), mapped from the object store or wrapping a channel's frame.
 
 WIRE_BYTES_MAX = 1 << 16
 

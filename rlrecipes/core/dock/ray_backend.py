@@ -15,7 +15,7 @@ from .packing import Packed, columns_from_wire, concat_packed, positions_by, sli
 from .client import Batch, DockClient, _put_meta, _cached_meta, _empty_batch
 
 
-def _check(what: str, value: str, allowed: tuple) -> None:
+def _check_choice(what: str, value: str, allowed: tuple) -> None:
     if value not in allowed:
         raise DockError(f"TransferDock {what} {value!r}: expected one of {', '.join(allowed)}")
 
@@ -28,14 +28,12 @@ def _ray():
 class RayDock(DockClient):
     """Ray backend client: picklable (actor handles + config), used the same way in every actor.
 
-    Round trips (what a stage waits for): a get is one call to the warehouse of the caller's node,
-    which claims at the controller and answers with the rows it holds (other nodes' rows: one more
-    parallel read). Puts and cache marks are sent without waiting: they complete in the actors (a
-    write that reached a stale warehouse is forwarded by it), and their answers are settled at the
-    client's next blocking call (a get, reset, ...) or :meth:`flush`, where a failed write raises.
-    A reader never sees rows before they are committed: claims wait for readiness at the controller.
-    ``round_trips`` / ``wait_s``
-    count the blocking calls and the seconds spent in them (the step's ``dock/*`` metrics).
+    A get is one call to the warehouse of the caller's node, which claims at the controller and
+    answers with the rows it holds (other nodes' rows: one more parallel read). Puts and cache
+    marks are sent without waiting (a write that reached a stale warehouse is forwarded by it) and
+    settled at the client's next blocking call or :meth:`flush`, where a failed write raises. Claims
+    wait for readiness at the controller, so a reader never sees uncommitted rows. ``round_trips``
+    / ``wait_s``: the blocking calls and the seconds spent in them (the step's ``dock/*`` metrics).
     """
 
     def __init__(self, warehouses: list, node_ids: list[str], placement: str,
@@ -67,6 +65,8 @@ class RayDock(DockClient):
                        for w, a in enumerate(self._addresses)] if self._direct else None
         self.round_trips = 0
         self.wait_s = 0.0
+        self.transport = "direct" if self._direct else "ray"   # channels to the warehouses, or Ray calls
+        self.encrypted = self._direct and self._keys.encrypted  # CURVE between machines
 
     _SHARED = ("_warehouses", "_node_ids", "_placement", "_addresses", "_keys", "_direct")
 
@@ -79,15 +79,13 @@ class RayDock(DockClient):
         self.__dict__.update(d)
         self._init_client()   # a copy is a new client: its own row map, no unsettled writes
 
-    def _call(self, w: int, method: str, *args, copy: bool = True):
+    def _call(self, w: int, method: str, *args):
         """Warehouse ``w``'s ``method`` (see ``_Warehouse.call``), sent without waiting: over the
         direct channel when there is one (a :class:`Reply`), else one Ray call with one argument
-        (an ``ObjectRef``). :meth:`_wait` takes either. ``copy=False``: the call carries deferred
-        writes, whose tensors stay unchanged until it is answered (``put(defer=True)``), so they are
-        sent without a copy."""
+        (an ``ObjectRef``). :meth:`_wait` takes either."""
         ch = self._pools[w].get() if self._direct else None    # this thread's channel (ChannelPool)
         if ch is not None:
-            return Reply(ch, ch.send((method, args), copy))
+            return Reply(ch, ch.send((method, args)))
         return self._warehouses[w].call.remote((method, args))
 
     @property
@@ -95,19 +93,9 @@ class RayDock(DockClient):
         """Direct channels this client has opened to the warehouses (over all its threads)."""
         return sum(p.opened for p in self._pools) if self._direct else 0
 
-    @property
-    def transport(self) -> str:
-        """``direct`` (channels to the warehouses) or ``ray`` (Ray actor calls)."""
-        return "direct" if self._direct else "ray"
-
-    @property
-    def encrypted(self) -> bool:
-        """Whether this client's direct channels are encrypted (CURVE); False on the Ray path."""
-        return self._direct and self._keys.encrypted
-
     def with_transport(self, transport: str) -> "RayDock":
         """A client on the same actors that calls them over ``direct`` channels or ``ray`` calls."""
-        _check("transport", transport, ("direct", "ray"))
+        _check_choice("transport", transport, ("direct", "ray"))
         if transport == "direct" and self._addresses is None:
             raise DockError("transport 'direct': this dock's warehouses do not listen for channels "
                             "(it was started with TransferDock.ray(transport='ray'))")
@@ -140,7 +128,7 @@ class RayDock(DockClient):
     def with_placement(self, placement: str) -> "RayDock":
         """A client on the same actors that allocates rows with another policy
         (``round_robin`` or ``writer_node``)."""
-        _check("placement", placement, ("round_robin", "writer_node"))
+        _check_choice("placement", placement, ("round_robin", "writer_node"))
         return RayDock(self._warehouses, self._node_ids, placement, self._addresses, self._keys, self._direct)
 
     @property
@@ -223,12 +211,15 @@ class RayDock(DockClient):
                 deferred.setdefault(0, [])
         for w, writes in deferred.items():
             ms, ds = (marks, drops) if w == 0 else ([], [])
-            self._pending.append(("apply", self._call(w, "apply", writes, ms, ds, copy=False), [wr[0] for wr in writes]))
+            rows_of = [wr[0] for wr in writes]
+            self._pending.append(("apply", self._call(w, "apply", writes, ms, ds), rows_of))
         return carried
 
     def _settle(self, answers, rows_of) -> None:
         """Answers of writes (None, ``("moved", step, warehouses)`` or ``("error", message)``); a
-        failed mark or drop answers after its call's writes."""
+        failed mark or drop answers after its call's writes, and an error ends the answers early."""
+        if len(answers) < len(rows_of) and not any(a is not None and a[0] == "error" for a in answers):
+            raise DockError(f"the dock answered {len(answers)} of {len(rows_of)} writes")
         for rows, res in itertools.zip_longest(rows_of, answers):
             if res is None:
                 continue
@@ -245,7 +236,10 @@ class RayDock(DockClient):
             return
         pending, self._pending = self._pending, []
         for (kind, _, rows), res in zip(pending, self._wait([ref for _, ref, _ in pending])):
-            self._settle(*((res, rows) if kind == "apply" else ([res], [rows])))
+            if kind == "apply":             # one answer per write it carried
+                self._settle(res, rows)
+            else:
+                self._settle([res], [rows])
 
     # -- reads -------------------------------------------------------------------------------------
     def get(self, consumer, columns, count=None, *, dp_rank=0, dp_size=1, whole_groups=False,
@@ -256,7 +250,7 @@ class RayDock(DockClient):
         home = 0 if home is None else home
         writes, marks, drops = self._send_deferred(carrier=home)   # the home warehouse's go with the claim
         ref = self._call(home, "claim_read", consumer, columns, count, dp_rank, dp_size, whole_groups,
-                         float(timeout), writes, marks, drops, copy=False)
+                         float(timeout), writes, marks, drops)
         self.flush()   # this client's other writes settle while the claim is in flight
         try:
             res = self._wait(ref, timeout=timeout + 60.0)

@@ -1,10 +1,7 @@
-"""The dock's bookkeeping and storage, one implementation for every backend.
-
-:class:`_Controller` is the metadata (``_Meta``) behind one condition variable; :class:`_Warehouse`
-holds the tensors of its rows behind one lock and, on the head warehouse, the controller. The Ray
-backend runs one warehouse per node as a threaded actor (``ray_backend.py``); the local backend and
-the in-worker dock run one warehouse in the client's own process (``local.py``), so a write, a claim
-and a read follow the same code (store, then commit, with undo on refusal) in all three.
+"""The dock's bookkeeping and storage, one implementation for every backend: :class:`_Controller`
+(``_Meta`` behind one condition variable) and :class:`_Warehouse` (the tensors of its rows behind one
+lock, and on the head warehouse the controller): one threaded actor per node (``ray_backend.py``),
+or one object in the client's process (``local.py``). A write stores, then commits, undone on refusal.
 """
 from __future__ import annotations
 
@@ -24,21 +21,22 @@ class _Controller:
 
     CHANGES = frozenset({"mark_ready", "drop_rows"})               # waiting claims look again
     READS = frozenset({"cached_on", "all_consumed", "stats"})
+    OWN = frozenset({"reset", "add_groups", "placement", "commit", "claim", "step"})
 
     def __init__(self, n_warehouses: int, equal_count: bool):
         self.meta = _Meta(n_warehouses, equal_count)
         self.cond = threading.Condition()
 
     def call(self, method: str, *args):
-        """A controller call by name: a method of this class, or one of ``_Meta``'s (CHANGES,
-        READS); anything else raises."""
+        """A controller call by name (clients send names over the wire): one of this class's
+        (OWN) or of ``_Meta``'s (CHANGES, READS); anything else raises."""
         if method in self.CHANGES or method in self.READS:
             with self.cond:
                 out = getattr(self.meta, method)(*args)
                 if method in self.CHANGES:
                     self.cond.notify_all()
                 return out
-        if method not in ("reset", "add_groups", "placement", "commit", "claim", "step"):
+        if method not in self.OWN:
             raise DockError(f"no controller method {method!r}")
         return getattr(self, method)(*args)
 
@@ -98,16 +96,15 @@ class _Controller:
                 self.cond.wait(left)
 
     def step(self):
-        return self.meta.step
+        with self.cond:
+            return self.meta.step
 
 
 class _Warehouse:
-    """The tensors of the rows assigned to this warehouse, behind one lock: a threaded Ray actor
-    per node (``max_concurrency`` calls at once, each on its own thread), or one plain object in the
-    client's process for the local backend. A write stores
-    the rows, then tells the controller they are ready (``commit``) before answering the writer.
-    Rows that belong to another warehouse (the writer's row map was stale) are taken back and
-    forwarded there, so a write completes without the writer."""
+    """The tensors of the rows assigned to this warehouse, behind one lock (a Ray actor runs
+    ``max_concurrency`` calls at once, each on its own thread). A write stores the rows, then commits
+    them at the controller before answering; rows of another warehouse (the writer's row map was
+    stale) are taken back and forwarded there, so a write completes without the writer."""
 
     MAX_HOPS = 2
     CALLS = frozenset({"control", "clear", "start_step", "write", "read", "apply", "claim_read", "drop"})
@@ -115,15 +112,11 @@ class _Warehouse:
 
     def __init__(self, index: int, head=None, n_warehouses: int = 1, equal_count: bool = True):
         """``head``: the handle of the warehouse that hosts the controller; None: this one does."""
-        self.index = index
-        self.head = head
+        self.index, self.head, self.peers = index, head, []
         self.ctl = _Controller(n_warehouses, equal_count) if head is None else None
-        self.peers: list = []
-        self.store = _ColumnStore()
-        self.step = None
-        self.lock = threading.Lock()
-        self._server = None   # the direct-channel listener (open_channel)
-        self._head = None     # ChannelPool to the head's listener (connect_head)
+        self.store, self.step, self.lock = _ColumnStore(), None, threading.Lock()
+        # the direct-channel listener (open_channel); the ChannelPool to the head's (connect_head)
+        self._server = self._head = None
 
     def call(self, request: tuple):
         """The one entry point of a channel or Ray call: ``request = (method, args)`` (one Ray argument:
@@ -231,8 +224,9 @@ class _Warehouse:
         """What a client deferred until its next call, in one call and in this order: writes to this
         warehouse (``(rows, packed, meta)`` each, as :meth:`write`), cache marks (``(meta, rows,
         rank)`` each) and dropped rows (one list), the last two for the controller. Answers one
-        entry per write: None, ``("moved", ...)`` or ``("error", message)``; it stops at the first
-        error, and a failed mark or drop adds an ``("error", message)`` after the writes'."""
+        entry per write: None, ``("moved", ...)`` or ``("error", message)``. It stops at the first
+        error: after a failed write, the held marks and drops are not applied (the caller raises
+        it); a failed mark or drop adds an ``("error", message)`` after the writes'."""
         answers = []
         for rows, packed, meta in writes:
             answers.append(self.write(rows, packed, meta))
@@ -248,7 +242,7 @@ class _Warehouse:
                 else:
                     self.peers[w].call.remote(("drop", (rs,)))
         except DockError as e:
-            answers.append(("error", str(e)))
+            answers.append(("error", f"a deferred mark_cached or drop_rows failed: {e}"))
         return answers
 
     def claim_read(self, consumer, columns, count, dp_rank, dp_size, whole_groups, timeout,
