@@ -60,18 +60,22 @@ MOE = {"qwen3-moe-2b": ("preset", "qwen3-30b-a3b", dict(num_layers=8, num_expert
        "tiny-moe": ("smoke", "qwen3_moe", dict(vocab_size=512, max_position_embeddings=4096))}
 
 
-# The 1.5B sweep: defaults (no recompute, 8,192-token micro-batches, chunked head), then one change each;
-# 16,384-token micro-batches only with recompute (without it plan puts the peak at 69 GiB of an H100's 79).
+def _train_sweep(big_budget: int) -> list[dict]:
+    """The train part's option sets: the defaults (no recompute, the profile's micro-batch budget,
+    chunked head), then one change each; the doubled budget only with recompute (without it plan puts
+    the 1.5B peak at 69 GiB of an H100's 79). The CPU mode sweeps the same sets at tiny sizes."""
+    return [{}, {"recompute": True}, {"head_chunk_tokens": 0},
+            {"max_tokens_per_micro_batch": big_budget, "recompute": True}, {"varied_lengths": True}]
+
+
+DECODE_SWEEP = [{"decode": "layers"}, {"cache": "dynamic"}]   # after the default decode path and cache
 PROFILES = {
     "gpu": {
         "train": {"samples": 32, "prompt": 512, "response": 512, "budget": 8192, "steps": 3, "warmup": 1,
-                  "shapes": {"qwen2.5-1.5b": [{}, {"recompute": True}, {"head_chunk_tokens": 0},
-                                              {"max_tokens_per_micro_batch": 16384, "recompute": True},
-                                              {"varied_lengths": True}],
-                             "qwen3-moe-2b": [{}]},
+                  "shapes": {"qwen2.5-1.5b": _train_sweep(16384), "qwen3-moe-2b": [{}]},
                   "megatron_shape": "1.5b"},
         "decode": {"shape": "qwen2.5-1.5b", "batches": [64, 256], "prompt": 512, "new": 1024, "warm_tokens": 16,
-                   "sweep_batch": 256, "sweep": [{"decode": "layers"}, {"cache": "dynamic"}]},
+                   "sweep_batch": 256, "sweep": DECODE_SWEEP},
         "rl": {"shape": "qwen2.5-0.5b", "digits": 510, "max_prompt": 512, "new": 1024, "prompts": 64, "n": 8,
                "budget": 16384, "steps": 2},
         "timeouts": {"env": 120, "tests": 180, "megatron_tests": 180, "train": 240, "megatron_train": 150,
@@ -80,13 +84,10 @@ PROFILES = {
     },
     "cpu": {
         "train": {"samples": 2, "prompt": 16, "response": 16, "budget": 64, "steps": 1, "warmup": 1,
-                  "shapes": {"tiny-dense": [{}, {"recompute": True}, {"head_chunk_tokens": 0},
-                                            {"max_tokens_per_micro_batch": 32, "recompute": True},
-                                            {"varied_lengths": True}],
-                             "tiny-moe": [{}]},
+                  "shapes": {"tiny-dense": _train_sweep(32), "tiny-moe": [{}]},
                   "megatron_shape": None},
         "decode": {"shape": "tiny-dense", "batches": [2, 4], "prompt": 8, "new": 8, "warm_tokens": 2,
-                   "sweep_batch": 4, "sweep": [{"decode": "layers"}, {"cache": "dynamic"}]},
+                   "sweep_batch": 4, "sweep": DECODE_SWEEP},
         "rl": {"shape": "tiny-dense", "digits": 14, "max_prompt": 16, "new": 8, "prompts": 2, "n": 2,
                "budget": 256, "steps": 1},
         "timeouts": {"env": 120, "tests": 180, "megatron_tests": 180, "train": 240, "megatron_train": 150,

@@ -10,7 +10,7 @@ import numpy as np
 
 from .channel import ChannelPool, ChannelTimeout, Reply
 
-from .errors import DockError, DockTimeout, DEFAULT_TIMEOUT_S
+from .errors import DockError, DockTimeout, DEFAULT_TIMEOUT_S, first_error
 from .packing import Packed, columns_from_wire, concat_packed, positions_by, slice_packed, unpack, wire_write
 from .client import Batch, DockClient, _put_meta, _cached_meta, _empty_batch
 
@@ -218,7 +218,7 @@ class RayDock(DockClient):
     def _settle(self, answers, rows_of) -> None:
         """Answers of writes (None, ``("moved", step, warehouses)`` or ``("error", message)``); a
         failed mark or drop answers after its call's writes, and an error ends the answers early."""
-        if len(answers) < len(rows_of) and not any(a is not None and a[0] == "error" for a in answers):
+        if len(answers) < len(rows_of) and first_error(answers) is None:
             raise DockError(f"the dock answered {len(answers)} of {len(rows_of)} writes")
         for rows, res in itertools.zip_longest(rows_of, answers):
             if res is None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 import time
 
-from .errors import DockError
+from .errors import DockError, first_error
 from .packing import columns_from_wire, columns_to_wire, positions_by, wire_write, _ColumnStore
 from .metadata import _Meta
 
@@ -211,7 +211,7 @@ class _Warehouse:
         import ray
         answers = ray.get([self.peers[w].call.remote(("write", (*wire_write(rows, packed, meta, pos), hops + 1)))
                            for w, pos in positions_by(whs).items()])
-        bad = next((a for a in answers if a is not None and a[0] == "error"), None)
+        bad = first_error(answers)
         return bad or ("moved", res[1], whs)
 
     def read(self, step, columns, rows) -> dict:
@@ -230,7 +230,7 @@ class _Warehouse:
         answers = []
         for rows, packed, meta in writes:
             answers.append(self.write(rows, packed, meta))
-            if answers[-1] is not None and answers[-1][0] == "error":
+            if first_error(answers[-1:]):
                 return answers
         try:
             for mark in marks:
@@ -253,7 +253,7 @@ class _Warehouse:
         ``("ok", rows, cached, stored, index, data, answers)``, ``("timeout", diagnostics, answers)``
         or, when a deferred write failed, ``("error", message, answers)`` without claiming."""
         answers = self.apply(writes, marks, drops) if writes or marks or drops else []
-        bad = next((a for a in answers if a is not None and a[0] == "error"), None)
+        bad = first_error(answers)
         if bad is not None:
             return ("error", bad[1], answers)
         res = self._control("claim", consumer, columns, count, dp_rank, dp_size, whole_groups, timeout)
