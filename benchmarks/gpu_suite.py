@@ -451,77 +451,14 @@ def rl_overrides(spec: dict, folder: Path) -> list[str]:
         "trainer.checkpoint_interval=0", f"trainer.steps={spec['steps']}"]
 
 
-class _Remote:
-    """``.remote(...)`` of a Ray actor method, called in this process."""
-
-    def __init__(self, fn) -> None:
-        self.remote = fn
-
-
-class _Progress:
-    """The driver's progress actor, in this process: keeps the leader's metrics rows."""
-
-    def __init__(self) -> None:
-        self.rows: list[dict] = []
-        self.metrics = _Remote(self.rows.append)
-        self.stage = _Remote(lambda *a: None)
-        self.rollout = _Remote(lambda *a: None)
-
-
-def run_in_process(recipe_name: str, overrides: list[str], steps: int, run_dir: Path) -> Path:
-    """What ``rlrecipes run <recipe> --smoke -d 1`` does, for one colocated worker, without Ray: the same
-    plan, resolved recipe, smoke tokenizer, in-worker TransferDock and :class:`Worker` (its setup, the
-    controller loop, the stages); the metrics rows go to ``<run_dir>/metrics.jsonl`` as the driver writes them."""
-    import yaml
-
-    from rlrecipes import device as devmod
-    from rlrecipes.core.dock import TransferDock
-    from rlrecipes.data import build_smoke_tokenizer
-    from rlrecipes.metrics import MetricsWriter
-    from rlrecipes.plan import build_plan, format_violations, refuse_missing_engines, resolve
-    from rlrecipes.recipe import load_recipe
-    from rlrecipes.workflow.worker import Worker
-
-    class LocalWorker(Worker):
-        def binding(self) -> dict:  # no Ray: the process sees its device as index 0
-            kind = devmod.resolve(self.recipe.resources.device)
-            env = devmod.VISIBLE_DEVICES_ENV[kind]
-            return {"rank": self.rank, "device_type": kind, "assigned": [],
-                    "visible": os.environ.get(env) if env else None, "local_rank": 0}
-
-    recipe = load_recipe(recipe_name, smoke=True, overrides=overrides)
-    plan = build_plan(recipe, None, 1, keep_batch=True)
-    if not plan.ok:
-        raise RuntimeError(format_violations(plan))
-    if plan.world != 1:
-        raise RuntimeError(f"the in-process driver runs one worker; the plan has {plan.world}")
-    refuse_missing_engines(plan)
-    recipe = resolve(recipe, plan)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False))
-    (run_dir / "plan.json").write_text(json.dumps(plan.to_json(), indent=2))
-    build_smoke_tokenizer(run_dir / "tokenizer")
-    progress = _Progress()
-    w = LocalWorker(0, 1, recipe.model_dump(mode="json"), str(run_dir.resolve()), [TransferDock.in_worker()], progress)
-    port = w.open_store()
-    try:
-        w.setup("127.0.0.1", port)
-        w.run(0, steps)
-    finally:
-        w.shutdown()
-        writer = MetricsWriter(run_dir / "metrics.jsonl")
-        for row in progress.rows:
-            writer.write(row)
-        writer.close()
-    return run_dir
-
-
 def child_rl(spec: dict) -> None:
     """Whole GRPO steps on one device; one line summarising the last step (step 0 carries the warm-up)."""
     line = {"part": "rl", "name": f"grpo {spec['shape']} {spec['prompts']}x{spec['n']} "
                                   f"{spec['max_prompt']}/{spec['new']}", "driver": spec["driver"],
             "algorithm": "grpo", "recipe": "qwen25_7b --smoke", "shape": spec["shape"], "prompts": spec["prompts"],
             "samples_per_prompt": spec["n"], "prompt_len": spec["digits"] + 2, "max_new_tokens": spec["new"]}
+    from rlrecipes.workflow.local import run_local
+
     t0 = time.perf_counter()
     run_dir = Path(spec["run_dir"])
     try:
@@ -536,7 +473,7 @@ def child_rl(spec: dict) -> None:
             if p.returncode != 0:
                 raise RuntimeError(f"rlrecipes run exited {p.returncode}: {p.stderr.strip()[-1500:]}")
         else:
-            run_in_process("qwen25_7b", overrides, spec["steps"], run_dir)
+            run_local("qwen25_7b", overrides, spec["steps"], run_dir)
         rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
         if not rows:
             raise RuntimeError(f"{run_dir}/metrics.jsonl has no rows")
