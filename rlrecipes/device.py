@@ -27,6 +27,37 @@ VISIBLE_DEVICES_ENV = {"npu": "ASCEND_RT_VISIBLE_DEVICES", "cuda": "CUDA_VISIBLE
 ACL_FORMAT_FRACTAL_NZ = 29
 
 
+# A simulated accelerator (``rlrecipes.device_strict``): tensors "on" it hold host memory and compute on
+# the host, but keep the accelerator's device identity, so any host/device mix raises as on the real one.
+# Every function below answers for it as for a device that exists, with host behaviour underneath.
+_simulated: DeviceType | None = None
+
+
+def simulated() -> DeviceType | None:
+    """The accelerator type being simulated on the host (``device_strict.simulate``), else None."""
+    return _simulated
+
+
+#: the torch device type a simulated device's tensors report. A CPU build knows it, with a no-op device
+#: guard (torch's front end sets a device guard for some calls before any dispatch mode sees them, and a
+#: CPU build has none for ``cuda``), and nothing in rlrecipes, transformers or torch's CPU paths gives
+#: it a meaning of its own.
+SIMULATED_TORCH_TYPE = "lazy"
+
+
+def _set_simulated(kind: DeviceType | None) -> None:
+    """Start (``"cuda"`` or ``"npu"``: what ``resources.device`` names) or end (None) simulating."""
+    global _simulated
+    if kind not in (None, "cuda", "npu"):
+        raise ValueError(f"only an accelerator type can be simulated (cuda or npu), not {kind!r}")
+    _simulated = kind
+
+
+def _real(device: torch.device | None) -> bool:
+    """``device`` is a real accelerator (not the host, not a simulated one)."""
+    return device is not None and device.type not in ("cpu", SIMULATED_TORCH_TYPE)
+
+
 @functools.lru_cache(maxsize=1)
 def _npu_available() -> bool:
     try:
@@ -45,6 +76,8 @@ def detect() -> DeviceType:
 
     ``RLRECIPES_DEVICE`` forces a type (e.g. ``cpu`` on a GPU host for tests).
     """
+    if _simulated:
+        return _simulated
     forced = os.environ.get("RLRECIPES_DEVICE")
     if forced:
         if forced not in COMM_BACKEND:
@@ -75,8 +108,9 @@ def resolve(device_type: str | None) -> DeviceType:
 
 
 def comm_backend(device_type: str | None = None) -> str:
-    """torch.distributed backend for a device type: hccl, nccl or gloo."""
-    return COMM_BACKEND[resolve(device_type)]
+    """torch.distributed backend for a device type: hccl, nccl or gloo (gloo for a simulated one)."""
+    dt = resolve(device_type)
+    return "gloo" if dt == _simulated else COMM_BACKEND[dt]
 
 
 def ray_resource(device_type: str | None = None) -> str:
@@ -130,6 +164,8 @@ def runtime_problem(device_type: str | None) -> str | None:
     import importlib.util
 
     dt = resolve(device_type)
+    if dt == _simulated:
+        return None
     if dt == "npu" and importlib.util.find_spec("torch_npu") is None:
         return (f"resources.device=npu, but torch_npu is not installed in this Python environment "
                 f"(torch {torch.__version__}); install the torch_npu build that matches torch and CANN, "
@@ -142,6 +178,8 @@ def runtime_problem(device_type: str | None) -> str | None:
 
 def device_count(device_type: str | None = None) -> int:
     dt = resolve(device_type)
+    if dt == _simulated:
+        return 1
     if dt == "npu":
         return torch.npu.device_count()
     if dt == "cuda":
@@ -154,10 +192,20 @@ def torch_device(device_type: str | None = None, local_rank: int = 0) -> torch.d
     dt = resolve(device_type)
     if dt == "cpu":
         return torch.device("cpu")
+    if dt == _simulated:
+        return torch.device(SIMULATED_TORCH_TYPE, 0)
     return torch.device(dt, local_rank % max(device_count(dt), 1))
 
 
+def mesh_device_type(device_type: str) -> str:
+    """The device type a ``DeviceMesh`` is built for: the host's for a simulated device (a mesh of the
+    device's type drives its runtime, which the host does not have)."""
+    return "cpu" if device_type in (_simulated, SIMULATED_TORCH_TYPE) else device_type
+
+
 def set_device(device: torch.device) -> None:
+    if not _real(device):
+        return
     if device.type == "npu":
         torch.npu.set_device(device)
     elif device.type == "cuda":
@@ -165,7 +213,7 @@ def set_device(device: torch.device) -> None:
 
 
 def synchronize(device: torch.device | None = None) -> None:
-    if device is None or device.type == "cpu":
+    if not _real(device):
         return
     if device.type == "npu":
         torch.npu.synchronize(device)
@@ -174,7 +222,10 @@ def synchronize(device: torch.device | None = None) -> None:
 
 
 def supports_bf16(device: torch.device) -> bool:
-    """bf16 compute is used on accelerators; CPU training stays fp32 (exact, and faster on CPUs)."""
+    """bf16 compute is used on accelerators; CPU training stays fp32 (exact, and faster on CPUs), and so
+    does a simulated accelerator (its compute is the host's)."""
+    if not _real(device):
+        return False
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
     return device.type == "npu"
@@ -188,6 +239,8 @@ def train_dtype(device: torch.device, requested: str = "auto") -> torch.dtype:
 
 
 def empty_cache(device: torch.device) -> None:
+    if not _real(device):
+        return
     if device.type == "npu":
         torch.npu.empty_cache()
     elif device.type == "cuda":
@@ -223,7 +276,10 @@ def host_peak_rss_bytes() -> int:
 
 
 def memory_stats(device: torch.device) -> MemoryStats:
-    """Allocated / peak / total memory of a device. On CPU: this process's RSS and its peak."""
+    """Allocated / peak / total memory of a device. On CPU (and a simulated device): this process's
+    RSS and its peak."""
+    if not _real(device):
+        return MemoryStats(host_rss_bytes(), host_peak_rss_bytes(), None)
     if device.type == "npu":
         return MemoryStats(torch.npu.memory_allocated(device), torch.npu.max_memory_allocated(device),
                            torch.npu.get_device_properties(device).total_memory)
@@ -235,9 +291,9 @@ def memory_stats(device: torch.device) -> MemoryStats:
 
 def reset_peak_memory(device: torch.device) -> None:
     """Restart peak tracking; on CPU the process's RSS high-water mark (Linux ``/proc/self/clear_refs``)."""
-    if device.type == "npu":
+    if _real(device) and device.type == "npu":
         torch.npu.reset_peak_memory_stats(device)
-    elif device.type == "cuda":
+    elif _real(device) and device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     else:
         try:
@@ -249,7 +305,13 @@ def reset_peak_memory(device: torch.device) -> None:
 
 def pin_memory_ok(device: torch.device) -> bool:
     """Whether host copies for swap-out should be pinned (only useful for accelerators)."""
-    return device.type != "cpu"
+    return _real(device)
+
+
+def generator(device: torch.device) -> torch.Generator:
+    """A random generator for sampling on ``device``: the device's own kind (a host generator with device
+    tensors raises on CUDA and NPUs); the host's for a simulated device."""
+    return torch.Generator(device=device if _real(device) else "cpu")
 
 
 def to_nz_format(tensor: torch.Tensor) -> torch.Tensor:
@@ -263,7 +325,7 @@ def to_nz_format(tensor: torch.Tensor) -> torch.Tensor:
 
 def manual_seed_all(seed: int) -> None:
     torch.manual_seed(seed)
-    dt = detect()
+    dt = detect() if not _simulated else "cpu"
     if dt == "cuda":
         torch.cuda.manual_seed_all(seed)
     elif dt == "npu":
@@ -273,7 +335,7 @@ def manual_seed_all(seed: int) -> None:
 def rng_state() -> dict:
     """RNG state of torch (and the accelerator) for checkpoints."""
     state = {"cpu": torch.get_rng_state()}
-    dt = detect()
+    dt = detect() if not _simulated else "cpu"
     if dt == "cuda":
         state["cuda"] = torch.cuda.get_rng_state_all()
     elif dt == "npu":
@@ -300,13 +362,15 @@ _PEAK_BF16_FLOPS = {"NVIDIA H100": 989.4e12, "NVIDIA H200": 989.4e12, "NVIDIA H8
 
 def peak_flops(device: torch.device) -> float | None:
     """The device's dense bf16 peak FLOP/s for MFU, or None when unknown (pass it explicitly)."""
-    if device.type == "cuda":
+    if _real(device) and device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         return next((v for k, v in _PEAK_BF16_FLOPS.items() if name.startswith(k)), None)
     return None
 
 
 def device_name(device: torch.device) -> str:
+    if device.type == SIMULATED_TORCH_TYPE:
+        return f"simulated {_simulated} (host memory and compute)"
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     if device.type == "npu":

@@ -30,6 +30,8 @@ class LocalProgress:
     def __init__(self) -> None:
         self.rows: list[dict] = []
         self.stages: list[tuple[int, str]] = []
+        self.setup: dict = {}
+        """What the worker's setup reported (its device, the step's stages, ...)."""
         self.metrics = _Remote(self.rows.append)
         self.stage = _Remote(lambda step, name: self.stages.append((step, name)))
         self.rollout = _Remote(lambda *a: None)
@@ -46,7 +48,7 @@ class LocalWorker(Worker):
 def run_local(recipe_name: str, overrides: Sequence[str], steps: int, run_dir: Path) -> LocalProgress:
     """Run ``steps`` steps of ``recipe_name`` (``--smoke``, with ``overrides``) on one worker in this
     process; the metrics rows go to ``<run_dir>/metrics.jsonl`` as the driver writes them, and the
-    returned progress holds them and every ``(step, stage)`` entered. A stage that fails raises the
+    returned progress holds them, every ``(step, stage)`` entered and the worker's setup report. A stage that fails raises the
     worker's ``StageFailure`` (naming the stage and step) chained to the original exception."""
     import yaml
 
@@ -73,7 +75,7 @@ def run_local(recipe_name: str, overrides: Sequence[str], steps: int, run_dir: P
     w = LocalWorker(0, 1, recipe.model_dump(mode="json"), str(run_dir.resolve()), [TransferDock.in_worker()], progress)
     port = w.open_store()
     try:
-        w.setup("127.0.0.1", port)
+        progress.setup = w.setup("127.0.0.1", port)
         w.run(0, steps)
     finally:
         w.shutdown()

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from rlrecipes import device as devmod
 from rlrecipes.models.sharding import kind_of, tp_dim_of
 
 # ---------------------------------------------------------------------------------------------
@@ -169,10 +170,10 @@ def build_mesh(device_type: str, tp: int = 1, ep: int = 1, sp: int = 1) -> MeshI
                          f"tp={tp}, ep={ep}; use the megatron engine for EP across DP ranks")
     dp = world // (tp * sp)
     if sp == 1:
-        root = init_device_mesh(device_type, (dp, tp // ep, ep), mesh_dim_names=("dp", "etp", "ep"))
+        root = init_device_mesh(devmod.mesh_device_type(device_type), (dp, tp // ep, ep), mesh_dim_names=("dp", "etp", "ep"))
         root["etp", "ep"]._flatten("tp")
         return MeshInfo(root=root, tp=tp, ep=ep, dp=dp)
-    root = init_device_mesh(device_type, (dp, sp, tp // ep, ep), mesh_dim_names=("dp", "sp", "etp", "ep"))
+    root = init_device_mesh(devmod.mesh_device_type(device_type), (dp, sp, tp // ep, ep), mesh_dim_names=("dp", "sp", "etp", "ep"))
     root["etp", "ep"]._flatten("tp")
     root["sp", "etp", "ep"]._flatten("mp")
     root["dp", "sp"]._flatten("dpsp")

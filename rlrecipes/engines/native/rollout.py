@@ -160,7 +160,7 @@ class NativeRolloutEngine(MeshRanks, base.RolloutEngine):
         self.config = self.model.config
         self.cache_kind = cache
         self.seed = seed
-        self.generator = torch.Generator(device=self.device)
+        self.generator = devmod.generator(self.device)
         self.generator.manual_seed(self._group_seed(seed))
         self._cache = None
         self._cache_key = None
