@@ -102,9 +102,13 @@ class DeviceTensor(torch.Tensor):
         return _dispatch(func, args, kwargs or {})
 
 
+def _name(device: torch.device) -> str:
+    return f"{device} (simulated {dev.simulated()})" if device.type == dev.SIMULATED_TORCH_TYPE else str(device)
+
+
 def _describe(name: str, t: Any) -> str:
     where = f" (on the device since {t.origin})" if isinstance(t, DeviceTensor) else ""
-    return f"{name} {list(t.shape)} {str(t.dtype).removeprefix('torch.')} on {t.device}{where}"
+    return f"{name} {list(t.shape)} {str(t.dtype).removeprefix('torch.')} on {_name(t.device)}{where}"
 
 
 def _operands(func, args, kwargs) -> list[tuple[str, Any]]:
@@ -141,7 +145,7 @@ def _check(func, args, kwargs) -> Optional[torch.device]:
             is_index = name.startswith("indices")
             if isinstance(t, DeviceTensor) != on_dev and not (is_index and not isinstance(t, DeviceTensor)) \
                     and not (not is_index and t.dim() == 0 and not isinstance(t, DeviceTensor)):
-                raise _mix(func, args, kwargs, f"{name} is on {t.device}, self on {base.device}")
+                raise _mix(func, args, kwargs, f"{name} is on {_name(t.device)}, self on {_name(base.device)}")
         return base.device if on_dev else None
     devices = {t.device for _, t in operands if isinstance(t, DeviceTensor)}
     hosts = [(n, t) for n, t in operands if not isinstance(t, DeviceTensor) and t.device.type == "cpu"]
@@ -150,7 +154,7 @@ def _check(func, args, kwargs) -> Optional[torch.device]:
         big = [(n, t) for n, t in hosts if t.dim() > 0 or (mutable and n == operands[0][0])]
         if big:
             d = next(iter(devices))
-            raise _mix(func, args, kwargs, f"found at least two devices, {d} and cpu ({big[0][0]} is on the host)")
+            raise _mix(func, args, kwargs, f"found at least two devices, {_name(d)} and cpu ({big[0][0]} is on the host)")
     if isinstance(target, torch.device) and target.type == sim:
         devices.add(target)
     elif isinstance(target, torch.device) and target.type == "cpu" and devices:

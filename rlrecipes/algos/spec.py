@@ -257,17 +257,18 @@ def gae_advantages(cfg, *, scores: torch.Tensor, responses: list[torch.Tensor], 
 
 
 def actor_loss_fn(cfg, *, agg: dict, kl_coef: float, use_ref: bool, dp_size: int):
-    """The policy loss closure ``(logp, entropy, mb) -> (loss, metrics)`` for one micro-batch."""
+    """The policy loss closure ``(logp, entropy, mb) -> (loss, metrics)`` for one micro-batch (``mb`` on
+    ``logp``'s device: the engine moved it there, ``engines/base.py``)."""
     policy_loss = get_policy_loss(cfg.policy_loss)
     lo_key, hi_key = getattr(policy_loss, "clip_keys", ("clip_ratio_low", "clip_ratio_high"))
 
     def loss_fn(logp, entropy, mb):
-        mask = mb["response_mask"].to(logp.device)
-        adv = torch.where(mask.bool(), mb["advantages"].to(logp.device), 0.0)
-        old = mb["old_log_probs"].to(logp.device) if "old_log_probs" in mb else logp.detach()
+        mask = mb["response_mask"]
+        adv = torch.where(mask.bool(), mb["advantages"], 0.0)
+        old = mb["old_log_probs"] if "old_log_probs" in mb else logp.detach()
         metrics, weights = {}, None
         if "rollout_log_probs" in mb:  # old == pi_train under the weights that generated the batch
-            rl = mb["rollout_log_probs"].to(logp.device)
+            rl = mb["rollout_log_probs"]
             mm = mismatch_stats(old, rl, mask)
             metrics.update({"rollout/logprob_diff_sum": float(mm["diff_sum"]),
                             "rollout/logprob_diff_max": float(mm["diff_max"]),
@@ -282,7 +283,7 @@ def actor_loss_fn(cfg, *, agg: dict, kl_coef: float, use_ref: bool, dp_size: int
         metrics.update({"actor/pg_loss": float(loss.detach()), "actor/clipfrac": float(m["clipfrac"]),
                         "actor/ppo_kl": float(m["ppo_kl"])})
         if use_ref:
-            kl = kl_loss(logp, mb["ref_log_probs"].to(logp.device), mask, cfg.kl_estimator, cfg.loss_agg_mode, **agg)
+            kl = kl_loss(logp, mb["ref_log_probs"], mask, cfg.kl_estimator, cfg.loss_agg_mode, **agg)
             if cfg.use_kl_loss:
                 loss = loss + kl_coef * kl
             metrics["actor/kl"] = float(kl.detach()) / max(dp_size, 1)
@@ -295,8 +296,8 @@ def actor_loss_fn(cfg, *, agg: dict, kl_coef: float, use_ref: bool, dp_size: int
 
 def critic_loss_fn(cfg, *, agg: dict):
     def loss_fn(values, _entropy, mb):
-        mask = mb["response_mask"].to(values.device)
-        loss, m = value_loss(values, mb["values"].to(values.device), mb["returns"].to(values.device), mask,
+        mask = mb["response_mask"]
+        loss, m = value_loss(values, mb["values"], mb["returns"], mask,
                              value_clip=cfg.value_clip, loss_agg_mode=cfg.loss_agg_mode, **agg)
         return loss, {"critic/vf_clipfrac": float(m["vf_clipfrac"])}
 

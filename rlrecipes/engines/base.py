@@ -12,6 +12,19 @@ columns (``old_log_probs``, ``ref_log_probs``, ``values``, ``returns``, token-le
 ``advantages``) are 1-D tensors aligned with each response; per-sample columns (outcome
 ``advantages``) are one number per sample and are broadcast over the response by the engine.
 
+Devices. A batch's tensors live where its producer left them: columns from the dock are on the host,
+columns a forward pass left in the TensorCache are on the worker's device, so one :class:`SeqBatch`
+may hold both. An engine moves them in one place: the function that lays a batch out into
+micro-batches (``engines/native/batching.py``, which every engine here uses) brings the batch to the
+host (:meth:`SeqBatch.to`), builds each micro-batch there (index arithmetic, padding and packing are
+host work) and hands back every micro-batch on the engine's device (:func:`micro_batch_to`), one copy
+per tensor. From there on everything the engine and the loss closure touch is on the engine's device,
+and a buffer built inside the engine is built there (``device=``). An engine entry that takes
+prebuilt micro-batches (the native ``train_micro_batches``, ``log_probs``) moves them with the same
+function. What an engine returns to the workflow (``forward``'s per-sample rows, ``train_step``'s
+numbers) is on the host. ``rlrecipes.device_strict`` runs a whole step on the host with the engine's
+tensors on a device that is not the host, so a CPU test fails where a GPU would.
+
 Loss contract. ``train_step(batch, loss_fn)`` calls ``loss_fn(out, entropy, mb)`` once per
 micro-batch, where ``out`` is the per-token log-prob (actor) or value (critic) of the response
 tokens, ``entropy`` is the per-token entropy or None, and ``mb`` maps ``response_mask`` and
@@ -143,6 +156,25 @@ class SeqBatch:
                         {c: v[sel] for c, v in self.per_sample.items()},
                         [self.routed_experts[i] for i in idx] if self.routed_experts is not None else None)
 
+    def to(self, device: torch.device | str) -> "SeqBatch":
+        """Every tensor of the batch on ``device`` (``self`` when all are there already). A column whose
+        rows all sit on one other device moves as one copy: concatenated there, split where it lands."""
+        device = torch.device(device)
+        if all(t.device == device for t in self._tensors()):
+            return self
+        return SeqBatch(_rows_to(self.prompts, device), _rows_to(self.responses, device),
+                        {c: _rows_to(v, device) for c, v in self.per_token.items()},
+                        {c: v.to(device) for c, v in self.per_sample.items()},
+                        _rows_to(self.routed_experts, device) if self.routed_experts is not None else None)
+
+    def _tensors(self):
+        yield from self.prompts
+        yield from self.responses
+        for rows in self.per_token.values():
+            yield from rows
+        yield from self.per_sample.values()
+        yield from self.routed_experts or ()
+
     def response_tokens(self) -> int:
         """Response tokens that count (the model's own: ``response_mask`` leaves out tool observations)."""
         mask = self.per_token.get("response_mask")
@@ -152,6 +184,25 @@ class SeqBatch:
 
     def prompt_tokens(self) -> int:
         return sum(int(p.numel()) for p in self.prompts)
+
+
+def _rows_to(rows: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """Rows (any shapes sharing their trailing dims) on ``device``: one concatenated copy when they all
+    sit on one other device, else one copy per row that is elsewhere."""
+    rows = list(rows)
+    where = {t.device for t in rows}
+    if where == {device} or not rows:
+        return rows
+    if len(where) > 1:
+        return [t.to(device) for t in rows]
+    flat = torch.cat([t.reshape(-1, *t.shape[1:]) if t.dim() else t.reshape(1) for t in rows]).to(device)
+    return [piece.reshape(t.shape) for piece, t in
+            zip(torch.split(flat, [t.shape[0] if t.dim() else 1 for t in rows]), rows)]
+
+
+def micro_batch_to(mb: Mapping[str, Any], device: torch.device) -> dict:
+    """A micro-batch with every tensor on ``device`` (other entries, such as ``sample_index``, as they are)."""
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in mb.items()}
 
 
 @dataclass
@@ -472,5 +523,5 @@ def step_metrics(prefix: str, *, loss: float, grad_norm: float, lr: float, skipp
     return out
 
 
-__all__ = ["reduce_closure_metric", "step_metrics", "Capabilities", "EngineSpec", "LossFn", "RolloutEngine", "RolloutOutput", "SamplingParams", "SeqBatch",
+__all__ = ["micro_batch_to", "reduce_closure_metric", "step_metrics", "Capabilities", "EngineSpec", "LossFn", "RolloutEngine", "RolloutOutput", "SamplingParams", "SeqBatch",
            "TrainEngine", "TurnSession", "ReprefillSession"]

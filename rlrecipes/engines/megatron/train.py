@@ -199,7 +199,13 @@ class MegatronTrainEngine(base.TrainEngine):
                                              ddp_config=DistributedDataParallelConfig(**ddp_config_kwargs()))
         opt = OptimizerConfig(**optimizer_config_kwargs(lr=lr, weight_decay=weight_decay, grad_clip=grad_clip,
                                                         dtype=self.compute_dtype, offload=offload))
-        self.optimizer = get_megatron_optimizer(opt, [self.model])
+        # grad mode off: the distributed optimizer hands its inner optimizer each fp32 parameter's shard
+        # as a view of the parameter (the RMSNorm weights stay fp32 in a bf16 model), a non-leaf under
+        # grad mode; the host optimizer (HybridDeviceOptimizer, offload) rebuilds a torch optimizer from
+        # those views, which refuses non-leaves ("can't optimize a non-leaf Tensor"). Built under
+        # no_grad the views are leaves; nothing else changes (docs/upstream_contracts.md)
+        with torch.no_grad():
+            self.optimizer = get_megatron_optimizer(opt, [self.model])
         cfg.finalize_model_grads_func = finalize_model_grads
         # the schedule multiplies each micro-batch's loss by this before backward (fp16: the dynamic
         # loss scale, which the optimizer step divides out of the gradients; 1 otherwise), as
@@ -304,7 +310,7 @@ class MegatronTrainEngine(base.TrainEngine):
     def forward(self, batch: SeqBatch, *, with_entropy: bool = False):
         if not len(batch):
             return [], ([] if with_entropy else None)
-        mbs = batching.micro_batches(batch, self.micro_batch_size, self.pad_token_id)
+        mbs = batching.micro_batches(batch, self.micro_batch_size, self.pad_token_id, device=self.device)
         outs: list = [None] * len(batch)
         ents: list = [None] * len(batch)
         self.model.eval()
@@ -347,7 +353,7 @@ class MegatronTrainEngine(base.TrainEngine):
     def train_step(self, batch: SeqBatch, loss_fn: LossFn, *, with_entropy: bool = False) -> dict:
         if not self.trainable:
             raise RuntimeError(f"training on a {self.role!r} engine: only actor/critic engines train")
-        mbs = batching.micro_batches(batch, self.micro_batch_size, self.pad_token_id)
+        mbs = batching.micro_batches(batch, self.micro_batch_size, self.pad_token_id, device=self.device)
         if not mbs:
             return {f"{self.role}/skipped_step": 1.0}
         self.model.train()

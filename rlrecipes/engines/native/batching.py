@@ -15,6 +15,11 @@ the batch rows a micro-batch holds):
 
 Every DP rank builds the same number of micro-batches: a rank with fewer adds zero-weight
 micro-batches (``response_mask`` all zero), so FSDP's collectives stay in step.
+
+Devices (the rule of ``engines/base.py``): :func:`micro_batches` and :func:`packed_micro_batches` are
+where a batch crosses to its engine. They bring the batch to the host (its columns may sit on the
+worker's device, from the TensorCache), build every micro-batch there, and return them on ``device``.
+The builders below them take host tensors only.
 """
 from __future__ import annotations
 
@@ -24,7 +29,9 @@ from typing import Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from ..base import SeqBatch
+from ..base import SeqBatch, micro_batch_to
+
+HOST = torch.device("cpu")
 
 
 class MeshRanks:
@@ -128,8 +135,10 @@ def _same_count(n: int) -> int:
     return n
 
 
-def micro_batches(batch: SeqBatch, size: int, pad_id: int, *, collective: bool = True) -> list[dict]:
-    """Consecutive groups of ``size`` samples; the count is the max over all ranks (collective)."""
+def micro_batches(batch: SeqBatch, size: int, pad_id: int, *, collective: bool = True,
+                  device: torch.device = HOST) -> list[dict]:
+    """Consecutive groups of ``size`` samples on ``device``; the count is the max over all ranks (collective)."""
+    batch = batch.to(HOST)
     n = math.ceil(len(batch) / size) if len(batch) else 0
     if collective:
         n = _same_count(n)
@@ -138,7 +147,7 @@ def micro_batches(batch: SeqBatch, size: int, pad_id: int, *, collective: bool =
         idx = list(range(k * size, min(len(batch), (k + 1) * size)))
         mb = padded_micro_batch(batch.subset(idx), pad_id) if idx else _empty_micro_batch(batch, pad_id)
         mb["sample_index"] = idx
-        out.append(mb)
+        out.append(micro_batch_to(mb, device))
     return out
 
 
@@ -248,10 +257,12 @@ def _empty_packed(batch: SeqBatch, pad_id: int) -> dict:
 
 
 def packed_micro_batches(batch: SeqBatch, max_tokens: int, pad_id: int, *, collective: bool = True,
-                         varlen: bool = False) -> list[dict]:
-    """Micro-batches of at most ``max_tokens`` prompt + response tokens each (a longer sample alone);
-    the count is the max over all ranks (collective). ``varlen``: the attention kernel takes packed
-    rows natively, so each micro-batch is one row; otherwise rows are as long as its longest sample."""
+                         varlen: bool = False, device: torch.device = HOST) -> list[dict]:
+    """Micro-batches of at most ``max_tokens`` prompt + response tokens each (a longer sample alone),
+    on ``device``; the count is the max over all ranks (collective). ``varlen``: the attention kernel
+    takes packed rows natively, so each micro-batch is one row; otherwise rows are as long as its
+    longest sample."""
+    batch = batch.to(HOST)
     lengths = [int(p.numel()) + int(x.numel()) for p, x in zip(batch.prompts, batch.responses)]
     bins = token_bins(lengths, int(max_tokens)) if len(batch) else []
     n = _same_count(len(bins)) if collective else len(bins)
@@ -264,5 +275,5 @@ def packed_micro_batches(batch: SeqBatch, max_tokens: int, pad_id: int, *, colle
         else:
             mb = _empty_packed(batch, pad_id)
         mb["sample_index"] = idx
-        out.append(mb)
+        out.append(micro_batch_to(mb, device))
     return out

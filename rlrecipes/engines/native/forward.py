@@ -4,7 +4,8 @@ per-token log-probs (and entropy) of the response tokens, laid out ``[b, R]`` fo
 
 A mixin of :class:`~rlrecipes.engines.native.train.NativeTrainEngine`; it uses the engine's
 ``model``, ``mesh``, ``device``, ``pad_token_id``, ``_vocab_parallel`` / ``_vocab_start`` and the
-chunked head's settings (``_chunk_head``, ``_head_chunk``: :mod:`.head`)."""
+chunked head's settings (``_chunk_head``, ``_head_chunk``: :mod:`.head`). A micro-batch arrives on the
+engine's device (``engines/base.py``, "Devices")."""
 from __future__ import annotations
 
 from typing import Any, Mapping
@@ -57,8 +58,8 @@ class TokenScores:
             return self._forward_sp(mb, temperature, with_entropy)
         if "position_ids" in mb:
             return self._forward_packed(mb, temperature, with_entropy)
-        input_ids = mb["input_ids"].to(self.device)  # [b, T]
-        attention_mask = mb["attention_mask"].to(self.device)  # [b, T]
+        input_ids = mb["input_ids"]  # [b, T]
+        attention_mask = mb["attention_mask"]  # [b, T]
         R = response_len_of(mb)
         T = input_ids.shape[1]
         if not 0 < R < T:
@@ -74,17 +75,17 @@ class TokenScores:
         """Rows of concatenated samples (``batching.packed_micro_batch``): block-diagonal attention over
         ``[rows, L]``, the head only at the response columns; the results are scattered back to the
         closure's ``[b, R]`` layout (zeros at padding)."""
-        keep = (mb["keep_rows"].to(self.device), mb["keep_cols"].to(self.device))  # [rows, U, .] -> [1, M, .]
-        out, ent = self._scores(mb, mb["targets"].to(self.device)[None], temperature, with_entropy,
-                                select=lambda x: x[keep][None], input_ids=mb["input_ids"].to(self.device),
-                                position_ids=mb["position_ids"].to(self.device),
-                                logits_to_keep=mb["logit_index"].to(self.device))
+        keep = (mb["keep_rows"], mb["keep_cols"])  # [rows, U, .] -> [1, M, .]
+        out, ent = self._scores(mb, mb["targets"][None], temperature, with_entropy,
+                                select=lambda x: x[keep][None], input_ids=mb["input_ids"],
+                                position_ids=mb["position_ids"],
+                                logits_to_keep=mb["logit_index"])
         return self._unpack(mb, out[0]), (self._unpack(mb, ent[0]) if ent is not None else None)
 
     def _unpack(self, mb: Mapping[str, Any], t: torch.Tensor) -> torch.Tensor:
         """A packed micro-batch's per-response-token values ``[M]`` -> the closure's ``[b, R]`` (zeros
         at padding)."""
-        rows, cols = mb["unpack_rows"].to(self.device), mb["unpack_cols"].to(self.device)  # [M]
+        rows, cols = mb["unpack_rows"], mb["unpack_cols"]  # [M]
         shape = tuple(mb["response_mask"].shape)  # [b, R]
         return torch.zeros(shape, dtype=t.dtype, device=t.device).index_put((rows, cols), t)
 
@@ -97,14 +98,14 @@ class TokenScores:
         from .ulysses import gather_sequence, pad_to, sequence_mask
 
         sp, group, rank = self.mesh.sp, self.mesh.sp_group, self.mesh.sp_rank
-        ids = mb["input_ids"].to(self.device)  # [b, T]
+        ids = mb["input_ids"]  # [b, T]
         T = ids.shape[1]
         ids_p = pad_to(ids, sp, self.pad_token_id)  # [b, Tp]
         if "position_ids" in mb:  # packed rows: attention stays inside each sample
-            pos_p = pad_to(mb["position_ids"].to(self.device), sp)
+            pos_p = pad_to(mb["position_ids"], sp)
             mask = sequence_mask(position_ids=pos_p)
         else:
-            valid = mb["attention_mask"].to(self.device).bool()  # [b, T]
+            valid = mb["attention_mask"].bool()  # [b, T]
             pos_p = pad_to((valid.long().cumsum(-1) - 1).clamp_(min=0), sp)
             mask = sequence_mask(valid=pad_to(valid, sp, False))
         targets = pad_to(torch.cat([ids[:, 1:], ids[:, :1]], 1), sp, self.pad_token_id)  # [b, Tp]: token t + 1
@@ -115,7 +116,7 @@ class TokenScores:
         out = gather_sequence(out, group, sp, rank)[:, :T]  # [b, T]: position t scores token t + 1
         ent = gather_sequence(ent, group, sp, rank)[:, :T] if ent is not None else None
         if "position_ids" in mb:  # each response token's (row, column) in the packed rows
-            pick = (mb["keep_rows"].to(self.device), mb["logit_index"].to(self.device)[mb["keep_cols"].to(self.device)])
+            pick = (mb["keep_rows"], mb["logit_index"][mb["keep_cols"]])
             return self._unpack(mb, out[pick]), (self._unpack(mb, ent[pick]) if ent is not None else None)
         R = response_len_of(mb)
         if not 0 < R < T:

@@ -275,8 +275,9 @@ class NativeTrainEngine(TokenScores, EngineState, MeshRanks, base.TrainEngine):
         collective = self.mesh.grad_size > 1 and (training or not self._replicated)
         if self.max_tokens_per_micro_batch:
             return packed_micro_batches(batch, self.max_tokens_per_micro_batch, self.pad_token_id,
-                                        varlen=self._varlen_attention, collective=collective)
-        return micro_batches(batch, self.micro_batch_size, self.pad_token_id, collective=collective)
+                                        varlen=self._varlen_attention, collective=collective, device=self.device)
+        return micro_batches(batch, self.micro_batch_size, self.pad_token_id, collective=collective,
+                             device=self.device)
 
     # ----------------------------------------------------------------------------- inference
     @torch.no_grad()
@@ -287,6 +288,7 @@ class NativeTrainEngine(TokenScores, EngineState, MeshRanks, base.TrainEngine):
         ``batch`` is a micro-batch mapping (see module docstring); ``micro_batch_size`` splits it.
         """
         self._set_training(False)
+        batch = base.micro_batch_to(batch, self.device)
         B = batch["input_ids"].shape[0]
         mbs = micro_batch_size or B
         outs, ents = [], []
@@ -373,6 +375,7 @@ class NativeTrainEngine(TokenScores, EngineState, MeshRanks, base.TrainEngine):
             raise ValueError(f"loss_scale={loss_scale!r}: expected 'mean' or 'sum'")
         self._set_training(True)
         self.optimizer.zero_grad(set_to_none=True)
+        micro_batches = [base.micro_batch_to(mb, self.device) for mb in micro_batches]  # no-op when built here
         n = len(micro_batches)
         acc: dict[str, list[float]] = defaultdict(list)
         losses = []
