@@ -241,16 +241,53 @@ def test_without_its_zap_handler_a_warehouse_refuses_even_the_right_keys(server)
 
 
 def test_a_client_on_the_same_machine_uses_the_servers_socket_files(server, tmp_path):
-    # Same machine (same boot id): PLAIN with the dock's token over socket files in a folder only
+    # Same machine (the client reads the marker in the server's socket folder): PLAIN with the dock's token over socket files in a folder only
     # this user opens; nothing of it is on a network interface, so it is not encrypted (a peer that
     # could read it could read the processes' memory).
     srv, keys, calls = server
-    host, port, door, boot = srv.address
+    host, port, door, marker = srv.address
     folder = door[len("ipc://"):].rsplit("/", 1)[0]
     assert os.stat(folder).st_mode & 0o777 == 0o700
     ch = Channel(srv.address, keys.for_clients())
     assert ch.local and ch.result(ch.send("x"), 30) is None and calls == ["x"]
     ch.close()
-    elsewhere = Channel((host, port, door, "another-machine"), keys.for_clients())  # TCP, with the keys
+    elsewhere = Channel((host, port, door, "another-marker"), keys.for_clients())  # TCP, with the keys
     assert not elsewhere.local and elsewhere.result(elsewhere.send("y"), 30) is None and calls == ["x", "y"]
     elsewhere.close()
+
+
+_CLIENT = """
+import pickle, sys
+from rlrecipes.core.dock.channel import Channel
+address, keys = pickle.load(sys.stdin.buffer)
+ch = Channel(address, keys, connect_timeout=20)
+print("local" if ch.local else "tcp", ch.result(ch.send("from-the-other-view"), 30))
+ch.close()
+"""
+
+
+def test_a_client_that_cannot_see_the_socket_folder_uses_tcp(server):
+    """Two containers on one host share its boot id but not ``/tmp``: the client runs in a mount
+    namespace of its own whose ``/tmp`` is empty (bubblewrap), so the server's socket folder is not
+    there. It must choose TCP and be answered (with a boot-id test it chose the socket files, and its
+    connect failed)."""
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+
+    bwrap = shutil.which("bwrap")
+    if bwrap is None or subprocess.run([bwrap, "--dev-bind", "/", "/", "true"], capture_output=True).returncode:
+        pytest.skip("bubblewrap (bwrap) is not usable here: apt-get install bubblewrap")
+    srv, keys, calls = server
+    folder = srv.address[2][len("ipc://"):].rsplit("/", 1)[0]
+    hidden = tempfile.gettempdir()
+    assert folder.startswith(hidden + "/")
+    import rlrecipes
+    here = os.path.dirname(os.path.dirname(rlrecipes.__file__))
+    p = subprocess.run([bwrap, "--dev-bind", "/", "/", "--tmpfs", hidden, sys.executable, "-c", _CLIENT],
+                       input=pickle.dumps((srv.address, keys.for_clients())), capture_output=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": here})
+    assert p.returncode == 0, p.stderr.decode()[-2000:]
+    assert p.stdout.decode().split() == ["tcp", "None"]
+    assert calls == ["from-the-other-view"]

@@ -18,6 +18,7 @@ place, without a copy.
 from __future__ import annotations
 
 import copy
+import os
 import pickle
 import secrets
 import shutil
@@ -129,13 +130,21 @@ def _endpoint(host: str) -> str:
     return f"tcp://[{host}]" if ":" in host else f"tcp://{host}"
 
 
-def host_id() -> str:
-    """This machine (its boot): two processes with the same id reach each other's socket files."""
+#: the file in a server's socket folder that tells a client it can reach that folder
+_MARKER = "machine"
+
+
+def sees_socket_files(files: str, marker: str) -> bool:
+    """Whether this process reaches the socket folder of a server's ``files`` endpoint: the folder's
+    marker file holds ``marker``. Two processes of one machine can still live in different filesystem
+    views (containers on one host share a boot id, not ``/tmp``), so the test is the folder itself."""
+    if not marker or not files.startswith("ipc://"):
+        return False
     try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
+        with open(os.path.join(os.path.dirname(files[len("ipc://"):]), _MARKER)) as f:
+            return secrets.compare_digest(f.read(), marker)
     except OSError:
-        return ""
+        return False
 
 
 class ChannelServer:
@@ -155,7 +164,10 @@ class ChannelServer:
         self._opened, self._closed, self.received = 0, False, 0
         (tcp_door, tcp), (files_door, files) = (self._listen(zmq.ROUTER, local) for local in (False, True))
         self._doors = [tcp_door, files_door]
-        self.address = (host, int(tcp.rsplit(":", 1)[1]), files, host_id())
+        marker = secrets.token_hex(16)
+        with open(os.open(os.path.join(self._dir, _MARKER), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+            f.write(marker)
+        self.address = (host, int(tcp.rsplit(":", 1)[1]), files, marker)
         threading.Thread(target=self._open_channels, name="dock-channel-door", daemon=True).start()
 
     def _listen(self, kind: int, local: bool) -> tuple[zmq.Socket, str]:
@@ -218,11 +230,12 @@ class Channel:
     """The client end: ``send`` a request (returns its sequence number, without waiting), then
     ``result(seq)`` reads answers in order until that one, keeping earlier unread ones. Opening it
     asks the server for a socket and waits for both handshakes, so a refused or unauthenticated
-    connection fails here. A client on the server's machine uses its socket files."""
+    connection fails here. A client that reaches the server's socket folder (:func:`sees_socket_files`)
+    uses its socket files; any other, TCP."""
 
     def __init__(self, address: tuple, keys: DockKeys, connect_timeout: float = 10.0, name: str = "a warehouse"):
         self.address, self.name, self._sock = tuple(address), name, None
-        self.local = keys.same_host_files and len(address) > 3 and bool(address[3]) and address[3] == host_id()
+        self.local = keys.same_host_files and len(address) > 3 and sees_socket_files(address[2], address[3])
         door, events = self._connect(address[2] if self.local else f"{_endpoint(address[0])}:{address[1]}",
                                      keys, connect_timeout)
         door.send(b"")
