@@ -220,6 +220,16 @@ def run_args_problems(recipe: Optional[str], args: list[str]) -> list[str]:
     return problems
 
 
+def _launch_source() -> Path:
+    """A registered recipe's launch.sh (the same few lines in every recipe), to copy into a folder."""
+    from .recipe.loading import registry
+
+    for folder in registry().values():
+        if (folder / "launch.sh").is_file():
+            return folder / "launch.sh"
+    return Path("recipes/qwen25_7b/launch.sh")
+
+
 def command_problems(argv: list[str]) -> list[str]:
     """What a printed command names that is not there (and that the command itself would not
     create): the executable, a script it runs, and the paths in `rlrecipes run` arguments (also
@@ -232,8 +242,8 @@ def command_problems(argv: list[str]) -> list[str]:
     if name in ("bash", "sh") and rest and not rest[0].startswith("-"):
         script = Path(os.path.expanduser(rest[0]))
         if not script.is_file():
-            problems.append(f"{script} does not exist" + (" (a recipe folder made by hand has no launch.sh: copy one "
-                                                           "with `rlrecipes cp <recipe> <folder>`)"
+            problems.append(f"{script} does not exist" + (f" (a recipe folder made by hand has no launch.sh: copy a "
+                                                           f"recipe's with `cp {_launch_source()} {script}`)"
                                                            if script.name == "launch.sh" else ""))
             return problems
         if script.name == "launch.sh":  # `rlrecipes launch <its folder> ARGS`: the ARGS go to `rlrecipes run`

@@ -234,14 +234,41 @@ def registry() -> dict[str, Path]:
     return found
 
 
+def fresh_folder(near: Path, name: str = "my_recipe") -> Path:
+    """A folder under ``near`` (a folder that exists) that does not exist yet: ``cp``'s destination."""
+    for i in range(1, 1000):
+        cand = near / (name if i == 1 else f"{name}_{i}")
+        if not cand.exists():
+            return cand
+    return near / f"{name}_{os.getpid()}"
+
+
+def _example(reg: dict[str, Path]) -> str:
+    """The recipe named in examples: the small dense one when it is registered."""
+    return "qwen25_7b" if "qwen25_7b" in reg or not reg else next(iter(reg))
+
+
+def copy_hint(folder: Path) -> str:
+    """The ``rlrecipes cp`` command that makes a runnable recipe for an existing folder that has none:
+    ``cp`` refuses a destination that exists, so the hint names a new folder inside it."""
+    dest = fresh_folder(folder)
+    return (f"Copy a recipe into a new folder with `rlrecipes cp {_example(registry())} {dest}`, "
+            f"then `rlrecipes run {dest} --smoke`")
+
+
 def find_recipe(name_or_path: str) -> Path:
     """A recipe folder from a registered name or a path to a folder (or to a YAML file's folder)."""
+    if not name_or_path.strip():
+        reg = registry()
+        raise RecipeError(f"no recipe given (the name is empty); pass a registered recipe "
+                          f"({', '.join(reg) or 'none'}) or a path to a recipe folder, "
+                          f"e.g. `rlrecipes run {_example(reg)} --smoke`")
     p = Path(name_or_path)
     if p.is_dir() and (p / "recipe.yaml").is_file():
         return p.resolve()
     if p.is_dir() and name_or_path not in registry():
         if not (p / "recipe.yaml").is_file():
-            raise RecipeError(f"{p}: not a recipe folder (no recipe.yaml). Create one with `rlrecipes cp <recipe> {p}`")
+            raise RecipeError(f"{p}: not a recipe folder (no recipe.yaml). {copy_hint(p)}")
         return p.resolve()
     if p.suffix in (".yaml", ".yml") and p.is_file():
         return p.resolve().parent

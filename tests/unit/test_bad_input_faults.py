@@ -1,0 +1,45 @@
+"""Bad input and faults from the second new-user trial (issue 45, item 6): each answer names the
+file, key or line, and the fix it suggests is itself valid input (run here through the real CLI,
+override parser or planner), or the input is refused. Part of the bad-input suite with
+test_bad_input.py and test_unclear_errors.py."""
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from rlrecipes.cli import app
+
+ROOT = Path(__file__).resolve().parents[2]
+runner = CliRunner()
+
+
+def invoke(*args):
+    res = runner.invoke(app, [str(a) for a in args])
+    return res, " ".join(res.output.split())  # stdout and stderr together
+
+
+def commands(message: str) -> list[list[str]]:
+    """The `rlrecipes ...` commands a message suggests, in backticks."""
+    return [shlex.split(c)[1:] for c in re.findall(r"`(rlrecipes [^`]+)`", message)]
+
+
+# ================================================================================ 1. not a recipe folder
+@pytest.mark.parametrize("given", ["", ".", "here", "here/mine"], ids=["empty", "dot", "folder", "nested"])
+def test_a_not_a_recipe_folder_answer_suggests_commands_that_work(tmp_path, monkeypatch, given):
+    """`rlrecipes run ''` used to suggest `rlrecipes cp <recipe> .`, refused because `.` exists."""
+    monkeypatch.chdir(tmp_path)
+    for d in ("here/mine", "here/my_recipe"):  # the obvious destination is taken: the hint picks another
+        (tmp_path / d).mkdir(parents=True)
+    res, out = invoke("run", given, "--smoke")
+    assert res.exit_code == 2 and "Traceback" not in out, out
+    cmds = commands(out)
+    assert cmds, f"no command suggested: {out}"
+    for argv in cmds:
+        if argv[0] == "run":  # check the recipe it names without running it
+            argv = ["plan", *argv[1:]]
+        res2, out2 = invoke(*argv)
+        assert res2.exit_code == 0, f"the suggested `rlrecipes {' '.join(argv)}` fails: {out2}\n(from: {out})"
