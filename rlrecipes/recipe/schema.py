@@ -84,16 +84,18 @@ class ModelConfig(_Strict):
         from ..models import dims_from_hf_config
 
         folder = Path(os.path.expanduser(self.path)) if self.path else None
-        if self.preset is not None and (folder is None or not (folder / "config.json").is_file()):
-            return PRESETS[self.preset]
+        if self.preset is not None and self.smoke is None and (folder is None or not (folder / "config.json").is_file()):
+            return PRESETS[self.preset]  # a smoke run with a path trains that folder: never plan the preset for it
         if folder is None:
             raise RecipeError("model: set model.preset (a pinned real model), model.path (a local HF folder) "
                               "or model.smoke")
         if not (folder / "config.json").is_file():
             what = "does not exist" if not folder.exists() else ("is a file" if not folder.is_dir() else
                                                                   "has no config.json")
+            fix = ("set model.path=null to train the tiny smoke model" if self.smoke is not None else
+                   "set model.preset to plan a pinned real model")
             raise RecipeError(f"model.path: {folder} {what}; pass a local HF model folder (config.json + "
-                              "*.safetensors), or set model.preset to plan a pinned real model")
+                              f"*.safetensors), or {fix}")
         try:
             return dims_from_hf_config(AutoConfig.from_pretrained(str(folder), local_files_only=True))
         except (ValueError, OSError) as e:  # OSError: transformers' "not a valid JSON file"
