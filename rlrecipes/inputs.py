@@ -12,6 +12,8 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
+import yaml
+
 from .recipe import Recipe, resolve_path
 
 #: files any one of which makes a folder a tokenizer (transformers' AutoTokenizer reads them)
@@ -70,12 +72,31 @@ def tokenizer_folder(path: str, key: str, hint: str = "") -> list[str]:
     return []
 
 
-def data_file(path: Path, key: str) -> list[str]:
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
+
+
+def _flow(items: list[str]) -> str:
+    """A YAML flow list the override parser reads back as these strings (quoted where YAML would not)."""
+    out = []
+    for s in items:
+        plain = yaml.safe_load(f"[{s}]") == [s] if s else False
+        out.append(s if plain else json.dumps(s))
+    return "[" + ",".join(out) + "]"
+
+
+def data_file(path: Path, key: str, files: Optional[list[str]] = None, index: int = 0) -> list[str]:
+    """Problems of one train file; ``files`` (all of data.train_files) lets a folder's answer suggest the
+    whole list with the folder replaced by the data files inside it (an override the loader accepts)."""
     if not path.exists():
         return [f"{key}: {path} does not exist; fix the path (relative paths are relative to the recipe folder)"]
     if path.is_dir():
-        return [f"{key}: {path} is a folder; list the JSONL / Parquet files in it, "
-                f"e.g. {key}=[{path}/train.parquet]"]
+        inside = sorted(str(p) for p in path.iterdir() if p.is_file() and p.suffix in DATA_SUFFIXES)
+        if not inside:
+            return [f"{key}: {path} is a folder with no data files in it ({' / '.join(DATA_SUFFIXES)}); "
+                    "list the JSONL / Parquet files to train on in data.train_files"]
+        new = list(files or [str(path)])
+        new[index:index + 1] = inside
+        return [f"{key}: {path} is a folder; list the data files in it instead: data.train_files={_flow(new)}"]
     if path.suffix not in (".jsonl", ".json", ".parquet"):
         return [f"{key}: {path}: unknown format {path.suffix!r}; use .jsonl or .parquet"]
     if path.stat().st_size == 0:
@@ -102,7 +123,7 @@ def run_inputs(recipe: Recipe, *, run_dir: Path, resume: Optional[Path]) -> list
         if m.tokenizer:
             problems += tokenizer_folder(m.tokenizer, "model.tokenizer")
     for i, f in enumerate(recipe.data.train_files):
-        problems += data_file(resolve_path(recipe, f), f"data.train_files[{i}]")
+        problems += data_file(resolve_path(recipe, f), f"data.train_files[{i}]", recipe.data.train_files, i)
     from .loggers import missing as missing_loggers
 
     problems += missing_loggers(recipe.trainer.loggers)

@@ -60,3 +60,34 @@ def test_a_smoke_run_with_a_model_path_that_is_not_there_names_the_path(tmp_path
     assert "model.path=null" in out, out  # the fix, itself valid: the smoke model then plans OK
     res2, out2 = invoke("plan", "qwen25_7b", "--smoke", f"model.path={path}", "model.path=null")
     assert res2.exit_code == 0 and "plan OK" in out2, out2
+
+
+# ================================================================================ 3. a folder as a train file
+def test_a_folder_given_as_a_train_file_suggests_the_files_in_it_as_a_valid_override(tmp_path):
+    """It used to suggest `data.train_files[0]=[<folder>/train.parquet]`: an unknown key, and a file that
+    is not there."""
+    from rlrecipes.inputs import run_inputs
+    from rlrecipes.recipe import load_recipe
+
+    folder = tmp_path / "my data"  # a space: the suggestion must quote what YAML would split
+    folder.mkdir()
+    for name in ("b.jsonl", "a.jsonl"):
+        (folder / name).write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    (folder / "notes.txt").write_text("not data")
+    other = tmp_path / "more.jsonl"
+    other.write_text('{"prompt": "2+2=", "answer": "4"}\n')
+    given = f"data.train_files=[{other},'{folder}']"
+    res, out = invoke("run", "qwen25_7b", "--smoke", "data.synthetic=null", given, "--out", tmp_path / "o")
+    assert res.exit_code == 2 and "data.train_files[1]" in out and "is a folder" in out, out
+    fix = re.search(r"(data\.train_files=\[.*?\])(?:\s|$)", res.output)
+    assert fix, out
+    r = load_recipe("qwen25_7b", smoke=True, overrides=["data.synthetic=null", given, fix[1]])  # valid syntax
+    assert [Path(f) for f in r.data.train_files] == [other, folder / "a.jsonl", folder / "b.jsonl"]
+    assert run_inputs(r, run_dir=tmp_path / "o", resume=None) == []
+
+
+def test_a_folder_without_data_files_is_refused_without_a_made_up_file(tmp_path):
+    (tmp_path / "d").mkdir()
+    res, out = invoke("run", "qwen25_7b", "--smoke", "data.synthetic=null", f"data.train_files=[{tmp_path / 'd'}]",
+                      "--out", tmp_path / "o")
+    assert res.exit_code == 2 and "no data files" in out and "train.parquet" not in out, out
