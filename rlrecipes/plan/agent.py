@@ -40,7 +40,7 @@ def _tokenizer(r: Recipe) -> tuple[Any, Optional[str]]:
     """The run's tokenizer, or ``(None, why it was not checked)``."""
     from transformers import AutoTokenizer
 
-    if tool_format_name(r) == "smoke" and r.model.smoke is not None and not r.model.path and not r.model.tokenizer:
+    if r.model.smoke is not None and not r.model.path and not r.model.tokenizer:  # the run's, whatever the format
         from ..data.smoke import build_smoke_tokenizer
 
         with tempfile.TemporaryDirectory() as d:
@@ -94,8 +94,11 @@ def agent_checks(r: Recipe) -> tuple[list[Violation], Optional[dict]]:
                     if len(tok(text, add_special_tokens=False)["input_ids"]) != 1:
                         raise ValueError(f"its stop string {text!r} is not one token of this tokenizer")
             except ValueError as e:
+                smoke_tok = r.model.smoke is not None and not r.model.path and not r.model.tokenizer
+                fix = (" (the smoke model's character tokenizer); set rollout.multi_turn.tool_format=smoke, or "
+                       "model.tokenizer to the folder of a tokenizer the format renders" if smoke_tok else "")
                 v.append(Violation(AGENT_RULE, f"rollout.multi_turn.tool_format={mt.tool_format} "
-                                               f"({info['tool_format']}): {e}"))
+                                               f"({info['tool_format']}): {e}{fix}"))
         if "python" in tools:
             info["sandbox"] = sandbox_mode(tools.sandbox).describe()
     return v, info

@@ -91,3 +91,15 @@ def test_a_folder_without_data_files_is_refused_without_a_made_up_file(tmp_path)
     res, out = invoke("run", "qwen25_7b", "--smoke", "data.synthetic=null", f"data.train_files=[{tmp_path / 'd'}]",
                       "--out", tmp_path / "o")
     assert res.exit_code == 2 and "no data files" in out and "train.parquet" not in out, out
+
+
+# ================================================================================ 4. a tool format the smoke tokenizer cannot render
+def test_plan_refuses_a_tool_format_the_smoke_tokenizer_cannot_render():
+    """`plan` said OK ("tokenizer folder None is not on this machine") and the run failed at worker setup.
+    (test_unclear_errors.py checks that the suggested fix resolves it.)"""
+    args = ("qwen25_7b", "--smoke", "rollout.multi_turn.enabled=true", "rollout.multi_turn.tool_format=qwen")
+    res, out = invoke("plan", *args)
+    assert res.exit_code == 1 and "plan OK" not in out and "not on this machine" not in out, out
+    assert "rollout.multi_turn.tool_format=qwen" in out and "set rollout.multi_turn.tool_format=smoke" in out, out
+    res, out = invoke("run", *args, "--out", "/nonexistent-never-created")
+    assert res.exit_code != 0 and "rollout.multi_turn.tool_format=qwen" in out, out

@@ -399,6 +399,7 @@ BAD_INPUTS = [
     ("qwen25_7b", False, None, ["resources.placement=disaggregated", "resources.rollout_devices=16"]),
     ("qwen25_7b", False, None, ["rollout.sampling.max_new_tokens=32768"]),
     ("deepseek_r1_671b", False, 1, []),
+    ("qwen25_7b", True, None, ["rollout.multi_turn.enabled=true", "rollout.multi_turn.tool_format=qwen"]),
 ]
 #: suggestions known to be invalid input, in files outside this change (see the issue-36 note)
 KNOWN_INVALID: set = set()  # suggestions known to be invalid input (none left)
