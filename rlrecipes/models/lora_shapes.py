@@ -165,6 +165,62 @@ def _shapes(dims: ModelDims, r: int, target_modules: tuple[str, ...],
     return tuple((name, shape) for _o, _s, name, shape in found)
 
 
+def target_names(dims: ModelDims) -> list[str]:
+    """The names ``actor.lora.target_modules`` can give on this family: the last names of its Linear and
+    Embedding modules, and (PEFT's v5 MoE conversion) the v4 expert names it re-targets."""
+    names = {m.rsplit(".", 1)[-1] for _o, m, kind, _s in _modules(dims) if kind != "other"}
+    if dims.family in PEFT_V5_MOE_FAMILIES:
+        names |= set(_V4_TO_V5)
+    return sorted(names)
+
+
+def _known(dims: ModelDims, target: str) -> bool:
+    """``target`` names a module (or, MoE, a re-targeted expert name) of this family's model."""
+    leaf = target.rsplit(".", 1)[-1]
+    if dims.family in PEFT_V5_MOE_FAMILIES and leaf in _V4_TO_V5:
+        return True
+    return any(_matches([target], m) for _o, m, _k, _s in _modules(dims))
+
+
+def lora_problems(dims: ModelDims, lora: Any) -> tuple[list[str], list[str]]:
+    """``(problems, notes)`` of ``actor.lora`` on this family, which PEFT itself lets pass: a target that
+    is no module of any family (a misspelling, kept by PEFT while the other targets get adapters) is a
+    problem naming the valid names; a module name of another family only (a list shared across
+    families) is a note; a rank above the smallest dimension of a targeted weight is a problem."""
+    from difflib import get_close_matches
+
+    from .catalog import smoke_dims
+    from .families import FAMILY_TABLE
+
+    problems, notes = [], []
+    valid = target_names(dims)
+    others = [smoke_dims(f) for f in FAMILY_TABLE if f != dims.family]
+    unknown = [t for t in lora.target_modules if not _known(dims, t)]
+    typos = [t for t in unknown if not any(_known(o, t) for o in others)]
+    if typos:
+        close = {t: (get_close_matches(t.rsplit(".", 1)[-1], valid, n=1) or [None])[0] for t in typos}
+        named = ", ".join(f"{t!r}" + (f" (did you mean {close[t]!r}?)" if close[t] else "") for t in typos)
+        fixed = [close.get(t, t) for t in lora.target_modules]
+        fix = (f"; set actor.lora.target_modules=[{','.join(dict.fromkeys(fixed))}]" if None not in fixed else "")
+        problems.append(f"actor.lora.target_modules: {named} {'is no module' if len(typos) == 1 else 'are no modules'} "
+                        f"of {dims.family} (PEFT would adapt the other targets only); the names it has: "
+                        f"{', '.join(valid)}{fix}")
+    if len(unknown) > len(typos):
+        notes.append(f"actor.lora.target_modules {[t for t in unknown if t not in typos]}: no such module in "
+                     f"{dims.family} (names of other families); no adapter there")
+    if typos:
+        return problems, notes
+    shapes = lora_shapes(dims, lora)
+    smallest = min(((min(a[1], b[0]), name.split(".lora_")[0]) for (name, a), (_n, b) in zip(shapes[::2], shapes[1::2])),
+                   default=None)
+    if smallest is not None and lora.rank > smallest[0]:
+        problems.append(f"actor.lora.rank={lora.rank} is larger than the smallest dimension of a targeted weight "
+                        f"({smallest[1]}: {smallest[0]}): its update B·A has rank {smallest[0]} at most, the rest only costs memory "
+                        f"and shrinks the alpha / r scale; lower actor.lora.rank "
+                        f"to {smallest[0]} or less")
+    return problems, notes
+
+
 def lora_numel(dims: ModelDims, lora: Any) -> int:
     """Adapter parameters in all: the trainable parameters of a LoRA actor."""
     total = 0
@@ -176,4 +232,4 @@ def lora_numel(dims: ModelDims, lora: Any) -> int:
     return total
 
 
-__all__ = ["ADAPTER", "PEFT_V5_MOE_FAMILIES", "lora_numel", "lora_shapes"]
+__all__ = ["ADAPTER", "PEFT_V5_MOE_FAMILIES", "lora_numel", "lora_problems", "lora_shapes", "target_names"]

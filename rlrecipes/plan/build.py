@@ -32,6 +32,7 @@ from .memory import DTYPE_BYTES, GiB, Memory, node_independent_bytes, ref_memory
 from .agent import agent_checks
 from .long_tail import pool_checks, smoke_fit
 from .reshard import full_reshard, lora_reshard, lora_specs, reshard_bytes
+from ..models.lora_shapes import lora_problems
 
 
 MEMORY_RULE = "training memory fits the device"
@@ -138,6 +139,7 @@ class Plan:
                     f"({100 * lo['params'] / max(1, self.model_params):.2f} % of the model); " if "params" in lo else "")
                  + "the base is frozen (kept in the engine's fp32 master dtype), gradients and optimizer state "
                    "are the adapters' only"]
+        lines += lo.get("notes", [])
         if self.ref_policy:
             lines.append("reference policy: the actor's base with the adapters off (no reference weights)")
         sync = lo.get("reshard")
@@ -296,6 +298,8 @@ def build_plan(recipe: Recipe, nodes: Optional[int] = None, devices_per_node: Op
         try:  # the tensors PEFT creates, and the resharder's rule for each
             specs = lora_specs(dims, lora)
             plan.lora.update(tensors=len(specs), params=sum(s.numel for s in specs))
+            problems, plan.lora["notes"] = lora_problems(dims, lora)  # what PEFT would let pass silently
+            violations += [Violation("LoRA has what it needs", p) for p in problems]
         except ValueError as e:
             violations.append(Violation("LoRA has what it needs", f"actor.lora.target_modules on {dims.family}: {e}"))
             lora = None

@@ -301,9 +301,32 @@ def load_recipe(name_or_path: str, *, smoke: bool = False, overrides: list[str] 
         recipe = Recipe.model_validate(data)
     except ValidationError as e:
         raise RecipeError(_format_errors(e, str(yaml_path), origins)) from None
+    _lora_off_contradiction(data, origins, str(yaml_path))
     object.__setattr__(recipe, "_folder", folder)
     object.__setattr__(recipe, "_source", yaml_path)
     return recipe
+
+
+def _lora_off_contradiction(data: dict, origins: dict[str, str], source: str) -> None:
+    """``actor.lora.rank: 0`` given in so many words (LoRA off: every parameter trains) beside an explicit
+    ``alpha`` or ``dropout`` is a contradiction, refused naming the keys. (``target_modules`` alone may
+    stand beside rank 0: the smoke recipes list it for ``actor.lora.rank=8``, it does not imply rank.)"""
+    lora = (data.get("actor") or {}).get("lora") if isinstance(data.get("actor"), dict) else None
+    if not isinstance(lora, dict) or lora.get("rank", None) != 0:
+        return
+    given = [k for k in ("alpha", "dropout", "target_modules") if k in lora]
+    if not [k for k in given if k != "target_modules"] and not _set_here("actor.lora.target_modules", origins):
+        return
+    where = ", ".join(dict.fromkeys(_origin(f"actor.lora.{k}", origins, source) for k in ["rank"] + given))
+    keys = " and ".join(f"actor.lora.{k}" for k in given)
+    raise RecipeError(f"{where}: actor.lora.rank=0 turns LoRA off (every parameter trains, {keys} unused), but "
+                      f"{keys} {'is' if len(given) == 1 else 'are'} set; set actor.lora.rank=8 to train adapters, "
+                      f"or drop {keys}")
+
+
+def _set_here(key: str, origins: dict[str, str]) -> bool:
+    """``key`` was given by an override (the input the user just typed), not by a recipe file."""
+    return str(origins.get(key, "")).startswith("override")
 
 
 def recipe_from_dict(data: dict, source: str, origins: dict[str, str] | None = None) -> Recipe:

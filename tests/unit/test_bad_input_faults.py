@@ -103,3 +103,39 @@ def test_plan_refuses_a_tool_format_the_smoke_tokenizer_cannot_render():
     assert "rollout.multi_turn.tool_format=qwen" in out and "set rollout.multi_turn.tool_format=smoke" in out, out
     res, out = invoke("run", *args, "--out", "/nonexistent-never-created")
     assert res.exit_code != 0 and "rollout.multi_turn.tool_format=qwen" in out, out
+
+
+# ================================================================================ 5. LoRA settings PEFT lets pass
+def test_lora_rank_0_beside_alpha_and_targets_is_refused_naming_the_keys():
+    """It trained every parameter and said nothing. (The suggested rank is checked in test_unclear_errors.)"""
+    res, out = invoke("plan", "qwen25_7b", "--smoke", "actor.lora.rank=0", "actor.lora.alpha=32",
+                      "actor.lora.target_modules=[q_proj]")
+    assert res.exit_code == 2 and "Traceback" not in out, out
+    for key in ("actor.lora.rank=0", "actor.lora.alpha", "actor.lora.target_modules", "set actor.lora.rank=8"):
+        assert key in out, (key, out)
+    # the smoke recipes list target_modules for `actor.lora.rank=8`: rank 0 left alone beside them stays valid
+    assert invoke("plan", "qwen25_7b", "--smoke")[0].exit_code == 0
+
+
+def test_a_misspelled_lora_target_is_refused_with_the_familys_names_and_a_fix_that_plans():
+    """`qproj` was kept silently and only the other targets got adapters."""
+    res, out = invoke("plan", "qwen25_7b", "--smoke", "actor.lora.rank=8", "actor.lora.target_modules=[qproj,v_proj]")
+    assert res.exit_code == 1 and "'qproj'" in out and "did you mean 'q_proj'" in out, out
+    assert "q_proj, up_proj, v_proj" in out, out  # the family's names
+    fix = re.search(r"actor\.lora\.target_modules=\[[^\]]*\]", out)
+    assert fix and fix[0] == "actor.lora.target_modules=[q_proj,v_proj]", out
+    res2, out2 = invoke("plan", "qwen25_7b", "--smoke", "actor.lora.rank=8", fix[0])
+    assert res2.exit_code == 0 and "plan OK" in out2, out2
+    # names of another family (the smoke recipes share one list) are said, not refused
+    res3, out3 = invoke("plan", "deepseek_r1_671b", "--smoke", "actor.lora.rank=8", "rollout.layout.tp=1",
+                        "rollout.layout.ep=1")
+    assert res3.exit_code == 0 and "no such module in deepseek_v3" in out3, out3
+
+
+def test_a_lora_rank_above_a_targeted_weights_dimension_is_refused():
+    """`rank=4096` on a hidden size of 64 was accepted."""
+    res, out = invoke("plan", "qwen25_7b", "--smoke", "actor.lora.rank=4096")
+    assert res.exit_code == 1 and "actor.lora.rank=4096" in out, out
+    n = int(re.search(r"lower actor\.lora\.rank to (\d+)", out)[1])
+    assert invoke("plan", "qwen25_7b", "--smoke", f"actor.lora.rank={n}")[0].exit_code == 0
+    assert invoke("plan", "qwen25_7b", "--smoke", f"actor.lora.rank={n + 1}")[0].exit_code == 1

@@ -400,6 +400,8 @@ BAD_INPUTS = [
     ("qwen25_7b", False, None, ["rollout.sampling.max_new_tokens=32768"]),
     ("deepseek_r1_671b", False, 1, []),
     ("qwen25_7b", True, None, ["rollout.multi_turn.enabled=true", "rollout.multi_turn.tool_format=qwen"]),
+    ("qwen25_7b", True, None, ["actor.lora.rank=0", "actor.lora.alpha=32", "actor.lora.target_modules=[q_proj]"]),
+    ("qwen25_7b", True, None, ["actor.lora.rank=4096"]),
 ]
 #: suggestions known to be invalid input, in files outside this change (see the issue-36 note)
 KNOWN_INVALID: set = set()  # suggestions known to be invalid input (none left)
