@@ -19,10 +19,10 @@ made of. Per sample the loop will:
 
 The tools live in a :class:`ToolRegistry` (built-ins ``calculator`` and ``python``, or
 ``"pkg.module:function"``) whose :meth:`ToolRegistry.schemas` is the ``tools=`` list of the chat
-template. ``python`` runs in :func:`run_python`: bubblewrap where it works, and always rlimits, a
-wall-clock timeout, an empty environment and truncated output (:func:`sandbox_mode` says which
-isolation this machine gives; ``plan`` can show it). docs/agent.md describes the guarantees and
-their limits.
+template. ``python`` runs in :func:`run_python`: bubblewrap (required: without it nothing runs, unless
+rlimits only is chosen explicitly), and always rlimits, a wall-clock timeout, an empty environment
+and truncated output (:func:`sandbox_mode` says which isolation this machine gives; ``plan`` shows
+it). docs/sandbox.md describes the guarantees and their limits.
 
 This package imports nothing from the rest of rlrecipes (layer 1).
 """

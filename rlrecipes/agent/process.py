@@ -7,7 +7,7 @@ import selectors
 import signal
 import subprocess
 import time
-from typing import Protocol
+from typing import Callable, Protocol
 
 
 class Limits(Protocol):
@@ -33,9 +33,51 @@ class _Stream:
             self.data += chunk[:room]
 
 
-def _collect(proc: subprocess.Popen, config: Limits, t0: float):
+class WorkFolderWatch:
+    """Measures a work folder on the host's disk (rlimits only, where no size-limited tmpfs holds
+    it): true, with :attr:`problem` set, once it holds more than ``max_mb`` MiB of blocks or more
+    than ``max_files`` entries, or has a folder that cannot be listed. Symlinks are not followed
+    (a link counts as one entry, its target as nothing). Each measure stops at ``max_files``
+    entries, so a folder of many tiny files costs a bounded walk."""
+
+    def __init__(self, folder: str, max_mb: int, max_files: int):
+        self.folder, self.max_mb, self.max_bytes, self.max_files = folder, max_mb, max_mb << 20, max_files
+        self.problem: str | None = None
+
+    def __call__(self) -> bool:
+        used, entries, todo = 0, 0, [self.folder]
+        while todo:
+            d = todo.pop()
+            try:
+                with os.scandir(d) as it:
+                    for e in it:
+                        entries += 1
+                        if entries > self.max_files:
+                            self.problem = (f"the work folder holds more than {self.max_files} files and folders "
+                                            "(the limit, SandboxConfig.max_work_files)")
+                            return True
+                        st = e.stat(follow_symlinks=False)
+                        used += st.st_blocks * 512
+                        if e.is_dir(follow_symlinks=False):
+                            todo.append(e.path)
+            except FileNotFoundError:
+                continue  # removed meanwhile
+            except OSError as err:
+                self.problem = f"a folder in the work folder cannot be measured ({err.strerror}: {d})"
+                return True
+            if used > self.max_bytes:
+                self.problem = (f"the work folder grew past {self.max_mb} MiB (the limit, SandboxConfig.work_mb)")
+                return True
+        return False
+
+
+WATCH_EVERY_S = 0.05  # how often a work folder is measured while the code runs
+
+
+def _collect(proc: subprocess.Popen, config: Limits, t0: float, watch: Callable[[], bool] | None = None):
     """Read both pipes until they close or the deadline passes. The process group is killed at the
-    deadline, on an output flood, and once the main process has exited (children it left behind);
+    deadline, on an output flood, when ``watch()`` says so (checked every ``WATCH_EVERY_S``; the
+    reason is ``"work_folder"``), and once the main process has exited (children it left behind);
     a process that still holds a pipe after that (it left the group with ``setsid``) is found
     through ``/proc`` and killed too."""
     streams = {proc.stdout.fileno(): _Stream(config.max_output_bytes),
@@ -46,13 +88,17 @@ def _collect(proc: subprocess.Popen, config: Limits, t0: float):
         os.set_blocking(fd, False)
         sel.register(fd, selectors.EVENT_READ)
     deadline = t0 + config.timeout_s
-    timed_out, killed, drain_until, swept = False, None, None, False
+    timed_out, killed, drain_until, swept, next_watch = False, None, None, False, t0
     try:
         while sel.get_map():
             now = time.monotonic()
             if drain_until is None:
                 if now >= deadline:
                     timed_out, killed = True, "timeout"
+                elif watch is not None and killed is None and now >= next_watch:
+                    next_watch = now + WATCH_EVERY_S
+                    if watch():
+                        killed = "work_folder"
                 if killed or _exited(proc):
                     _kill_group(proc)
                     drain_until = now + 0.2

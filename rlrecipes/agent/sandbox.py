@@ -13,18 +13,22 @@ Every run is a separate process with, in every case:
 - root drops to ``nobody`` (uid 65534) when that user can run the interpreter, because the kernel
   does not apply ``RLIMIT_NPROC`` to root.
 
-Where bubblewrap (``bwrap``) is installed and can create namespaces, the process also runs inside
-it: every namespace unshared (network included, so only a private loopback exists), the host root
-bound read-only, ``/proc`` and a minimal read-only ``/dev`` of its own, ``/tmp`` and the folders in
-``hide_paths`` replaced by empty read-only tmpfs (the interpreter's own folders are bound back
-read-only), a size-limited tmpfs work folder as the cwd and a size-limited ``/dev/shm`` (the only
-writable places), a new terminal session, no capabilities, the code as the namespace's init, and
-killed when its parent dies. Whether bwrap works is probed once per configuration with a tiny
-run; where it does not, the sandbox falls back to rlimits only, warns once that the network is
-not isolated, and says so in :attr:`SandboxResult.sandbox`.
+By default (``isolation="bwrap"``) the process also runs inside bubblewrap (``bwrap``): every
+namespace unshared (network included, so only a private loopback exists), the host root bound
+read-only, ``/proc`` and a minimal read-only ``/dev`` of its own, ``/tmp`` and the folders in
+``hide_paths`` replaced by empty read-only tmpfs (the interpreter's own locations, wherever they
+are, are bound back read-only: :mod:`.bwrap`), a size-limited tmpfs work folder as the cwd and a
+size-limited ``/dev/shm`` (the only writable places), a new terminal session, no capabilities,
+the code as the namespace's init, and killed when its parent dies. Whether bwrap works is probed
+once per configuration with a tiny run; where it does not, the sandbox FAILS CLOSED:
+:func:`run_python` runs nothing and returns an error naming the fix (install bubblewrap, or choose ``isolation="rlimits"``). Rlimits only
+(``isolation="rlimits"``, the recipe's ``rollout.multi_turn.sandbox: rlimits``) is used only when
+chosen in so many words: no network or filesystem isolation, but still the rlimits above and a
+work folder whose total size and file count are watched while the code runs (killed past
+``work_mb`` / ``max_work_files``).
 
 A failure of the sandboxed code (non-zero exit, a signal, the timeout, ``MemoryError``) is a
-:class:`SandboxResult`, never an exception. docs/agent.md lists what this does and does not
+:class:`SandboxResult`, never an exception. docs/sandbox.md lists what this does and does not
 protect against.
 """
 from __future__ import annotations
@@ -42,13 +46,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .process import _collect, _decode, _kill_environ_holders
+from .bwrap import BWRAP_ENV, CODE_INSIDE, DROP_INSIDE, bwrap_argv, bwrap_binary, interpreter_paths
+from .process import WorkFolderWatch, _collect, _decode, _kill_environ_holders
 
 log = logging.getLogger(__name__)
 
 NOBODY = 65534
-WORK_INSIDE = "/tmp/work"  # the work folder's path inside bubblewrap
 SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"
+SANDBOX_KEY = "rollout.multi_turn.sandbox"  # the recipe key that sets SandboxConfig.isolation
 
 
 @dataclass(frozen=True)
@@ -75,22 +80,32 @@ class SandboxConfig:
     kill_output_bytes: int = 8 << 20
     """A run whose stdout + stderr exceed this many bytes is killed (output flood)."""
     work_mb: int = 64
-    """Under bubblewrap, the size of the work folder and of ``/dev/shm`` (two tmpfs, the only
-    writable places); not enforced in rlimits-only mode."""
-    bwrap: str | bool = "auto"
-    """``"auto"``: bubblewrap where it is installed and works, else rlimits only; True: require
-    it (an error result when it cannot run); False: rlimits only; a path: that ``bwrap`` binary."""
+    """The work folder's total size in MiB. Under bubblewrap the work folder and ``/dev/shm`` are
+    two tmpfs of this size (the only writable places); rlimits only: the work folder (on the
+    host's disk) is measured every 50 ms while the code runs and once after, and the call is
+    killed past it (docs/sandbox.md: what this does not cover)."""
+    max_work_files: int = 4096
+    """rlimits only: the most files and folders the work folder may hold (the call is killed past it)."""
+    isolation: str = "bwrap"
+    """``"bwrap"``: bubblewrap + rlimits, required: without a working bubblewrap nothing runs and
+    the result's error says how to fix it (fail closed). ``"rlimits"``: rlimits only, chosen
+    explicitly (the network and the host's filesystem are NOT isolated: docs/sandbox.md)."""
+    bwrap_path: str | None = None
+    """The bubblewrap binary; None: ``$RLRECIPES_BWRAP`` if set, else ``bwrap`` on ``PATH``."""
     python: str = sys.executable
     """The interpreter that runs the code (``-I -X utf8``: isolated mode, UTF-8 streams)."""
     hide_paths: tuple[str, ...] = ("/home", "/root", "/run", "/var/tmp", "/mnt", "/media", "/srv")
-    """Folders that bubblewrap replaces by an empty tmpfs (those that exist). The interpreter's
-    own folders (``sys.prefix``, ``sys.base_prefix``, site-packages) are bound back read-only."""
+    """Folders that bubblewrap replaces by an empty tmpfs (those that exist), as it does ``/tmp``.
+    The interpreter's own locations there (its symlinks, prefixes, site-packages, ``sys.path``:
+    :func:`.bwrap.interpreter_paths`) are bound back read-only."""
     drop_root: bool = True
     """When running as root, run the code as ``nobody`` if that user can run the interpreter."""
 
     def __post_init__(self):
+        if self.isolation not in ("bwrap", "rlimits"):
+            raise ValueError(f"SandboxConfig.isolation must be 'bwrap' or 'rlimits'; got {self.isolation!r}")
         for name in ("timeout_s", "memory_mb", "max_processes", "max_file_mb", "max_open_files",
-                     "max_output_bytes", "kill_output_bytes", "work_mb"):
+                     "max_output_bytes", "kill_output_bytes", "work_mb", "max_work_files"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"SandboxConfig.{name} must be > 0; got {getattr(self, name)!r}")
         if self.cpu_s is not None and self.cpu_s <= 0:
@@ -106,7 +121,9 @@ class SandboxMode:
     """Which isolation a configuration gets on this machine (probed once; ``plan`` can show it)."""
 
     kind: str
-    """``"bwrap"`` (bubblewrap + rlimits) or ``"rlimits"`` (rlimits only: network not isolated)."""
+    """``"bwrap"`` (bubblewrap + rlimits), ``"rlimits"`` (rlimits only, chosen: network not
+    isolated) or ``"none"`` (the configured isolation cannot run here: nothing runs, see
+    :meth:`refusal`)."""
     uid: int | None
     """The uid the code runs as when root drops privileges (``NOBODY``), else None (unchanged)."""
     bwrap_path: str | None
@@ -118,15 +135,30 @@ class SandboxMode:
     binds the interpreter's folders, and the code drops to ``uid`` inside, before it starts) or
     ``"caps"`` (rlimits only: before ``exec``, keeping only ``CAP_DAC_READ_SEARCH`` so that the
     user can read an interpreter under a private folder such as ``/root``). Only with ``uid``."""
+    isolation: str = "bwrap"
+    """The configuration's :attr:`SandboxConfig.isolation` this mode was probed for."""
+
+    def refusal(self) -> str:
+        """Why nothing runs (``kind == "none"``) and the two fixes, naming the recipe key."""
+        why = "; ".join(self.notes) or "no sandbox could run Python here"
+        if self.isolation == "rlimits":
+            return f"the python tool's sandbox cannot run here (rlimits only: {why})"
+        return (f"the python tool's sandbox needs bubblewrap, which does not work here ({why}). Install it "
+                f"(apt-get install bubblewrap; it must be able to create namespaces), or accept rlimits only "
+                f"(NO network or filesystem isolation, docs/sandbox.md) in so many words: set "
+                f"{SANDBOX_KEY}=rlimits (SandboxConfig(isolation='rlimits'))")
 
     def describe(self) -> str:
+        if self.kind == "none":
+            return "NONE, the python tool refuses to run: " + self.refusal()
         who = f"as uid {self.uid}" if self.uid is not None else f"as uid {os.geteuid()}"
         if self.uid is not None and self.drop == "inside":
             who += " (dropped inside the sandbox)"
         elif self.uid is not None and self.drop == "caps":
             who += " (keeping CAP_DAC_READ_SEARCH: may read any file)"
         base = (f"bubblewrap ({self.bwrap_path}) + rlimits, {who}" if self.kind == "bwrap"
-                else f"rlimits only (network NOT isolated), {who}")
+                else f"rlimits only, as chosen ({SANDBOX_KEY}=rlimits): network NOT isolated, filesystem NOT "
+                f"isolated, {who}")
         return base + "".join(f"; {n}" for n in self.notes)
 
 
@@ -144,7 +176,8 @@ class SandboxResult:
     """``"bwrap"`` or ``"rlimits"`` (the isolation that was used), ``"none"`` if nothing ran."""
     duration_s: float = 0.0
     killed_reason: str | None = None
-    """``"timeout"``, ``"output"`` (flooded past ``kill_output_bytes``) or None."""
+    """``"timeout"``, ``"output"`` (flooded past ``kill_output_bytes``), ``"work_folder"``
+    (rlimits only: the work folder grew past ``work_mb`` or ``max_work_files``) or None."""
     error: str | None = None
     """A one-line summary of the failure (None when the code exited 0)."""
     notes: tuple[str, ...] = field(default_factory=tuple)
@@ -186,62 +219,52 @@ def _warn_once(msg: str) -> None:
         log.warning(msg)
 
 
-def _bwrap_binary(setting: str | bool) -> str | None:
-    if setting is False:
-        return None
-    if isinstance(setting, str) and setting != "auto":
-        return setting if os.access(setting, os.X_OK) else None
-    return shutil.which("bwrap")
-
-
 def sandbox_mode(config: SandboxConfig | None = None) -> SandboxMode:
-    """The isolation ``config`` gets here: bubblewrap if installed and working, and whether root
-    drops to ``nobody``. Probed with a tiny run the first time, then cached."""
+    """The isolation ``config`` gets here: bubblewrap (required unless ``isolation="rlimits"``)
+    and whether root drops to ``nobody``; kind ``"none"`` when that cannot run. Probed with a tiny
+    run the first time, then cached (by the bubblewrap binary in use, too)."""
     config = config or SandboxConfig()
-    key = (config.bwrap, config.python, config.drop_root, config.hide_paths)
+    key = (config.isolation, bwrap_binary(config), config.python, config.drop_root, config.hide_paths)
     with _MODES_LOCK:
         if key not in _MODES:
-            _MODES[key] = _probe(config)
+            _MODES[key] = _probe(config, key[1])
             mode = _MODES[key]
-            if mode.kind != "bwrap":
-                _warn_once(f"python sandbox: {mode.describe()}. Install bubblewrap "
-                           "(apt-get install -y bubblewrap) to isolate the network and the filesystem.")
-            elif mode.notes:
+            if mode.kind != "bwrap" or mode.notes:
                 _warn_once(f"python sandbox: {mode.describe()}")
         return _MODES[key]
 
 
-def _probe(config: SandboxConfig) -> SandboxMode:
-    """Try bubblewrap then rlimits only, each as ``nobody`` (when root: every way of dropping, see
-    :attr:`SandboxMode.drop`) then as ourselves, with the default limits; the first that runs the
-    interpreter (and sees its ``sys.prefix``) wins."""
+def _probe(config: SandboxConfig, path: str | None) -> SandboxMode:
+    """Try the configured isolation (bubblewrap, or rlimits only), as ``nobody`` (when root: every
+    way of dropping, see :attr:`SandboxMode.drop`) then as ourselves, with the default limits; the
+    first that runs the interpreter (and sees its own ``sys.prefix``) wins."""
     notes: list[str] = []
-    path = _bwrap_binary(config.bwrap)
-    if config.bwrap is not False and path is None:
-        notes.append("bwrap not found" if config.bwrap in ("auto", True) else f"bwrap {config.bwrap!r} not executable")
+    kind = config.isolation
+    if kind == "bwrap" and path is None:
+        where = config.bwrap_path or os.environ.get(BWRAP_ENV)
+        notes.append(f"bwrap {where!r} is not an executable file" if where else "bwrap is not installed (not on PATH)")
+        return SandboxMode("none", None, None, tuple(notes), isolation=kind)
     root = os.geteuid() == 0 and config.drop_root
-    want_prefix = sys.prefix if config.python == sys.executable else None
-    probe_cfg = SandboxConfig(bwrap=config.bwrap, python=config.python, hide_paths=config.hide_paths)
-    kinds = (["bwrap"] if path else []) + ([] if config.bwrap is True else ["rlimits"])
-    for kind in kinds:
-        nobody_failed = None
-        drops = (["preexec", "inside"] if kind == "bwrap" else ["preexec", "caps"]) if root else []
-        for uid, drop in [(NOBODY, d) for d in drops] + [(None, "preexec")]:
-            mode = SandboxMode(kind, uid, path if kind == "bwrap" else None, drop=drop)
-            r = _run_code("import sys; print(sys.prefix)", probe_cfg, mode)
-            if r.exit_code == 0 and (want_prefix is None or r.stdout.strip() == want_prefix):
-                if nobody_failed and uid is None:
-                    notes.append(f"root could not run the code as nobody ({nobody_failed}): RLIMIT_NPROC is not "
-                                 "enforced for root, so a fork bomb is stopped only by the wall-clock timeout")
-                return SandboxMode(kind, uid, mode.bwrap_path, tuple(notes), drop)
-            why = (r.stderr.strip().splitlines() or [r.error or "no output"])[-1][:200]
-            if r.exit_code == 0:
-                why = f"{config.python} does not find its own prefix {want_prefix} as that user"
-            if uid == NOBODY:
-                nobody_failed = nobody_failed or why
-            else:
-                notes.append(f"{kind} probe failed: {why}")
-    return SandboxMode("none", None, None, tuple(notes) + ("no sandbox could run Python here",))
+    want_prefix = interpreter_paths(config.python)[0]
+    probe_cfg = SandboxConfig(isolation=kind, bwrap_path=path, python=config.python, hide_paths=config.hide_paths)
+    nobody_failed = None
+    drops = (["preexec", "inside"] if kind == "bwrap" else ["preexec", "caps"]) if root else []
+    for uid, drop in [(NOBODY, d) for d in drops] + [(None, "preexec")]:
+        mode = SandboxMode(kind, uid, path if kind == "bwrap" else None, drop=drop, isolation=kind)
+        r = _run_code("import sys; print(sys.prefix)", probe_cfg, mode)
+        if r.exit_code == 0 and (want_prefix is None or r.stdout.strip() == want_prefix):
+            if nobody_failed and uid is None:
+                notes.append(f"root could not run the code as nobody ({nobody_failed}): RLIMIT_NPROC is not "
+                             "enforced for root, so a fork bomb is stopped only by the wall-clock timeout")
+            return SandboxMode(kind, uid, mode.bwrap_path, tuple(notes), drop, isolation=kind)
+        why = (r.stderr.strip().splitlines() or [r.error or "no output"])[-1][:200]
+        if r.exit_code == 0:
+            why = f"{config.python} does not find its own prefix {want_prefix} as that user"
+        if uid == NOBODY:
+            nobody_failed = nobody_failed or why
+        else:
+            notes.append(f"{kind} probe failed: {why}")
+    return SandboxMode("none", None, None, tuple(notes), isolation=kind)
 
 
 # --------------------------------------------------------------------------------------------
@@ -252,9 +275,8 @@ def run_python(code: str, config: SandboxConfig | None = None) -> SandboxResult:
     """Run ``code`` as a script in a fresh sandboxed interpreter; never raises for what the code does."""
     config = config or SandboxConfig()
     mode = sandbox_mode(config)
-    if mode.kind == "none":
-        return SandboxResult("", "", None, False, False, "none",
-                             error="the sandbox cannot run here: " + "; ".join(mode.notes), notes=mode.notes)
+    if mode.kind == "none":  # fail closed: nothing runs
+        return SandboxResult("", "", None, False, False, "none", error=mode.refusal(), notes=mode.notes)
     return _run_code(code, config, mode)
 
 
@@ -328,62 +350,6 @@ def _preexec(limits: list[tuple[int, tuple[int, int]]], uid: int | None, keep_re
     return fn
 
 
-def _visible_prefixes(config: SandboxConfig) -> list[str]:
-    """Folders the interpreter needs, to bind back read-only under a hidden folder: this
-    interpreter's prefixes and site-packages, or for another one the folder above its ``bin``."""
-    import site
-
-    out = {str(Path(config.python).parent.parent), str(Path(os.path.realpath(config.python)).parent.parent)}
-    if config.python == sys.executable:
-        out |= {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix, *site.getsitepackages()}
-    return sorted(p for p in out if p and os.path.isdir(p))
-
-
-def _bwrap_argv(mode: SandboxMode, config: SandboxConfig, code_dir: str) -> list[str]:
-    """Everything read-only except two tmpfs of ``work_mb`` each: the work folder and ``/dev/shm``."""
-    size = str(config.work_mb << 20)
-    # --as-pid-1: the code is the namespace's init, a child of bwrap, so nothing is left as an orphan
-    # zombie for the host's init to reap (zombies of nobody count toward its RLIMIT_NPROC); when it
-    # exits or is killed, the kernel kills every process left in the namespace
-    inside = mode.uid is not None and mode.drop == "inside"
-    # inside: bwrap runs as root without a user namespace (in one, only root is mapped and the code
-    # could not become nobody); it keeps only CAP_SETUID/SETGID for the drop before the code starts
-    unshare = (["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try"]
-               if inside else ["--unshare-all"])
-    caps = ["--cap-drop", "ALL"] + (["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"] if inside else [])
-    argv = [mode.bwrap_path or "bwrap", *unshare, "--die-with-parent", "--new-session", "--as-pid-1", *caps,
-            "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp"]
-    hidden = [h for h in config.hide_paths if os.path.isdir(h) and h not in ("/", "/tmp")]
-    for h in hidden:
-        argv += ["--tmpfs", h]
-    made: set[str] = set()
-    for p in _visible_prefixes(config):
-        under = [h for h in hidden if p == h or p.startswith(h.rstrip("/") + "/")]
-        if under:
-            if inside:  # bwrap (root) would create the folders between the tmpfs and p as 0700
-                for parent in reversed(Path(p).relative_to(under[0]).parents[:-1] if p != under[0] else []):
-                    d = os.path.join(under[0], str(parent))
-                    if d not in made:
-                        made.add(d)
-                        argv += ["--perms", "0755", "--dir", d]
-            argv += ["--ro-bind", p, p]
-    perms = ["--perms", "01777"] if inside else []
-    argv += ["--ro-bind", code_dir, "/tmp/code", *perms, "--size", size, "--tmpfs", WORK_INSIDE,
-             *perms, "--size", size, "--tmpfs", "/dev/shm"]
-    for ro in ["/dev", "/tmp", *hidden]:
-        argv += ["--remount-ro", ro]
-    return argv + ["--chdir", WORK_INSIDE, "--setenv", "HOME", WORK_INSIDE]
-
-
-_DROP_INSIDE = ("import ctypes, os, sys\nu = int(sys.argv[1])\nos.setgroups([])\nos.setgid(u)\nos.setuid(u)\n"
-                "if ctypes.CDLL(None).prctl(1, 9, 0, 0, 0) != 0:\n    sys.exit('prctl(PR_SET_PDEATHSIG) failed')\n"
-                "os.execv(sys.argv[2], sys.argv[2:])")
-"""Run by the interpreter (``-I -S``) as root inside bubblewrap (``drop="inside"``): become ``uid``
-(which clears every capability, and the kernel's parent-death signal of ``--die-with-parent``,
-hence set again: ``PR_SET_PDEATHSIG``, ``SIGKILL``) and exec the code in the same process. The
-host also kills bwrap's children before bwrap at the timeout (``process._kill_group``)."""
-
-
 def _run_code(code: str, config: SandboxConfig, mode: SandboxMode) -> SandboxResult:
     tmp = tempfile.mkdtemp(prefix="rlrecipes-sandbox-")
     try:
@@ -398,10 +364,10 @@ def _run_code(code: str, config: SandboxConfig, mode: SandboxMode) -> SandboxRes
         if mode.uid is not None:
             os.chown(work, mode.uid, mode.uid)
         if mode.kind == "bwrap":
-            argv = _bwrap_argv(mode, config, code_dir)
+            argv = bwrap_argv(mode, config, code_dir)
             if mode.uid is not None and mode.drop == "inside":  # drop to uid, then exec the code (same pid)
-                argv += [config.python, "-I", "-S", "-c", _DROP_INSIDE, str(mode.uid)]
-            argv += [config.python, "-I", "-X", "utf8", "/tmp/code/main.py"]
+                argv += [config.python, "-I", "-S", "-c", DROP_INSIDE, str(mode.uid)]
+            argv += [config.python, "-I", "-X", "utf8", f"{CODE_INSIDE}/main.py"]
             env = {"PATH": SANDBOX_PATH}
             cwd = "/"
         else:
@@ -426,9 +392,13 @@ def _execute(argv: list[str], env: dict[str, str], cwd: str, config: SandboxConf
                                                     keep_read=mode.drop == "caps"))
     except (OSError, subprocess.SubprocessError) as e:
         return SandboxResult("", "", None, False, False, mode.kind, error=f"could not start the sandbox: {e}")
-    out, err, timed_out, killed = _collect(proc, config, t0)
+    # rlimits only: no size-limited tmpfs, so the work folder is measured while the code runs, and after
+    watch = WorkFolderWatch(cwd, config.work_mb, config.max_work_files) if mode.kind == "rlimits" else None
+    out, err, timed_out, killed = _collect(proc, config, t0, watch)
     if mode.kind == "rlimits":  # what left the group and closed the pipes (a daemon) still has the run's HOME
         _kill_environ_holders(f"HOME={env['HOME']}".encode())
+        if killed is None and watch():
+            killed = "work_folder"
     code = proc.returncode
     if mode.kind == "bwrap" and code is not None and code > 128 and not timed_out:
         code = -(code - 128)  # bwrap reports a signal death of its child as 128 + signal
@@ -436,7 +406,7 @@ def _execute(argv: list[str], env: dict[str, str], cwd: str, config: SandboxConf
     stderr, cut_err = _decode(err, config.max_output_bytes)
     result = SandboxResult(stdout, stderr, code, timed_out, cut_out or cut_err, mode.kind,
                            duration_s=time.monotonic() - t0, killed_reason=killed, notes=mode.notes)
-    result.error = _summary(result, config)
+    result.error = f"killed: {watch.problem}" if killed == "work_folder" else _summary(result, config)
     return result
 
 

@@ -13,6 +13,7 @@ from typing import List, Optional
 
 import typer
 from rich.live import Live
+from rich.markup import escape
 from rich.table import Table
 
 from ._common import bounds, console, die, err_console, user_errors
@@ -50,7 +51,9 @@ class RunView:
                                   highlight=False, soft_wrap=True)
             if not self.quiet:
                 console.print(f"[bold]{ev.recipe}[/] · {ev.workers} workers · actor {ev.actor_layout} -> rollout "
-                              f"{ev.rollout_layout} · stages: {' -> '.join(ev.stages)} · run folder {ev.run_dir}")
+                              f"{ev.rollout_layout} · stages: {' -> '.join(ev.stages)} · run folder {ev.run_dir}"
+                              + (f" · python tool sandbox: {escape(ev.data['sandbox'])}"
+                                 if ev.data.get("sandbox") else ""))
                 d = ev.data
                 console.print(f"data: {d['prompts']} prompts ({d['dropped_too_long']} dropped as longer than "
                               f"data.max_prompt_length, {d['skipped_malformed']} malformed rows skipped)")

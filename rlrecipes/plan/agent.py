@@ -4,7 +4,8 @@ It loads every tool (an unknown name or a ``module:function`` that does not impo
 with the fix), checks that the tool format can be written and rendered with the run's tokenizer
 (built for smoke models, loaded from the model folder otherwise; where the folder is not on this
 machine the check is left to ``run`` and said so), refuses layouts the agent loop does not serve
-yet, and reports which sandbox the ``python`` tool gets here.
+yet, reports which sandbox the ``python`` tool gets here, and refuses that tool where its sandbox
+cannot run (``rollout.multi_turn.sandbox``: bubblewrap is required unless ``rlimits`` is chosen).
 """
 from __future__ import annotations
 
@@ -27,13 +28,36 @@ def tool_format_name(r: Recipe) -> str:
     return name
 
 
-def build_tools(r: Recipe):
+def build_tools(r: Recipe, *, fail_closed: bool = True):
     """The :class:`~rlrecipes.agent.ToolRegistry` of ``rollout.multi_turn.tools`` (raises
-    ToolSpecError naming a bad entry)."""
-    from ..agent import ToolRegistry
+    ToolSpecError naming a bad entry), its ``python`` tool isolated as ``rollout.multi_turn.sandbox``
+    says. ``fail_closed``: raise ToolSpecError (the refusal, with the fix) when that tool is listed
+    and its sandbox cannot run here, as a worker's setup does."""
+    from ..agent import SandboxConfig, ToolRegistry, ToolSpecError
 
     mt = r.rollout.multi_turn
-    return ToolRegistry(mt.tools, default_timeout_s=mt.tool_timeout_s)
+    tools = ToolRegistry(mt.tools, default_timeout_s=mt.tool_timeout_s, sandbox=SandboxConfig(isolation=mt.sandbox))
+    why = sandbox_refusal(tools)
+    if fail_closed and why:
+        raise ToolSpecError(why)
+    return tools
+
+
+def sandbox_line(tools) -> Optional[str]:
+    """Which sandbox the registry's ``python`` tool gets on this machine (None without that tool)."""
+    from ..agent import sandbox_mode
+
+    return sandbox_mode(tools.sandbox).describe() if tools is not None and "python" in tools else None
+
+
+def sandbox_refusal(tools) -> Optional[str]:
+    """Why the ``python`` tool cannot run here (its sandbox is ``none``), naming the key and the fix."""
+    from ..agent import sandbox_mode
+
+    if tools is None or "python" not in tools:
+        return None
+    mode = sandbox_mode(tools.sandbox)
+    return f"rollout.multi_turn.sandbox={tools.sandbox.isolation}: {mode.refusal()}" if mode.kind == "none" else None
 
 
 def _tokenizer(r: Recipe) -> tuple[Any, Optional[str]]:
@@ -59,14 +83,14 @@ def agent_checks(r: Recipe) -> tuple[list[Violation], Optional[dict]]:
     mt = r.rollout.multi_turn
     if not mt.enabled:
         return [], None
-    from ..agent import ToolSpecError, get_format, sandbox_mode
+    from ..agent import ToolSpecError, get_format
 
     v: list[Violation] = []
     info: dict = {"tools": list(mt.tools), "tool_format": tool_format_name(r), "max_turns": mt.max_turns,
                   "max_tool_calls": mt.max_tool_calls, "max_response_tokens": mt.max_response_tokens}
     tools = None
     try:
-        tools = build_tools(r)
+        tools = build_tools(r, fail_closed=False)
     except (ToolSpecError, ValueError, TypeError) as e:
         v.append(Violation(AGENT_RULE, f"rollout.multi_turn.tools: {e}"))
     if mt.max_tool_calls < 1:
@@ -100,8 +124,11 @@ def agent_checks(r: Recipe) -> tuple[list[Violation], Optional[dict]]:
                 v.append(Violation(AGENT_RULE, f"rollout.multi_turn.tool_format={mt.tool_format} "
                                                f"({info['tool_format']}): {e}{fix}"))
         if "python" in tools:
-            info["sandbox"] = sandbox_mode(tools.sandbox).describe()
+            info["sandbox"] = sandbox_line(tools)
+            why = sandbox_refusal(tools)
+            if why:
+                v.append(Violation(AGENT_RULE, why))
     return v, info
 
 
-__all__ = ["AGENT_RULE", "agent_checks", "build_tools", "tool_format_name"]
+__all__ = ["AGENT_RULE", "agent_checks", "build_tools", "sandbox_line", "sandbox_refusal", "tool_format_name"]

@@ -390,6 +390,11 @@ class MultiTurnConfig(_Strict):
     """Tool calls that run at the same time on each rollout worker (a thread pool)."""
     tool_timeout_s: float = Field(10.0, gt=0)
     """Per-call timeout; a call past it becomes an error observation."""
+    sandbox: Literal["bwrap", "rlimits"] = "bwrap"
+    """How the ``python`` tool is isolated (docs/sandbox.md): bwrap (bubblewrap + rlimits; where
+    bubblewrap is missing or cannot create namespaces the tool refuses to run and ``plan`` refuses
+    the recipe) or rlimits (rlimits only, accepted in so many words: the network and the host's
+    filesystem are NOT isolated)."""
     max_observation_tokens: int = Field(256, ge=1)
     """An observation longer than this is shortened: the results' text is cut and rendered again (the
     format's frame, e.g. the chat template's tool turn, stays whole); if not even that fits the

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .. import device as dev
+from ..plan.agent import sandbox_line
 from ..recipe import Recipe
 from . import checkpoint
 from .context import Context, Role, build_context
@@ -171,7 +172,8 @@ class Worker:
         return {"rank": self.rank, "device": str(device), "start_step": start_step,
                 "data": {"prompts": len(ctx.dataset), "dropped_too_long": ctx.dataset.n_dropped_too_long,
                          "chat_joined": ctx.dataset.n_chat_joined,
-                         "skipped_malformed": ctx.data.skipped_malformed},
+                         "skipped_malformed": ctx.data.skipped_malformed,
+                         "sandbox": sandbox_line(ctx.data.tools)},
                 "skip_old_log_prob": not ctx.engines.roles.old_pass, "stages": [s.name for s in ctx.stages],
                 "role": role.value, "reshard_min_bytes": ctx.reshard_plan.min_bytes(self.rank)}
 

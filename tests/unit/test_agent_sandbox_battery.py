@@ -1,13 +1,17 @@
 """Hostile snippets through the real ``python`` tool (ToolRegistry + ToolPool, as the rollout calls
 it): each is contained and comes back as an error observation, and the run (this test process)
-goes on. Parametrised over the sandbox modes this machine has: bubblewrap (skipped where it
-cannot create namespaces) and the rlimits-only fallback, whose documented gaps (no network and no
-filesystem isolation) are asserted as such. docs/sandbox.md tables what each snippet gives.
+goes on. Parametrised over the two modes: bubblewrap (skipped where it cannot create namespaces)
+and rlimits only (``isolation="rlimits"``, which a user must choose: the default refuses to run
+without bubblewrap), whose documented gaps (no network and no filesystem isolation: the host's
+``/tmp``, ``/dev/shm`` and ``/var/tmp`` are writable) are asserted as such, and what rlimits can
+close (file size, processes, the work folder's total) is asserted closed. docs/sandbox.md tables
+what each snippet gives.
 """
 from __future__ import annotations
 
 import os
 import resource
+import shutil
 import socket
 import time
 import uuid
@@ -20,8 +24,8 @@ from rlrecipes.agent import SandboxConfig, ToolCall, ToolPool, ToolRegistry, Too
 
 TIMEOUT_S = 3.0  # per call: the snippets that hang are killed at this wall-clock limit
 SLACK_S = 6.0  # start-up, kill and reap on a loaded 2-core machine
-RLIMITS = SandboxConfig(bwrap=False)
-BWRAP = SandboxConfig(bwrap="auto")
+RLIMITS = SandboxConfig(isolation="rlimits")
+BWRAP = SandboxConfig(isolation="bwrap")
 TAG = uuid.uuid4().hex[:12]
 SECRET_NAME, SECRET_VALUE = "RLRECIPES_BATTERY_API_KEY", f"sk-battery-{TAG}"
 HOME = os.path.expanduser("~")
@@ -30,7 +34,11 @@ HOST_FILES = {  # what the escape snippets try to create on the host
     "tmp": f"/tmp/rlrecipes-battery-{TAG}",
     "home_sh": os.path.join(HOME, f"rlrecipes-battery-sh-{TAG}"),
     "tmp_sh": f"/tmp/rlrecipes-battery-sh-{TAG}",
+    "shm": f"/dev/shm/rlrecipes-battery-{TAG}",
+    "var_tmp": f"/var/tmp/rlrecipes-battery-{TAG}",
 }
+HOST_DIR = f"/tmp/rlrecipes-battery-dir-{TAG}"  # a run's private folder (0700) that a symlink points at
+FILL_MB = 3000  # what the disk-filling snippet tries to write, in 1 MiB files
 DAEMON_COMM = f"rlb{TAG}"  # process names (15 characters at most), to look for leftovers on the host
 BOMB_COMM, SLEEPER_COMM = f"rlf{TAG}", f"rls{TAG}"
 NAME = "import ctypes\nctypes.CDLL(None).prctl(15, {!r}, 0, 0, 0)\n"  # PR_SET_NAME
@@ -169,6 +177,43 @@ def check_read_secrets(cfg, r):
     assert "root:" not in r.content  # the snippet prints sizes, never contents
 
 
+def check_shared_folders(cfg, r):
+    lines = dict(ln.split(": ", 1) for ln in r.content.splitlines() if ": " in ln)
+    assert set(lines) == {"tmp", "shm", "var_tmp"}, r.content
+    if _isolated(cfg):  # read-only tmpfs; /dev/shm is its own size-limited tmpfs: nothing reaches the host
+        assert lines["tmp"] == lines["var_tmp"] == "denied Read-only file system", lines
+        assert lines["shm"] == "WROTE", lines
+        assert not any(os.path.exists(HOST_FILES[k]) for k in ("tmp", "shm", "var_tmp"))
+    else:  # documented gap of rlimits only (chosen explicitly): the host's shared folders are writable
+        assert cfg.isolation == "rlimits" and "filesystem NOT isolated" in sandbox_mode(cfg).describe()
+        assert all(v == "WROTE" for v in lines.values()), lines
+        assert all(os.path.exists(HOST_FILES[k]) for k in ("tmp", "shm", "var_tmp"))
+
+
+def check_symlink_out(cfg, r):
+    lines = dict(ln.split(": ", 1) for ln in r.content.splitlines() if ": " in ln)
+    assert r.ok, r.content  # a link to /usr is not measured as the work folder's (the watch does not follow it)
+    assert os.path.exists(os.path.join(HOST_DIR, "secret"))  # the cleanup did not follow the link either
+    if _isolated(cfg):  # the host's /tmp is an empty tmpfs inside: the link points at nothing
+        assert lines["write"] == lines["read"] == "denied No such file or directory", lines
+    elif _separate_user(cfg):  # as nobody: the link gives no right the code did not have
+        assert lines["write"] == "denied Permission denied", lines
+        assert not os.path.exists(os.path.join(HOST_DIR, "pwned"))
+        # documented: root dropping to nobody keeps CAP_DAC_READ_SEARCH (it may read any file)
+        assert lines["read"] in ("READ", "denied Permission denied"), lines
+
+
+def check_fill_disk(cfg, r):
+    written = [int(x) for x in r.content.split() if x.isdigit()]
+    assert not r.ok and written and max(written) < FILL_MB, r.content[-300:]
+    if _isolated(cfg):  # the work folder is a tmpfs of work_mb
+        assert "No space left on device" in r.content and max(written) < cfg.work_mb, r.content[-300:]
+    else:  # rlimits only: measured every 50 ms, the call is killed past work_mb
+        assert r.error == "tool_error"
+        assert f"the work folder grew past {cfg.work_mb} MiB" in r.content, r.content[-300:]
+        assert max(written) < cfg.work_mb + 256, max(written)
+
+
 def check_huge_file(cfg, r):
     assert not r.ok and "File too large" in r.content and "WROTE" not in r.content
 
@@ -228,6 +273,18 @@ SNIPPETS = [
             "    try:\n        n = len(open(path).read()) if os.path.isfile(path) else len(os.listdir(path))\n"
             "        print(f'{name}: READ {n}')\n"
             "    except OSError as e:\n        print(f'{name}: denied {e.strerror}')", check_read_secrets),
+    Snippet("shared_folders", f"for name, path in [('tmp', {HOST_FILES['tmp']!r}), ('shm', {HOST_FILES['shm']!r}),\n"
+            f"                   ('var_tmp', {HOST_FILES['var_tmp']!r})]:\n"
+            "    try:\n        open(path, 'w').write('pwned')\n        print(f'{name}: WROTE')\n"
+            "    except OSError as e:\n        print(f'{name}: denied {e.strerror}')", check_shared_folders),
+    Snippet("symlink_out", f"import os, time\nos.symlink('/usr', 'usr')\nos.symlink({HOST_DIR!r}, 'host')\n"
+            "for name, fn in [('write', lambda: open('host/pwned', 'w').write('x')),\n"
+            "                 ('read', lambda: open('host/secret').read())]:\n"
+            "    try:\n        fn()\n        print(f'{name}: READ' if name == 'read' else f'{name}: WROTE')\n"
+            "    except OSError as e:\n        print(f'{name}: denied {e.strerror}')\ntime.sleep(0.3)",
+            check_symlink_out),
+    Snippet("fill_disk", f"for i in range({FILL_MB}):\n    with open(f'f{{i}}', 'wb') as f:\n"
+            "        f.write(b'x' * (1 << 20))\n    print(i, flush=True)", check_fill_disk),
     Snippet("huge_file", "with open('big', 'wb') as f:\n    for _ in range(64):\n        f.write(b'x' * (1 << 20))\n"
             "print('WROTE')", check_huge_file),
     Snippet("daemon", "import os, time, ctypes\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
@@ -258,10 +315,14 @@ def _processes_named(comm: str) -> list[int]:
 def host(monkeypatch):
     """The run's secret in its environment, and no escaped file left behind."""
     monkeypatch.setenv(SECRET_NAME, SECRET_VALUE)
+    os.makedirs(HOST_DIR, mode=0o700, exist_ok=True)
+    with open(os.path.join(HOST_DIR, "secret"), "w") as f:
+        f.write("s3cret")
     yield
     for path in HOST_FILES.values():
         if os.path.exists(path):
             os.remove(path)
+    shutil.rmtree(HOST_DIR, ignore_errors=True)
 
 
 def _registry(cfg: SandboxConfig) -> ToolRegistry:
@@ -303,7 +364,8 @@ def test_all_snippets_at_once_then_the_run_goes_on(cfg, host):
         assert r.name == "python" and r.content and SECRET_VALUE not in r.content, (name, r)
         assert len(r.content) <= 8192 + 100, name
     # the calls that must fail whatever ran beside them (a fork bomb may also make a start fail)
-    for name in ("infinite_loop", "alloc_10gb", "print_100mb", "missing_module", "huge_file", "close_stdout"):
+    for name in ("infinite_loop", "alloc_10gb", "print_100mb", "missing_module", "huge_file", "close_stdout",
+                 "fill_disk"):
         assert not by_name[name].ok, (name, by_name[name])
     if _isolated(cfg):
         assert not by_name["network"].ok and "CONNECTED" not in by_name["network"].content

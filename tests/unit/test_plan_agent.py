@@ -49,3 +49,31 @@ def test_vllm_instances_over_several_ranks_are_refused_native_ones_pass():
     vllm = _plan("rollout.engine=vllm", "rollout.layout.tp=2")
     assert any("rollout.engine=vllm runs multi-turn rollouts on one rank" in v.detail for v in vllm.violations)
     assert build_plan(load_recipe("deepseek_r1_671b", smoke=True, overrides=ON)).ok  # native TP2 EP2
+
+
+def test_without_bubblewrap_plan_refuses_the_python_tool_unless_rlimits_is_chosen(tmp_path, monkeypatch):
+    """Fail closed: the seam ($RLRECIPES_BWRAP) points at a bwrap that does not exist."""
+    from rlrecipes.agent import ToolSpecError
+    from rlrecipes.agent.bwrap import BWRAP_ENV
+    from rlrecipes.plan.agent import build_tools
+
+    monkeypatch.setenv(BWRAP_ENV, str(tmp_path / "no-such-bwrap"))
+    p = _plan("rollout.multi_turn.tools=[calculator,python]")
+    assert not p.ok
+    text = format_violations(p)
+    for w in ("multi-turn rollout has what it needs", "rollout.multi_turn.sandbox=bwrap", "needs bubblewrap",
+              "apt-get install bubblewrap", "set rollout.multi_turn.sandbox=rlimits"):
+        assert w in text, text
+    assert p.agent["sandbox"].startswith("NONE, the python tool refuses to run")
+    recipe = load_recipe("qwen25_7b", smoke=True, overrides=[*ON, "rollout.multi_turn.tools=[calculator,python]"])
+    with pytest.raises(ToolSpecError, match="apt-get install bubblewrap"):
+        build_tools(recipe)  # a worker's setup fails closed too
+    assert _plan("rollout.multi_turn.tools=[calculator]").ok  # no python tool: no sandbox needed
+    chosen = _plan("rollout.multi_turn.tools=[calculator,python]", "rollout.multi_turn.sandbox=rlimits")
+    assert chosen.ok, format_violations(chosen)
+    assert chosen.agent["sandbox"].startswith("rlimits only, as chosen (rollout.multi_turn.sandbox=rlimits)")
+
+
+def test_the_sandbox_key_takes_only_the_two_modes():
+    with pytest.raises(RecipeError, match="rollout.multi_turn.sandbox"):
+        load_recipe("qwen25_7b", smoke=True, overrides=[*ON, "rollout.multi_turn.sandbox=auto"])
