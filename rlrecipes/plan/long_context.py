@@ -71,10 +71,12 @@ def rank_tokens(tokens: float, sp: int) -> float:
     return math.ceil(tokens / sp) if sp > 1 else float(tokens)
 
 
-def mask_bytes(tokens: float, row: int) -> float:
-    """The native engine's boolean attention mask over whole rows: ``rows x row x row`` with ``rows =
-    tokens / row`` (packed samples and leading padding need it; the same on every SP rank)."""
-    return float(tokens) * row
+def mask_bytes(tokens: float, row: int, c: int) -> float:
+    """The native engine's attention mask over rows that pack several samples: the boolean ``rows x row
+    x row`` (``rows = tokens / row``) and the additive bias in the compute dtype (``c`` bytes) that SDPA
+    makes of it for the layer in flight (a boolean mask costs SDPA's fused kernels; the bias is what
+    the kernel that takes a mask reads)."""
+    return float(tokens) * row * (1 + c)
 
 
 def local_attention_bytes(rows: int, heads: float, row: int, c: int) -> float:

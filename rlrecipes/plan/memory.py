@@ -208,8 +208,10 @@ def fsdp_train_memory(dims: ModelDims, role: RoleLayout, recipe: Recipe, dp: int
 
     Activations and logits count the tokens of this rank: a micro-batch holds the token budget but
     at least one whole sample, and with ``layout.sp`` (Ulysses) a rank holds ``1 / sp`` of every row;
-    FSDP2 then shards over the DP x SP ranks. The attention mask over whole rows (SDPA's boolean
-    ``[rows, 1, T, T]``, the same on every SP rank) sits beside the backward phases in ``transient``.
+    FSDP2 then shards over the DP x SP ranks. Without SP, the attention mask of rows that pack several
+    samples (a boolean ``[rows, 1, T, T]``, and SDPA's additive bias in the compute dtype that it makes
+    of it for a layer at a time) sits beside the backward phases in ``transient``; under SP every
+    sample is a row of its own and there is no mask.
 
     ``activations`` holds the saved activations and logits, ``transient`` the rest of the worst
     phase. A small model (at most ``caps.small_model_bytes`` of fp32 parameters) is replicated over
@@ -265,8 +267,9 @@ def fsdp_train_memory(dims: ModelDims, role: RoleLayout, recipe: Recipe, dp: int
     else:
         logits = logits_bytes(dims, min(tokens, caps.head_chunk_tokens), tp, c + 8) + tokens * dims.hidden_size * c
     m.activations = act + logits
-    # the attention mask over whole rows (every SP rank builds the same), beside the backward phases
-    mask = mask_bytes(whole, min(longest_sample(recipe), whole))
+    # the attention mask over rows that pack several samples, beside the backward phases; under SP the
+    # engine gives every sample a row of its own and needs none (batching's one_per_row)
+    mask = 0.0 if role.sp > 1 else mask_bytes(whole, min(longest_sample(recipe), whole), c)
     # FSDP units: gathered params (c), unsharded grad (c), the fp32 reduce-scatter input (4; on CPU
     # gloo reduces through one more buffer of that size, measured); two decoder layers in flight.
     # Untied, the embedding and the head are units of their own, gathered only around their use.

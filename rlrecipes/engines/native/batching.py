@@ -162,17 +162,20 @@ def rows_to_samples(dest: list, mb: Mapping, rows: torch.Tensor | None, batch: S
         dest[i] = host[j, :int(batch.responses[i].numel())]
 
 
-def token_bins(lengths: Sequence[int], budget: int) -> list[list[int]]:
+def token_bins(lengths: Sequence[int], budget: int, *, padded: bool = False) -> list[list[int]]:
     """First-fit decreasing: groups of indices whose lengths sum to at most ``budget`` (a longer item
-    gets a group of its own); indices inside a group are in ascending order."""
+    gets a group of its own); indices inside a group are in ascending order. ``padded``: every member
+    costs the group's longest length (each sample a row padded to the longest), so a group's padded
+    tokens stay within the budget."""
     bins: list[list[int]] = []
     room: list[int] = []
     for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
         n = lengths[i]
         for b, r in enumerate(room):
-            if n <= r:
+            cost = lengths[bins[b][0]] if padded else n  # decreasing order: a group's first is its longest
+            if cost <= r:
                 bins[b].append(i)
-                room[b] -= n
+                room[b] -= cost
                 break
         else:
             bins.append([i])
@@ -180,7 +183,8 @@ def token_bins(lengths: Sequence[int], budget: int) -> list[list[int]]:
     return [sorted(b) for b in bins]
 
 
-def packed_micro_batch(batch: SeqBatch, pad_id: int = 0, row_tokens: int | None = None) -> dict:
+def packed_micro_batch(batch: SeqBatch, pad_id: int = 0, row_tokens: int | None = None, *,
+                       one_per_row: bool = False) -> dict:
     """The samples of ``batch`` concatenated without padding (see the module docstring).
 
     ``row_tokens=None``: one row ``[1, N]`` (the layout for varlen attention kernels). Otherwise the
@@ -240,40 +244,43 @@ def packed_micro_batch(batch: SeqBatch, pad_id: int = 0, row_tokens: int | None 
           "keep_cols": torch.searchsorted(union, cols),
           "targets": torch.cat([batch.responses[i] for i in order]).long(),  # [M]
           "unpack_rows": torch.repeat_interleave(order_t, R_o, output_size=M), "unpack_cols": j,  # [M]
-          "response_mask": (torch.arange(R)[None, :] < rlen[:, None]).float()}  # [b, R]
+          "response_mask": (torch.arange(R)[None, :] < rlen[:, None]).float(),  # [b, R]
+          "one_per_row": one_per_row or len(rows_of) == len(batch)}
     _columns(mb, batch, R)
     if routed is not None:
         mb["routed_experts"] = routed
     return mb
 
 
-def _empty_packed(batch: SeqBatch, pad_id: int) -> dict:
+def _empty_packed(batch: SeqBatch, pad_id: int, one_per_row: bool = False) -> dict:
     one = torch.tensor([pad_id])
     sub = SeqBatch(prompts=[one], responses=[one], per_sample={c: torch.zeros(1) for c in batch.per_sample},
                    per_token={c: [torch.zeros(1)] for c in batch.per_token})
-    mb = packed_micro_batch(sub, pad_id)
+    mb = packed_micro_batch(sub, pad_id, one_per_row=one_per_row)
     mb["response_mask"].zero_()
     return mb
 
 
 def packed_micro_batches(batch: SeqBatch, max_tokens: int, pad_id: int, *, collective: bool = True,
-                         varlen: bool = False, device: torch.device = HOST) -> list[dict]:
+                         varlen: bool = False, one_per_row: bool = False,
+                         device: torch.device = HOST) -> list[dict]:
     """Micro-batches of at most ``max_tokens`` prompt + response tokens each (a longer sample alone),
     on ``device``; the count is the max over all ranks (collective). ``varlen``: the attention kernel
     takes packed rows natively, so each micro-batch is one row; otherwise rows are as long as its
-    longest sample."""
+    longest sample. ``one_per_row`` (long sequences under sequence parallelism): a sample per row, no
+    attention mask, and the budget counts each row padded to the micro-batch's longest sample."""
     batch = batch.to(HOST)
     lengths = [int(p.numel()) + int(x.numel()) for p, x in zip(batch.prompts, batch.responses)]
-    bins = token_bins(lengths, int(max_tokens)) if len(batch) else []
+    bins = token_bins(lengths, int(max_tokens), padded=one_per_row) if len(batch) else []
     n = _same_count(len(bins)) if collective else len(bins)
     out = []
     for k in range(n):
         idx = bins[k] if k < len(bins) else []
         if idx:
             row = None if varlen else max(lengths[i] for i in idx)
-            mb = packed_micro_batch(batch.subset(idx), pad_id, row)
+            mb = packed_micro_batch(batch.subset(idx), pad_id, row, one_per_row=one_per_row)
         else:
-            mb = _empty_packed(batch, pad_id)
+            mb = _empty_packed(batch, pad_id, one_per_row)
         mb["sample_index"] = idx
         out.append(micro_batch_to(mb, device))
     return out

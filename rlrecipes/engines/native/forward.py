@@ -103,7 +103,8 @@ class TokenScores:
         ids_p = pad_to(ids, sp, self.pad_token_id)  # [b, Tp]
         if "position_ids" in mb:  # packed rows: attention stays inside each sample
             pos_p = pad_to(mb["position_ids"], sp)
-            mask = sequence_mask(position_ids=pos_p)
+            # a sample per row (batching's one_per_row): causal attention is exact, no [rows, T, T] mask
+            mask = None if mb.get("one_per_row") else sequence_mask(position_ids=pos_p)
         else:
             valid = mb["attention_mask"].bool()  # [b, T]
             pos_p = pad_to((valid.long().cumsum(-1) - 1).clamp_(min=0), sp)

@@ -275,7 +275,8 @@ class NativeTrainEngine(TokenScores, EngineState, MeshRanks, base.TrainEngine):
         collective = self.mesh.grad_size > 1 and (training or not self._replicated)
         if self.max_tokens_per_micro_batch:
             return packed_micro_batches(batch, self.max_tokens_per_micro_batch, self.pad_token_id,
-                                        varlen=self._varlen_attention, collective=collective, device=self.device)
+                                        varlen=self._varlen_attention, collective=collective, device=self.device,
+                                        one_per_row=self.mesh.sp > 1)
         return micro_batches(batch, self.micro_batch_size, self.pad_token_id, collective=collective,
                              device=self.device)
 
