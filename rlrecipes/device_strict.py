@@ -48,14 +48,15 @@ _INDEXING = {_aten.index.Tensor, _aten.index_put_.default, _aten.index_put.defau
              _aten._index_put_impl_.default, _aten._unsafe_index.Tensor, _aten._unsafe_index_put.default}
 
 
-def _histc(x, bins=100, min=0, max=0):  # noqa: A002 (aten's argument names)
-    return _aten.histc.default(x.float(), bins, min, max).to(x.dtype)
+def _histc(x, *args, **kwargs):
+    if x.is_floating_point():
+        return _aten.histc.default(x, *args, **kwargs)
+    return _aten.histc.default(x.float(), *args, **kwargs).to(x.dtype)
 
 
 #: what the device computes that the host's kernels refuse (transformers' MoE takes an integer
 #: ``histc`` on every device but the CPU and MPS): the same result through a host-supported dtype
-_HOST_KERNELS = {_aten.histc.default: lambda x, *a, **k: _histc(x, *a, **k) if not x.is_floating_point()
-                 else _aten.histc.default(x, *a, **k)}
+_HOST_KERNELS = {_aten.histc.default: _histc}
 
 
 class DeviceMixError(RuntimeError):
@@ -142,10 +143,10 @@ def _check(func, args, kwargs) -> Optional[torch.device]:
         base = operands[0][1]
         on_dev = isinstance(base, DeviceTensor)
         for name, t in operands[1:]:
-            is_index = name.startswith("indices")
-            if isinstance(t, DeviceTensor) != on_dev and not (is_index and not isinstance(t, DeviceTensor)) \
-                    and not (not is_index and t.dim() == 0 and not isinstance(t, DeviceTensor)):
-                raise _mix(func, args, kwargs, f"{name} is on {_name(t.device)}, self on {_name(base.device)}")
+            here = isinstance(t, DeviceTensor)
+            if here == on_dev or (not here and (name.startswith("indices") or t.dim() == 0)):
+                continue  # same device, host indices, or a host scalar value
+            raise _mix(func, args, kwargs, f"{name} is on {_name(t.device)}, self on {_name(base.device)}")
         return base.device if on_dev else None
     devices = {t.device for _, t in operands if isinstance(t, DeviceTensor)}
     hosts = [(n, t) for n, t in operands if not isinstance(t, DeviceTensor) and t.device.type == "cpu"]
