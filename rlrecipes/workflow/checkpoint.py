@@ -13,7 +13,9 @@ lists them, each rank hashes its share, rank 0 writes the manifest). ``--resume`
 manifest before anything is loaded (:func:`resume_problem`): a missing, truncated, altered or
 unexpected file refuses the resume by name, with the command that resumes from the previous
 checkpoint instead. A checkpoint written before manifests existed resumes with a notice that it
-cannot be verified (its DCP shards are still checked against their own index for truncation).
+cannot be verified (its DCP shards are still checked against their own index for truncation); one
+whose trainer state records a manifest (every save writes ``"manifest"`` there) and has none was
+tampered with, and is refused like a damaged one.
 A load that fails anyway names the damaged file (:func:`load`).
 """
 from __future__ import annotations
@@ -59,7 +61,8 @@ def save(ctx: Context, step: int, rows: list[dict] | None = None) -> None:
             ctx.critic.save(part / "critic")
         torch.save(dev.rng_state(), part / f"rng_rank{ctx.rank}.pt")
         if ctx.rank == 0:
-            state = {"next_step": step + 1, "sampler": ctx.sampler.state_dict(), "kl_coef": ctx.kl_ctl.value}
+            state = {"next_step": step + 1, "sampler": ctx.sampler.state_dict(), "kl_coef": ctx.kl_ctl.value,
+                     "manifest": MANIFEST_FORMAT}  # a deleted manifest must not pass for an old checkpoint
             (part / "trainer_state.json").write_text(json.dumps(state))
             (part / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows or [] if r["step"] <= step))
     except OSError as e:
@@ -260,6 +263,9 @@ def resume_problem(run_dir: Path, notice: Optional[Callable[[str], None]] = None
     if not (ckpt / "trainer_state.json").is_file():
         return f"--resume {run_dir}: {ckpt} has no trainer_state.json; it is not a complete checkpoint"
     problems = verify(ckpt)
+    if problems is None and _wrote_manifest(ckpt):
+        problems = [f"{MANIFEST}: missing, but this checkpoint was written with one (its trainer_state.json says "
+                    "so): its files cannot be verified, so it is not trusted"]
     if problems is None:
         problems = _legacy_problems(ckpt)
         if not problems:
@@ -276,6 +282,14 @@ def resume_problem(run_dir: Path, notice: Optional[Callable[[str], None]] = None
     fix = older_fix(ckpt)
     return (f"--resume {run_dir}: checkpoint {ckpt.name} is damaged; nothing was loaded or changed:\n{lines}\n"
             f"{fix[0].upper()}{fix[1:]}")
+
+
+def _wrote_manifest(ckpt: Path) -> bool:
+    """The checkpoint's trainer state records that its save wrote a manifest (every save since v1 does)."""
+    try:
+        return "manifest" in json.loads((ckpt / "trainer_state.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError, TypeError):
+        return False
 
 
 # ------------------------------------------------------------------------------------------- load

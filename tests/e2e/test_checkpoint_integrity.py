@@ -87,6 +87,25 @@ def test_resume_refuses_a_truncated_and_an_altered_shard_by_name(smoke_run, tmp_
     assert [r["step"] for r in rows] == [0, 1, 2]
 
 
+def test_a_deleted_manifest_does_not_turn_the_check_off(smoke_run, tmp_path):
+    """Deleting manifest.json and altering a shard used to resume with a notice that the checkpoint
+    "predates manifests" (the run wrote one) and load the altered shard."""
+    run = tmp_path / "run"
+    shutil.copytree(smoke_run, run)
+    ckpt = run / "checkpoints" / "step_000002"
+    shard = ckpt / sorted(n for n in manifest(ckpt) if n.endswith(".distcp"))[0]
+    (ckpt / "manifest.json").unlink()
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 3] ^= 0x40
+    shard.write_bytes(bytes(data))
+    before = snapshot(run)
+    res = cli("run", "qwen25_7b", "--smoke", "--steps", "3", "--resume", run, "--quiet", check=False)
+    err = flat(res.stderr)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-3000:]
+    assert f"{ckpt / 'manifest.json'}: missing" in err and "predates" not in err and "written before" not in err, err
+    assert "echo step_000001 >" in err and snapshot(run) == before, err
+
+
 def test_a_lora_checkpoints_base_model_json_is_covered(tmp_path):
     pytest.importorskip("peft")
     run = tmp_path / "lora"

@@ -139,3 +139,31 @@ def test_a_lora_rank_above_a_targeted_weights_dimension_is_refused():
     n = int(re.search(r"lower actor\.lora\.rank to (\d+)", out)[1])
     assert invoke("plan", "qwen25_7b", "--smoke", f"actor.lora.rank={n}")[0].exit_code == 0
     assert invoke("plan", "qwen25_7b", "--smoke", f"actor.lora.rank={n + 1}")[0].exit_code == 1
+
+
+# ================================================================================ 6. a deleted manifest
+def test_a_checkpoint_whose_manifest_was_deleted_is_refused_not_taken_for_an_old_one(tmp_path):
+    """It resumed with a notice that the checkpoint "predates manifests", and an altered shard passed.
+    (tests/e2e/test_checkpoint_integrity.py does the same on a checkpoint a run wrote.)"""
+    import json
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from rlrecipes.workflow import checkpoint
+
+    root = tmp_path / "run" / "checkpoints"
+    ckpt = root / "step_000002"
+    dcp.save({"model": {"w": torch.randn(64, 8)}}, checkpoint_id=str(ckpt / "actor"))
+    (ckpt / "trainer_state.json").write_text(json.dumps({"next_step": 2, "sampler": {}, "kl_coef": None,
+                                                         "manifest": checkpoint.MANIFEST_FORMAT}))
+    (root / "step_000001").mkdir()
+    (root / "latest").write_text(ckpt.name)
+    said = []
+    why = checkpoint.resume_problem(tmp_path / "run", notice=said.append)  # no manifest.json at all
+    assert not said and why is not None, said
+    assert f"{ckpt / checkpoint.MANIFEST}: missing" in why and "written with one" in why, why
+    assert f"echo step_000001 > {root / 'latest'}" in why, why  # the way back
+
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # single-process DCP
