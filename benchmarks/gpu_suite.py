@@ -1,7 +1,7 @@
 """One GPU, a few minutes: the measurements the CPU cannot make, in one command (docs/gpu_suite.md).
 
     python benchmarks/gpu_suite.py                 # on a machine with one CUDA (or NPU) device
-    python benchmarks/gpu_suite.py --cpu           # the same parts at tiny sizes, one step each (CI)
+    python benchmarks/gpu_suite.py --cpu           # the same parts at tiny sizes, the fewest steps (CI)
     python benchmarks/gpu_suite.py --parts train,decode --out my.json
 
 Parts, each run in subprocesses of its own (a crash, an out-of-memory or a timeout in one is
@@ -18,8 +18,12 @@ recorded as a JSON line with ``error`` and the suite goes on):
 - ``decode``: the native sampler (``NativeRolloutEngine.sample``) against ``transformers``' ``generate``
   on the same model, weights and device: tokens/s at batch 64 and 256, 512-token prompts, 1,024-token
   responses; the sampler's decode / cache options at batch 256;
-- ``rl``: whole GRPO steps on one device with the native engines (the workflow's own worker, in this
-  process tree, no Ray): seconds per stage, TPS, the share of the step outside model compute.
+- ``rl``: whole RL steps on one device with the native engines (the workflow's own worker, in this
+  process tree, no Ray), one line per case of RL_CASES (GRPO, DAPO and PPO for 2 steps, multi-turn
+  and LoRA for 1): seconds per stage, TPS, the share of the step outside model compute.
+
+Every line with ``error`` carries ``traceback``: the last 30 lines of the traceback of the exception
+the child caught (its root cause last), or of a dead or timed-out child's stderr.
 
 It prints one JSON line per measurement, then a summary table, and writes every line with the device
 name to ``benchmarks/results/gpu_suite-<device>-<date>.json`` (``--out`` to choose). The exit code is
@@ -39,6 +43,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -76,10 +81,17 @@ PROFILES = {
                   "megatron_shape": "1.5b"},
         "decode": {"shape": "qwen2.5-1.5b", "batches": [64, 256], "prompt": 512, "new": 1024, "warm_tokens": 16,
                    "sweep_batch": 256, "sweep": DECODE_SWEEP},
-        "rl": {"shape": "qwen2.5-0.5b", "digits": 510, "max_prompt": 512, "new": 1024, "prompts": 64, "n": 8,
-               "budget": 16384, "steps": 2},
+        # RL_CASES' shapes: the 0.5B folder at 16 x 4 prompts, 128 / 128 tokens, and per case what differs;
+        # GRPO at 64 x 8, 512 / 256 (docs/gpu_suite.md: the estimate of about 2.5 minutes for all five)
+        "rl": {"shape": "qwen2.5-0.5b", "digits": 126, "max_prompt": 128, "new": 128, "prompts": 16, "n": 4,
+               "budget": 16384,
+               "cases": {"grpo": {"digits": 510, "max_prompt": 512, "new": 256, "prompts": 64, "n": 8},
+                         "dapo": {"shape": "tiny-moe", "prompts": 32, "n": 8},
+                         "multi_turn": {"digits": 3, "max_prompt": 16, "new": 32,
+                                        "overrides": ["rollout.multi_turn.max_response_tokens=96",
+                                                      "rollout.multi_turn.max_observation_tokens=16"]}}},
         "timeouts": {"env": 120, "tests": 180, "megatron_tests": 180, "train": 240, "megatron_train": 150,
-                     "decode": 200, "rl": 240},
+                     "decode": 200, "rl_case": 150},
         "budget_s": 540,
     },
     "cpu": {
@@ -89,9 +101,13 @@ PROFILES = {
         "decode": {"shape": "tiny-dense", "batches": [2, 4], "prompt": 8, "new": 8, "warm_tokens": 2,
                    "sweep_batch": 4, "sweep": DECODE_SWEEP},
         "rl": {"shape": "tiny-dense", "digits": 14, "max_prompt": 16, "new": 8, "prompts": 2, "n": 2,
-               "budget": 256, "steps": 1},
+               "budget": 256,
+               "cases": {"dapo": {"shape": "tiny-moe"},
+                         "multi_turn": {"digits": 3, "max_prompt": 16,
+                                        "overrides": ["rollout.multi_turn.max_response_tokens=24",
+                                                      "rollout.multi_turn.max_observation_tokens=8"]}}},
         "timeouts": {"env": 120, "tests": 180, "megatron_tests": 180, "train": 240, "megatron_train": 150,
-                     "decode": 180, "rl": 240},
+                     "decode": 180, "rl_case": 240},
         "budget_s": 600,
     },
 }
@@ -106,8 +122,46 @@ def emit(line: dict) -> None:
     print(json.dumps(line, default=str), flush=True)
 
 
+TRACEBACK_LINES = 30  # the tail of a traceback (or of a dead child's stderr) every error line carries
+
+
 def _error(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"[:2000]
+
+
+def traceback_tail(e: BaseException, n: int = TRACEBACK_LINES) -> list[str]:
+    """The last ``n`` lines of ``e``'s traceback, its chain ordered so that the root cause comes last.
+
+    Python prints a chain cause first, so the tail of its usual text is the outermost exception
+    (a ``StageFailure`` re-raised by the worker) and loses the frames where the error began; here
+    each exception's own traceback follows the one it caused, and the tail ends where it was raised."""
+    import traceback
+
+    blocks, seen, x, link = [], set(), e, ""
+    while x is not None and id(x) not in seen:
+        seen.add(id(x))
+        blocks += [link, *traceback.format_exception(type(x), x, x.__traceback__, chain=False)]
+        if x.__cause__ is not None:
+            x, link = x.__cause__, "\nThe above exception was raised from this one (its direct cause):\n\n"
+        else:
+            x = None if x.__suppress_context__ else x.__context__
+            link = "\nThe above exception was raised while handling this one:\n\n"
+    return "".join(blocks).rstrip("\n").splitlines()[-n:]
+
+
+class ChildFailed(RuntimeError):
+    """A process this child started failed; ``lines`` is its stderr, which holds the traceback."""
+
+    def __init__(self, message: str, lines: list[str]) -> None:
+        super().__init__(message)
+        self.lines = lines
+
+
+def failure(e: BaseException) -> dict:
+    """An error line's keys for an exception caught in a child: the message and its traceback's tail
+    (for a process the child started, the tail of that process's stderr)."""
+    tail = e.lines[-TRACEBACK_LINES:] if isinstance(e, ChildFailed) else traceback_tail(e)
+    return {"error": _error(e), "traceback": tail}
 
 
 def _device(spec: dict):
@@ -225,7 +279,7 @@ def child_env(spec: dict) -> None:
     if megatron not in (None, True):
         line["megatron_import_error"] = megatron
     if kind is None:
-        line.update(device_type=None, device_name=None,
+        line.update(device_type=None, device_name=None, traceback=[],
                     error="no CUDA or NPU device is visible to torch here; run with --cpu for the reduced mode")
         emit(line)
         return
@@ -252,7 +306,7 @@ def child_train(spec: dict) -> None:
     try:
         folder, dims, shape = prepare_model(spec["shape"], spec)
     except Exception as e:  # noqa: BLE001 - no folder, no option set of this shape can run
-        emit({"part": "train", "name": f"native {spec['shape']}", "shape": spec["shape"], "error": _error(e)})
+        emit({"part": "train", "name": f"native {spec['shape']}", "shape": spec["shape"], **failure(e)})
         return
     write_s = time.perf_counter() - t0
     _process_group(kind)
@@ -265,7 +319,7 @@ def child_train(spec: dict) -> None:
             line.update(train_once(spec, opts, folder, dims, shape, dev))
             line["write_s"] = round(write_s, 2)
         except Exception as e:  # noqa: BLE001 - one option set failing is recorded; the next runs
-            line["error"] = _error(e)
+            line.update(failure(e))
         line["seconds"] = round(time.perf_counter() - t0, 2)
         gc.collect()
         devmod.empty_cache(dev)
@@ -341,7 +395,7 @@ def child_decode(spec: dict) -> None:
     try:
         folder, _dims, _ = prepare_model(spec["shape"], spec)
     except Exception as e:  # noqa: BLE001
-        emit({"part": "decode", "name": "decode", "shape": spec["shape"], "error": _error(e)})
+        emit({"part": "decode", "name": "decode", "shape": spec["shape"], **failure(e)})
         return
     _process_group(dev.type)
     hf_at: dict[int, float] = {}
@@ -358,7 +412,7 @@ def child_decode(spec: dict) -> None:
             if batch == 256:
                 line["target_speedup"] = TARGET_DECODE_SPEEDUP
         except Exception as e:  # noqa: BLE001
-            line["error"] = _error(e)
+            line.update(failure(e))
         line["seconds"] = round(time.perf_counter() - t0, 2)
         emit(line)
     del eng
@@ -378,7 +432,7 @@ def child_decode(spec: dict) -> None:
                 line["speedup"] = round(line["native_tokens_per_s"] / hf_at[batch], 3)
             del eng
         except Exception as e:  # noqa: BLE001
-            line["error"] = _error(e)
+            line.update(failure(e))
         line["seconds"] = round(time.perf_counter() - t0, 2)
         gc.collect()
         devmod.empty_cache(dev)
@@ -433,56 +487,104 @@ def decode_once(eng, batch: int, spec: dict, *, with_generate: bool) -> dict:
     return out
 
 
-def rl_overrides(spec: dict, folder: Path) -> list[str]:
-    """``rlrecipes run qwen25_7b --smoke`` overrides: the model, lengths, batch and device of this part.
+def rl_overrides(spec: dict, folder: Path, tokenizer: Path) -> list[str]:
+    """``rlrecipes run <recipe> --smoke`` overrides: the model, lengths, batch and device of one case.
 
     The model is a random HF folder of the shape (``model.path``: with ``model.smoke`` also set, the
-    folder is loaded and the smoke task, reward and tokenizer are kept). ``model.smoke.*`` dims cannot
-    serve here: the smoke models have 256 positions (``max_position_embeddings``, which ``SmokeDims``
-    does not override) and ``plan`` refuses 512 + 1,024-token samples on them."""
+    folder is loaded and the smoke task and reward are kept). ``model.smoke.*`` dims cannot serve
+    here: the smoke models have 256 positions (``max_position_embeddings``, which ``SmokeDims`` does
+    not override) and ``plan`` refuses 512 + 1,024-token samples on them. ``model.tokenizer`` names
+    the smoke tokenizer the run uses anyway, so that ``plan``'s multi-turn check reads it rather than
+    the folder (which holds none)."""
     return [
-        f"model.path={folder}", "model.preset=null",
+        f"model.path={folder}", "model.preset=null", f"model.tokenizer={tokenizer}",
         f"data.synthetic_digits={spec['digits']}", f"data.max_prompt_length={spec['max_prompt']}",
         f"rollout.sampling.max_new_tokens={spec['new']}", f"trainer.global_batch={spec['prompts']}",
         f"trainer.mini_batch={spec['prompts']}", f"trainer.n_samples_per_prompt={spec['n']}",
         f"trainer.max_tokens_per_micro_batch={spec['budget']}", f"resources.device={spec['device']}",
         "resources.devices_per_node=1", "resources.nodes=1", "resources.dies_per_card=1",
+        "actor.layout.tp=1", "actor.layout.ep=1",
         f"resources.device_memory_gb={spec.get('memory_gb') or 64}", "trainer.export_hf=false",
         "trainer.checkpoint_interval=0", f"trainer.steps={spec['steps']}"]
 
 
-def child_rl(spec: dict) -> None:
-    """Whole GRPO steps on one device; one line summarising the last step (step 0 carries the warm-up)."""
-    line = {"part": "rl", "name": f"grpo {spec['shape']} {spec['prompts']}x{spec['n']} "
-                                  f"{spec['max_prompt']}/{spec['new']}", "driver": spec["driver"],
-            "algorithm": "grpo", "recipe": "qwen25_7b --smoke", "shape": spec["shape"], "prompts": spec["prompts"],
-            "samples_per_prompt": spec["n"], "prompt_len": spec["digits"] + 2, "max_new_tokens": spec["new"]}
-    from rlrecipes.workflow.local import run_local
+# The RL part's runs: name -> recipe (run with --smoke: its synthetic task, smoke reward and tokenizer),
+# the overrides that select what the run exercises, and steps. The model, lengths and batch come from
+# the profile's ``rl`` entry (PROFILES) and rl_overrides(); every case runs through run_rl_case().
+RL_CASES = {
+    "grpo": {"recipe": "qwen25_7b", "overrides": [], "steps": 2},
+    "dapo": {"recipe": "qwen3_moe_30b", "overrides": [], "steps": 2},  # clip-higher, dynamic sampling, overlong
+    "ppo": {"recipe": "qwen25_7b", "steps": 2,
+            "overrides": ["algorithm.name=ppo", "algorithm.adv_estimator=gae", "algorithm.lam=0.95"]},
+    "multi_turn": {"recipe": "qwen25_7b", "steps": 1,  # the calculator tool, the smoke tokenizer's call format
+                   "overrides": ["data.synthetic=add", "rollout.multi_turn.enabled=true",
+                                 "rollout.multi_turn.tools=[calculator]", "rollout.multi_turn.tool_format=smoke"]},
+    "lora": {"recipe": "qwen25_7b", "overrides": ["actor.lora.rank=8"], "steps": 1},  # needs peft
+}
 
+
+def rl_case_spec(profile_rl: dict, case: str) -> dict:
+    """A case's shape: the profile's RL defaults with the case's own changes (``cases[case]``)."""
+    return {**{k: v for k, v in profile_rl.items() if k != "cases"},
+            **profile_rl["cases"].get(case, {})}
+
+
+def rl_case_name(case: str, shape: dict) -> str:
+    return f"{case} {shape['shape']} {shape['prompts']}x{shape['n']} {shape['max_prompt']}/{shape['new']}"
+
+
+def child_rl(spec: dict) -> None:
+    """The RL cases ``spec["cases"]`` in order, one line each. After a case that fails this process
+    stops, and the suite starts a fresh one for the cases left: a failed step can leave the device
+    unusable (a device-side assert poisons a CUDA context), and the next case must not inherit it."""
+    for case in spec["cases"]:
+        line = run_rl_case(case, {**spec, **spec["shapes"][case]})
+        emit(line)
+        if line.get("error"):
+            return
+
+
+def run_rl_case(case: str, spec: dict) -> dict:
+    """One named case of RL_CASES: its steps on one device with the native engines (the in-process
+    driver, or ``rlrecipes run`` with ``--rl-driver cli``); the line summarises the last step, the
+    first carrying the warm-up."""
+    c = RL_CASES[case]
+    line = {"part": "rl", "name": rl_case_name(case, spec), "case": case, "driver": spec["driver"],
+            "algorithm": None, "recipe": f"{c['recipe']} --smoke", "shape": spec["shape"],
+            "prompts": spec["prompts"], "samples_per_prompt": spec["n"], "prompt_len": spec["max_prompt"],
+            "max_new_tokens": spec["new"]}
     t0 = time.perf_counter()
-    run_dir = Path(spec["run_dir"])
+    run_dir = Path(spec["run_dir"]) / case
     try:
+        from rlrecipes.data import build_smoke_tokenizer
+        from rlrecipes.recipe import load_recipe
+        from rlrecipes.workflow.local import run_local
+
         folder, dims, _ = prepare_model(spec["shape"], spec)
         line["params"] = int(dims.total_params())
-        overrides = rl_overrides(spec, folder)
+        tokenizer = build_smoke_tokenizer(run_dir / "tokenizer")
+        overrides = [*rl_overrides({**spec, "steps": c["steps"]}, folder, tokenizer), *c["overrides"],
+                     *spec.get("overrides", [])]
         line["overrides"] = overrides
+        r = load_recipe(c["recipe"], smoke=True, overrides=overrides)
+        line.update(algorithm=r.algorithm.name, multi_turn=r.rollout.multi_turn.enabled, lora_rank=r.actor.lora.rank)
         if spec["driver"] == "cli":
-            cmd = [sys.executable, "-m", "rlrecipes", "run", "qwen25_7b", "--smoke", "--quiet", "-d", "1",
+            cmd = [sys.executable, "-m", "rlrecipes", "run", c["recipe"], "--smoke", "--quiet", "-d", "1",
                    "--keep-batch", "--out", str(run_dir), *overrides]
             p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
             if p.returncode != 0:
-                raise RuntimeError(f"rlrecipes run exited {p.returncode}: {p.stderr.strip()[-1500:]}")
+                raise ChildFailed(f"rlrecipes run exited {p.returncode}", p.stderr.splitlines())
         else:
-            run_local("qwen25_7b", overrides, spec["steps"], run_dir)
+            run_local(c["recipe"], overrides, c["steps"], run_dir)
         rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
         if not rows:
             raise RuntimeError(f"{run_dir}/metrics.jsonl has no rows")
         line.update(rl_summary(rows))
         line["run_dir"] = str(run_dir)
-    except Exception as e:  # noqa: BLE001
-        line["error"] = _error(e)
+    except Exception as e:  # noqa: BLE001 - recorded; the suite starts the next case in a fresh process
+        line.update(failure(e))
     line["seconds"] = round(time.perf_counter() - t0, 2)
-    emit(line)
+    return line
 
 
 def rl_summary(rows: list[dict]) -> dict:
@@ -501,6 +603,8 @@ def rl_summary(rows: list[dict]) -> dict:
            "reward_mean": last.get("reward/mean")}
     if len(rows) > 1:
         out["first_step_s"] = rows[0].get("timing_s/step")
+        out["first_stage_s"] = {k.split("/", 1)[1]: v for k, v in rows[0].items()
+                                if k.startswith("timing_s/") and k != "timing_s/step"}
     return out
 
 
@@ -510,6 +614,59 @@ CHILDREN = {"env": child_env, "train": child_train, "decode": child_decode, "rl"
 # ================================================================================ suite side
 # The orchestrator imports no torch: it starts the parts, streams their lines, applies the time budget,
 # prints the table and writes the results file.
+
+class Ran(NamedTuple):
+    """What Suite.run saw of one subprocess."""
+
+    rc: int | None  # None: not started, or timed out
+    lines: list[dict]  # its JSON lines, as emitted
+    out: str  # its other stdout lines
+    err: list[str]  # the last 200 lines of its stderr
+    why: str | None  # why it failed (not started, timed out, exited non-zero), or None
+
+
+_SIGNALS = {int(x) for x in signal.Signals}
+
+
+def stop_process(proc: subprocess.Popen) -> None:
+    """End a timed-out child: SIGABRT to it first (faulthandler, enabled in every child through
+    PYTHONFAULTHANDLER, writes each thread's Python stack to stderr before the abort), then SIGTERM
+    and SIGKILL to its process group, which holds whatever it started."""
+    try:
+        os.kill(proc.pid, signal.SIGABRT)
+        proc.wait(timeout=5)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        pass
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        t = time.time()
+        while time.time() - t < 5 and _group_alive(proc):
+            time.sleep(0.1)
+    proc.wait()
+
+
+def no_core_files() -> None:
+    """No core files from the children (inherited): a timed-out child is ended with SIGABRT, and a core
+    of a process holding a device can be tens of GiB."""
+    try:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_CORE, (0, resource.getrlimit(resource.RLIMIT_CORE)[1]))
+    except (ImportError, ValueError, OSError):
+        pass
+
+
+def _group_alive(proc: subprocess.Popen) -> bool:
+    proc.poll()  # reap the child itself, so that only live processes keep its group
+    try:
+        os.killpg(proc.pid, 0)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
 
 class Suite:
     def __init__(self, args: argparse.Namespace) -> None:
@@ -531,6 +688,7 @@ class Suite:
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
         env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        env["PYTHONFAULTHANDLER"] = "1"  # a crash, or the SIGABRT of a timeout, writes the Python stacks to stderr
         if device_type:
             env["RLRECIPES_DEVICE"] = device_type
         return env
@@ -539,21 +697,26 @@ class Suite:
         return self.budget_s - (time.time() - self.t0)
 
     def run(self, cmd: list[str], *, part: str, name: str, cap: float, env: dict, parse_json: bool = True,
-            tag: dict | None = None) -> tuple[int | None, list[dict], str, str]:
-        """Run one subprocess with a timeout (its cap, or what is left of the budget); stream its JSON
-        lines (``tag``'s keys added to each). Returns ``(returncode or None on timeout, lines, stdout
-        text, stderr tail)``."""
+            tag: dict | None = None, line_cap: float | None = None, report: bool = True) -> Ran:
+        """Run one subprocess with a timeout (its cap, or what is left of the budget; with ``line_cap``
+        also at most that long without a JSON line); stream its JSON lines (``tag``'s keys added to
+        each). A child that times out first gets SIGABRT, on which Python's faulthandler (enabled in
+        every child) writes where each of its threads stood to stderr, then its process group is
+        ended. When it times out or exits non-zero, an error line with the last TRACEBACK_LINES lines
+        of its stderr is emitted (unless ``report`` is False: the caller names the failure itself)."""
         left = self.remaining()
         if left < 5:
-            self.emit({"part": part, "name": name, "error": f"not started: the suite's time budget "
-                                                             f"({self.budget_s:.0f} s, --budget-s) ran out"})
-            return None, [], "", ""
+            why = f"not started: the suite's time budget ({self.budget_s:.0f} s, --budget-s) ran out"
+            if report:
+                self.emit({"part": part, "name": name, "error": why, "traceback": []})
+            return Ran(None, [], "", [], why)
         timeout = min(cap, left)
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env,
                                 start_new_session=True)
         got: list[dict] = []
         out_text: list[str] = []
-        err_tail: collections.deque = collections.deque(maxlen=60)
+        err_tail: collections.deque = collections.deque(maxlen=200)
+        last_line = [time.time()]
 
         def read_out() -> None:
             for raw in proc.stdout:
@@ -567,6 +730,7 @@ class Suite:
                     if tag:
                         line = {**tag, **line}
                     got.append(line)
+                    last_line[0] = time.time()
                     self.emit(line)
                 else:
                     out_text.append(s)
@@ -578,56 +742,58 @@ class Suite:
         readers = [threading.Thread(target=read_out, daemon=True), threading.Thread(target=read_err, daemon=True)]
         for t in readers:
             t.start()
-        try:
-            rc = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            rc = None
-            for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
-                try:
-                    os.killpg(proc.pid, sig)
-                except ProcessLookupError:
+        end = time.time() + timeout
+        why = None
+        while True:
+            limit = min(end, last_line[0] + line_cap) if line_cap else end
+            try:
+                rc = proc.wait(timeout=max(0.05, min(limit - time.time(), 1.0)))
+                break
+            except subprocess.TimeoutExpired:
+                if time.time() >= limit:
+                    rc = None
+                    why = (f"timed out after {timeout:.0f} s" if limit >= end else
+                           f"timed out: no line for {line_cap:.0f} s")
                     break
-                try:
-                    proc.wait(timeout=wait)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
+        if rc is None:
+            stop_process(proc)
         for t in readers:
             t.join(timeout=5)
-        if rc is None:
-            self.emit({"part": part, "name": name, "error": f"timed out after {timeout:.0f} s",
-                       "stderr_tail": "\n".join(list(err_tail)[-15:])})
-        elif rc != 0 and parse_json:
-            self.emit({"part": part, "name": name, "error": f"exited {rc}",
-                       "stderr_tail": "\n".join(list(err_tail)[-15:])})
-        return rc, got, "\n".join(out_text), "\n".join(err_tail)
+        if rc is not None and rc != 0:
+            why = f"exited {rc}" + (f" ({signal.Signals(-rc).name})" if rc < 0 and -rc in _SIGNALS else "")
+        err = list(err_tail)
+        if why and report and (rc is None or parse_json):
+            self.emit({"part": part, "name": name, "error": why, "traceback": err[-TRACEBACK_LINES:]})
+        return Ran(rc, got, "\n".join(out_text), err, why)
 
-    def child(self, kind: str, spec: dict, *, part: str, name: str, cap: float, device_type: str | None):
+    def child(self, kind: str, spec: dict, *, part: str, name: str, cap: float, device_type: str | None,
+              **kw) -> Ran:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--child", kind, "--spec", json.dumps(spec)]
-        return self.run(cmd, part=part, name=name, cap=cap, env=self.child_env(device_type))
+        return self.run(cmd, part=part, name=name, cap=cap, env=self.child_env(device_type), **kw)
 
     # ------------------------------------------------------------------ parts
     def part_env(self) -> str | None:
         spec = {"cpu": self.args.cpu, "device": self.args.device}
-        _, got, _, _ = self.child("env", spec, part="env", name="device", cap=self.profile["timeouts"]["env"],
-                                  device_type="cpu" if self.args.cpu else None)
+        got = self.child("env", spec, part="env", name="device", cap=self.profile["timeouts"]["env"],
+                         device_type="cpu" if self.args.cpu else None).lines
         self.env = got[0] if got else {}
         return self.env.get("device_type")
 
     def jobs(self, kind: str, parts: list[str]) -> list:
-        """The measurements in the order they run: what the issue's targets need first (GPU tests, the
-        1.5B train sweep, decode, the RL step), then the MoE shape and megatron, so that a run cut
-        short by the time budget loses the least. The table groups them by part again."""
+        """The measurements in the order they run: what the targets and the diagnosis need first (GPU
+        tests, the 1.5B train sweep, the RL cases, decode), then the MoE shape and megatron, so that
+        a run cut short by the time budget loses the least. The RL cases run before decode: they are
+        short, and decode at batch 256 is the part that runs long. The table groups them by part again."""
         t, shapes = self.profile["timeouts"], list(self.profile["train"]["shapes"])
         out = []
         if "tests" in parts:
             out.append(lambda: self.pytest(["tests/gpu"], "tests/gpu", t["tests"]))
         if "train" in parts and shapes:
             out.append(lambda: self.train_native(kind, shapes[0]))
-        if "decode" in parts:
-            out.append(lambda: self.decode(kind))
         if "rl" in parts:
             out.append(lambda: self.rl(kind))
+        if "decode" in parts:
+            out.append(lambda: self.decode(kind))
         if "train" in parts:
             out += [lambda sh=sh: self.train_native(kind, sh) for sh in shapes[1:]]
             out.append(lambda: self.train_megatron(kind))
@@ -644,11 +810,12 @@ class Suite:
             self.emit({"part": "tests", "name": name, "not_run": why})
 
     def pytest(self, paths: list[str], name: str, cap: float) -> None:
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *paths]
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--tb=short", *paths]
         t0 = time.time()
         env = self.child_env(None)
         env.pop("RLRECIPES_DEVICE", None)  # the GPU tests find the accelerator themselves
-        rc, _, out, err = self.run(cmd, part="tests", name=name, cap=cap, env=env, parse_json=False)
+        ran = self.run(cmd, part="tests", name=name, cap=cap, env=env, parse_json=False)
+        rc, out = ran.rc, ran.out
         if rc is None:
             return
         counts = pytest_counts(out)
@@ -657,7 +824,8 @@ class Suite:
         if rc not in (0, 5) or counts["failed"] or counts["errors"]:
             failing = [s for s in out.splitlines() if s.startswith(("FAILED", "ERROR"))][:20]
             line["error"] = f"pytest exited {rc}: {counts['failed']} failed, {counts['errors']} errors"
-            line["failing"] = failing or (out.strip().splitlines()[-20:] + err.splitlines()[-10:])
+            line["failing"] = failing or (out.strip().splitlines()[-20:] + ran.err[-10:])
+            line["traceback"] = pytest_traceback(out) or ran.err[-TRACEBACK_LINES:]
         self.emit(line)
 
     def train_native(self, kind: str, shape: str) -> None:
@@ -690,10 +858,11 @@ class Suite:
                "--response", str(p["response"]), "--budget", str(p["budget"]), "--steps", str(p["steps"])]
         if self.args.cache:
             cmd += ["--folder", str(Path(self.args.cache) / f"rlrecipes-bench-qwen2-{mshape}")]
-        rc, got, _, _ = self.run(cmd, part="train", name=name, cap=self.profile["timeouts"]["megatron_train"],
-                                 env=self.child_env(kind), tag={"part": "train", "name": name, "options": {}})
-        if rc == 0 and not got:
-            self.emit({"part": "train", "name": name, "error": "engine_throughput.py printed no JSON line"})
+        ran = self.run(cmd, part="train", name=name, cap=self.profile["timeouts"]["megatron_train"],
+                       env=self.child_env(kind), tag={"part": "train", "name": name, "options": {}})
+        if ran.rc == 0 and not ran.lines:
+            self.emit({"part": "train", "name": name, "error": "engine_throughput.py printed no JSON line",
+                       "traceback": ran.err[-TRACEBACK_LINES:]})
 
     def decode(self, kind: str) -> None:
         spec = {**self.profile["decode"], "device": kind, "cache": self.args.cache}
@@ -701,12 +870,43 @@ class Suite:
                    device_type=kind)
 
     def rl(self, kind: str) -> None:
+        """RL_CASES (or --rl-cases) in one child, in order. A case that fails ends that child and a
+        fresh one runs the cases left; a child that dies or stops answering is recorded against the
+        case it was running (the first without a line), with its stderr's tail, and the rest go on."""
         stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
         run_dir = Path(self.args.run_dir or (ROOT / "runs" / f"gpu_suite-rl-{stamp}"))
         mem = self.env.get("memory_bytes") or 0
-        spec = {**self.profile["rl"], "device": kind, "driver": self.args.rl_driver, "run_dir": str(run_dir),
-                "cache": self.args.cache, "memory_gb": round(mem / 2**30, 1) if kind != "cpu" and mem else 64}
-        self.child("rl", spec, part="rl", name="rl", cap=self.profile["timeouts"]["rl"], device_type=kind)
+        p = self.profile["rl"]
+        shapes = {c: rl_case_spec(p, c) for c in self.rl_cases()}
+        base = {"device": kind, "driver": self.args.rl_driver, "run_dir": str(run_dir), "cache": self.args.cache,
+                "memory_gb": round(mem / 2**30, 1) if kind != "cpu" and mem else 64}
+        cap = self.profile["timeouts"]["rl_case"]
+        left = list(shapes)
+        while left:
+            ran = self.child("rl", {**base, "cases": left, "shapes": shapes}, part="rl", name="rl",
+                             cap=cap * len(left), line_cap=cap, device_type=kind, report=False)
+            done = {x.get("case") for x in ran.lines}
+            failed_last = bool(ran.lines) and bool(ran.lines[-1].get("error"))
+            left = [c for c in left if c not in done]
+            if left and not failed_last:  # the child ended while running left[0]
+                c = left.pop(0)
+                self.emit({"part": "rl", "name": rl_case_name(c, shapes[c]), "case": c,
+                           "error": ran.why or "the child ended without a line for this case",
+                           "traceback": ran.err[-TRACEBACK_LINES:]})
+            if ran.rc is None and ran.why and ran.why.startswith("not started"):
+                for c in left:
+                    self.emit({"part": "rl", "name": rl_case_name(c, shapes[c]), "case": c, "error": ran.why,
+                               "traceback": []})
+                return
+
+    def rl_cases(self) -> list[str]:
+        if not self.args.rl_cases:
+            return list(RL_CASES)
+        cases = [c.strip() for c in self.args.rl_cases.split(",") if c.strip()]
+        unknown = sorted(set(cases) - set(RL_CASES))
+        if unknown:
+            raise SystemExit(f"--rl-cases: unknown {unknown}; choose from {', '.join(RL_CASES)}")
+        return cases
 
     # ------------------------------------------------------------------ whole
     def main(self) -> int:
@@ -714,8 +914,10 @@ class Suite:
         unknown = sorted(set(parts) - set(PARTS))
         if unknown:
             raise SystemExit(f"--parts: unknown {unknown}; choose from {', '.join(PARTS)}")
+        rl_cases = self.rl_cases() if "rl" in parts else []
+        no_core_files()
         self.emit({"part": "suite", "name": "start", "mode": self.mode, "parts": parts, "budget_s": self.budget_s,
-                   "argv": sys.argv[1:], "version": SUITE_VERSION})
+                   "rl_cases": rl_cases, "argv": sys.argv[1:], "version": SUITE_VERSION})
         kind = self.part_env()
         if kind is not None:
             for job in self.jobs(kind, parts):
@@ -757,6 +959,28 @@ def pytest_counts(text: str) -> dict:
         for n, word in re.findall(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected)", lines[-1]):
             counts["errors" if word.startswith("error") else word] = int(n)
     return counts
+
+
+def pytest_traceback(text: str, n: int = TRACEBACK_LINES) -> list[str]:
+    """The last ``n`` lines of the tracebacks in pytest's FAILURES / ERRORS sections (``--tb=short``),
+    without the captured-output subsections that follow each one."""
+    out, keep, captured = [], False, False
+    for s in text.splitlines():
+        if re.match(r"^=+ (FAILURES|ERRORS) =+$", s):
+            keep, captured = True, False
+            continue
+        if re.match(r"^=+ .* =+$", s):  # short test summary info, warnings summary, the closing line
+            keep = False
+            continue
+        if not keep:
+            continue
+        if re.match(r"^_+ .* _+$", s):  # the next test's header
+            captured = False
+        elif re.match(r"^-+ Captured .* -+$", s):
+            captured = True
+        if not captured:
+            out.append(s)
+    return out[-n:]
 
 
 def check_targets(lines: list[dict], mode: str) -> dict:
@@ -852,7 +1076,7 @@ def render_table(lines: list[dict], targets: dict, device: str, out: Path) -> st
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cpu", action="store_true", help="the reduced mode: tiny shapes, one step each, on the CPU")
+    ap.add_argument("--cpu", action="store_true", help="the reduced mode: tiny shapes, the fewest steps, on the CPU")
     ap.add_argument("--device", default="auto", help="auto (the accelerator torch sees) | cuda | npu")
     ap.add_argument("--out", default=None,
                     help="results file (default benchmarks/results/gpu_suite-<device>-<date>.json)")
@@ -860,6 +1084,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--rl-driver", choices=["inprocess", "cli"], default="inprocess",
                     help="inprocess: the workflow's worker in a subprocess without Ray (default); cli: `rlrecipes run` "
                          "(needs Ray)")
+    ap.add_argument("--rl-cases", default=None,
+                    help=f"comma-separated subset of the RL part's runs (default all: {','.join(RL_CASES)})")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="wall-clock budget of the whole suite (gpu 540, cpu 600)")
     ap.add_argument("--cache", default=None, help="folder for the random model folders (default: the temp dir)")

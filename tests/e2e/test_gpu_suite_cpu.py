@@ -28,10 +28,13 @@ TRAIN_KEYS = {"part", "name", "engine", "shape", "options", "dtype", "params", "
 DECODE_KEYS = {"part", "name", "shape", "batch", "prompt_len", "new_tokens", "decode", "prefill", "cache", "dtype",
                "native_s", "native_tokens", "native_tokens_per_s", "native_peak_bytes", "speedup", "seconds"}
 GENERATE_KEYS = {"hf_generate_s", "hf_generate_tokens", "hf_generate_tokens_per_s", "hf_generate_peak_bytes"}
-RL_KEYS = {"part", "name", "driver", "algorithm", "recipe", "shape", "prompts", "samples_per_prompt", "prompt_len",
-           "max_new_tokens", "params", "overrides", "steps", "measured_step", "step_s", "stage_s", "compute_s",
-           "tps_per_card", "tokens", "samples", "response_length_mean", "overhead_share", "outside_compute_s",
-           "mem_peak_gb", "reshard_bytes", "reward_mean", "run_dir", "seconds"}
+RL_KEYS = {"part", "name", "case", "driver", "algorithm", "recipe", "shape", "prompts", "samples_per_prompt",
+           "prompt_len", "max_new_tokens", "params", "overrides", "multi_turn", "lora_rank", "steps", "measured_step",
+           "step_s", "stage_s", "compute_s", "tps_per_card", "tokens", "samples", "response_length_mean",
+           "overhead_share", "outside_compute_s", "mem_peak_gb", "reshard_bytes", "reward_mean", "run_dir", "seconds"}
+# what each RL case must have run: its algorithm and a stage only it has (or a setting it ran with)
+RL_EXPECT = {"grpo": ("grpo", "ref"), "dapo": ("dapo", "dynamic_sampling"), "ppo": ("ppo", "critic_update"),
+             "multi_turn": ("grpo", "ref"), "lora": ("grpo", "ref")}
 ENV_KEYS = {"part", "name", "python", "torch", "transformers", "megatron-core", "ray", "pytest",
             "megatron_core_imports", "device_type", "device_name", "device_count", "memory_bytes", "peak_flops",
             "bf16", "cpu_count"}
@@ -97,13 +100,28 @@ def test_cpu_mode_runs_every_part_and_writes_its_results(tmp_path):
         assert all(x[k] == v for k, v in x["options"].items())  # the engine ran the option it was given
     assert {x["decode"] for x in decode} >= {"fast", "layers"} and {x["cache"] for x in decode} == {"static", "dynamic"}
 
-    (rl,) = by(lines, "rl")
-    r = prof["rl"]
-    assert RL_KEYS <= set(rl), RL_KEYS - set(rl)
-    assert rl["driver"] == "inprocess" and rl["steps"] == r["steps"]
-    assert rl["samples"] == r["prompts"] * r["n"] and rl["tps_per_card"] > 0 and 0 <= rl["overhead_share"] <= 1
-    assert {"rollout", "update"} <= set(rl["stage_s"]) and {"rollout", "update"} <= set(rl["compute_s"])
-    assert (Path(rl["run_dir"]) / "metrics.jsonl").is_file()
+    rl = {x["case"]: x for x in by(lines, "rl")}
+    assert list(rl) == list(gpu_suite.RL_CASES) == list(RL_EXPECT)  # every case, in the table's order
+    for case, x in rl.items():
+        shape, (algo, stage) = gpu_suite.rl_case_spec(prof["rl"], case), RL_EXPECT[case]
+        steps = gpu_suite.RL_CASES[case]["steps"]
+        assert RL_KEYS <= set(x), (case, RL_KEYS - set(x))
+        assert x["driver"] == "inprocess" and x["algorithm"] == algo and x["steps"] == steps, case
+        assert x["shape"] == shape["shape"] and x["name"] == gpu_suite.rl_case_name(case, shape)
+        assert x["measured_step"] == steps - 1 and x["tps_per_card"] > 0 and 0 <= x["overhead_share"] <= 1, case
+        # per-stage seconds of the measured step (the metrics rows' timing_s/<stage>), and of the first
+        assert {"rollout", "reward", "advantage", "update", "reshard", stage} <= set(x["stage_s"]), (case, x["stage_s"])
+        assert all(v >= 0 for v in x["stage_s"].values()) and x["step_s"] > 0
+        assert {"rollout", "update"} <= set(x["compute_s"]), case
+        if steps > 1:
+            assert x["first_step_s"] > 0 and set(x["first_stage_s"]) >= {"rollout", "update"}, case
+        rows = [json.loads(s) for s in (Path(x["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+        assert len(rows) == steps and all(f"timing_s/{stage}" in r for r in rows), case
+    assert rl["dapo"]["shape"] == "tiny-moe"  # DAPO's recipe is the MoE one
+    assert rl["dapo"]["samples"] <= rl["dapo"]["prompts"] * rl["dapo"]["samples_per_prompt"]  # groups may drop
+    assert rl["grpo"]["samples"] == rl["grpo"]["prompts"] * rl["grpo"]["samples_per_prompt"]
+    assert rl["multi_turn"]["multi_turn"] is True and rl["lora"]["lora_rank"] > 0
+    assert not (rl["grpo"]["multi_turn"] or rl["grpo"]["lora_rank"])
 
     summary = lines[-1]
     assert summary["name"] == "summary" and summary["failed"] == [] and summary["results_file"] == str(out)
@@ -117,15 +135,23 @@ def test_cpu_mode_runs_every_part_and_writes_its_results(tmp_path):
 
 
 def test_a_failing_part_is_recorded_and_the_suite_goes_on(tmp_path):
-    """No folder can be written under a regular file: the train part fails, the decode part still
-    runs its own attempt, and the suite exits non-zero with both in ``failed``."""
+    """No folder can be written under a regular file: the train part fails, the decode part and the
+    RL cases still run their own attempts (the second RL case in a fresh child, after the first
+    failed), and the suite exits non-zero with all of them in ``failed``, each with the tail of the
+    traceback of the exception the child raised."""
     blocker = tmp_path / "not-a-folder"
     blocker.write_text("")
-    p, lines, out = run_suite(tmp_path, "--parts", "train,decode", "--cache", str(blocker), "--no-table")
+    p, lines, out = run_suite(tmp_path, "--parts", "train,decode,rl", "--rl-cases", "grpo,lora", "--cache",
+                              str(blocker), "--no-table")
     assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-3000:]
     failed = [x for x in lines if x.get("error")]
-    assert {x["part"] for x in failed} == {"train", "decode"}
-    assert all(x["error"] for x in failed)
+    assert {x["part"] for x in failed} == {"train", "decode", "rl"}
+    assert [x["case"] for x in by(lines, "rl")] == ["grpo", "lora"]
+    for x in failed:
+        tb = x["traceback"]
+        assert x["error"] and 3 <= len(tb) <= gpu_suite.TRACEBACK_LINES, x
+        assert any(s.lstrip().startswith("File ") and "gpu_suite.py" in s for s in tb), tb  # the frames
+        assert tb[-1].startswith(x["error"].split(":")[0]), tb  # ... down to where it was raised
     summary = lines[-1]
     assert summary["name"] == "summary" and len(summary["failed"]) == len(failed)
     assert json.loads(out.read_text())["failed"] == summary["failed"]
@@ -137,3 +163,64 @@ def test_pytest_counts_read_the_closing_line():
         {"passed": 2, "failed": 0, "skipped": 1, "errors": 0, "xfailed": 0, "xpassed": 0, "deselected": 0}
     assert gpu_suite.pytest_counts("F\n1 failed, 1 error in 0.1s")["errors"] == 1
     assert gpu_suite.slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
+
+
+def test_tracebacks_end_at_the_root_cause():
+    """A chained exception (the worker's StageFailure raised from the stage's error) is written with
+    its cause last, so the last lines are the frames where the error began; at most 30 lines."""
+    def inner(depth):
+        if depth:
+            return inner(depth - 1)
+        raise RuntimeError("Expected all tensors to be on the same device")
+
+    def stage():
+        try:
+            inner(40)
+        except RuntimeError as e:
+            raise ValueError("worker rank 0 failed in stage 'update'") from e
+
+    try:
+        stage()
+    except ValueError as e:
+        tb, line = gpu_suite.traceback_tail(e), gpu_suite.failure(e)
+    assert line["error"] == "ValueError: worker rank 0 failed in stage 'update'" and line["traceback"] == tb
+    assert tb[0] == "Traceback (most recent call last):" and "ValueError: worker rank 0 failed in stage 'update'" in tb
+    i = tb.index("The above exception was raised from this one (its direct cause):")
+    assert any("in stage" in s for s in tb[:i]) and any("in inner" in s for s in tb[i:])
+    assert tb[-1] == "RuntimeError: Expected all tensors to be on the same device"  # the root cause, last
+
+    try:
+        try:
+            raise KeyError("k")
+        except KeyError:
+            raise RuntimeError("\n".join(f"line {i}" for i in range(40)))  # noqa: B904 - the implicit chain
+    except RuntimeError as e:
+        tb = gpu_suite.traceback_tail(e)
+    assert len(tb) == gpu_suite.TRACEBACK_LINES and tb[-1] == "KeyError: 'k'"
+    assert "The above exception was raised while handling this one:" in tb and "line 39" in tb
+
+
+def test_a_child_that_dies_or_hangs_leaves_its_stderr_tail(tmp_path):
+    """The orchestrator's side: a child that dies leaves the last 30 lines of its stderr (its
+    uncaught traceback); one that times out is ended with SIGABRT first, so faulthandler writes
+    where it stood."""
+    suite = gpu_suite.Suite(gpu_suite.parse_args(["--cpu", "--no-table", "--out", str(tmp_path / "r.json")]))
+    env = suite.child_env("cpu")
+    script = tmp_path / "child.py"
+    script.write_text("import sys, time\n"
+                      "def hang():\n    time.sleep(60)\n"
+                      "def die():\n    print('\\n'.join(f'noise {i}' for i in range(50)), file=sys.stderr)\n"
+                      "    raise RuntimeError('the child died')\n"
+                      "hang() if sys.argv[1] == 'hang' else die()\n")
+    ran = suite.run([sys.executable, str(script), "die"], part="rl", name="dies", cap=60, env=env)
+    died = suite.lines[-1]
+    assert ran.rc == 1 and died["name"] == "dies" and died["error"] == "exited 1"
+    assert len(died["traceback"]) == gpu_suite.TRACEBACK_LINES
+    assert died["traceback"][-1] == "RuntimeError: the child died" and "in die" in "\n".join(died["traceback"])
+    ran = suite.run([sys.executable, str(script), "hang"], part="rl", name="hangs", cap=2, env=env)
+    hung = suite.lines[-1]
+    assert ran.rc is None and hung["error"] == "timed out after 2 s"
+    assert any("in hang" in s for s in hung["traceback"]), hung["traceback"]  # faulthandler's stack
+    ran = suite.run([sys.executable, str(script), "hang"], part="rl", name="quiet", cap=60, line_cap=1, env=env,
+                    report=False)
+    assert ran.rc is None and ran.why == "timed out: no line for 1 s" and suite.lines[-1] is hung
