@@ -44,6 +44,8 @@ PACKAGES=(
     "pydantic" "pydantic-core" "annotated-types" "typing-inspection" "pyzmq"
     # the GPU tests
     "pytest" "pluggy" "iniconfig" "pygments"
+    # the RL part's lora case (actor.lora.rank > 0): peft, and what importing it needs
+    "peft" "accelerate" "psutil"
     # newer than a torch install may hold: pydantic needs typing-extensions >= 4.16 (0.05 MiB)
     "typing-extensions"
 )
