@@ -17,10 +17,8 @@ import os
 import shutil
 import subprocess
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .sandbox import SandboxConfig, SandboxMode
+# ``SandboxConfig`` / ``SandboxMode`` in the annotations are ``rlrecipes.agent.sandbox``'s, which imports
+# this module (not imported back: one direction, no cycle)
 
 BWRAP_ENV = "RLRECIPES_BWRAP"
 """An environment variable naming the bubblewrap binary to use (when ``SandboxConfig.bwrap_path``
