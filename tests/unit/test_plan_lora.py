@@ -165,3 +165,24 @@ def test_smoke_plans_with_lora_count_the_tensors_the_engine_syncs(family):
 def test_lora_targets_peft_refuses_are_a_plan_violation():
     p = build_plan(_native_7b("actor.lora.rank=8", "actor.lora.target_modules=[nope]"))
     assert any(v.rule == "LoRA has what it needs" and "nope" in v.detail for v in p.violations), p.violations
+
+
+@pytest.mark.parametrize("family,device", [("qwen3_moe", "cuda"), ("qwen3_moe", "npu"), ("deepseek_v3", "cuda")])
+def test_moe_expert_adapters_on_vllm_are_refused_with_the_targets_it_serves(family, device):
+    """Issue 45, item 1: PEFT saves expert adapters as fused 3-D ``mlp.experts(.base_layer)`` tensors,
+    which vLLM 0.32 refuses for Qwen3-MoE / DeepSeek and vLLM 0.23 misreads: ``plan`` refuses them on
+    every device and names the attention projections; those pass."""
+    from rlrecipes.engines.vllm.args import attention_targets
+
+    base = ["actor.lora.rank=8", "actor.layout.tp=1", "actor.layout.ep=1", "rollout.layout.tp=1",
+            "rollout.layout.ep=1", "rollout.engine=vllm", f"resources.device={device}"]
+    r = load_recipe(SMOKE_RECIPES[family], smoke=True, overrides=base)
+    refused = [v.detail for v in build_plan(r).violations if "adapt the MoE experts" in v.detail]
+    assert len(refused) == 1, build_plan(r).violations
+    fix = [t for t in r.actor.lora.target_modules if t not in ("gate_proj", "up_proj", "down_proj")]
+    assert f"actor.lora.target_modules=[{','.join(fix)}]" in refused[0] and "rollout.engine=native" in refused[0]
+    attention = attention_targets(r.model.dims())
+    assert "kv_b_proj" not in attention
+    ok = load_recipe(SMOKE_RECIPES[family], smoke=True,
+                     overrides=[*base, f"actor.lora.target_modules=[{','.join(attention)}]"])
+    assert not [v for v in build_plan(ok).violations if "lora" in v.detail.lower()], build_plan(ok).violations

