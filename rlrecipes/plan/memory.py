@@ -141,6 +141,32 @@ def micro_batch_tokens(recipe: Recipe) -> int:
     return packed_tokens(recipe)
 
 
+def norm_upcast_bytes(dims: ModelDims, tokens: float, c: int, tp: int, hidden_split: bool) -> float:
+    """What one decoder layer's two RMSNorms save beyond the compute-dtype input :func:`layer_bytes`
+    counts for them, in the megatron engine: its norm keeps an fp32 weight (``engines/megatron/model.py``
+    ``RMSNorm``), so with a bf16 / fp16 input torch's ``rms_norm`` cannot take its fused kernel (the
+    dtypes differ) and runs its composite, which saves 8 bytes per hidden element (an fp32 copy of the
+    input and the normalised compute-dtype tensor; measured on CPU with torch 2.13's composite, the
+    path CUDA takes for mixed dtypes too): ``8 - c`` more per norm. Nothing for an fp32 model."""
+    if c >= 4:
+        return 0.0
+    return 2 * tokens * dims.hidden_size / (tp if hidden_split else 1) * (8 - c)
+
+
+def pipeline_logits_per_element(c: int, sp: int, response_share: float) -> float:
+    """Bytes per ``[token, vocab / tp]`` element the megatron engine's head and log-probs hold at their
+    peak, the start of backward, while every layer's activations are still saved: the logits' fp32
+    copy (``logits.float()``, kept by the response ``gather`` for its backward), the fp32 response
+    slice (``response_share`` of the columns, kept by ``logsumexp``) and its gradient, the gather's
+    fp32 gradient over every column and its compute-dtype cast (``c``; none for an fp32 model, whose
+    ``.float()`` is the logits themselves): 14 bytes at bf16 with half the columns a response
+    (measured on CPU with the engine's own ``_logprobs``, one micro-batch of one 512 + 512 row).
+    Under context parallelism (``sp > 1``) the engine takes every local column's log-prob without
+    the gather: the fp32 copy, its gradient and the cast, ``c + 8`` (the count before; not measured)."""
+    cast = c if c < 4 else 0
+    return cast + 8 if sp > 1 else cast + 8 + 8 * response_share
+
+
 def pipeline_train_memory(dims: ModelDims, role: RoleLayout, recipe: Recipe, dp: int, caps: Capabilities) -> Memory:
     """The worst pipeline stage of a megatron-style engine: compute-dtype weights, an fp32 DDP
     gradient buffer, fp32 master + Adam over DP x CP (distributed optimizer), and activations.
@@ -150,10 +176,13 @@ def pipeline_train_memory(dims: ModelDims, role: RoleLayout, recipe: Recipe, dp:
     ``1 / sp`` of every row, a TP rank ``1 / tp`` of its hidden states (sequence parallelism).
     Under 1F1B stage ``s`` of ``pp`` keeps ``pp - s`` micro-batches in flight: with recomputation
     each layer's input per micro-batch (``activations``), and in ``transient`` the one layer rebuilt
-    in backward with its attention; without, every layer's activations. megatron's local attention
-    (``sp = 1``) holds ``[rows, heads / tp, T, T]`` scores; with context parallelism the fused
-    attention it needs holds none. The last stage adds the logits: compute-dtype ``[tokens,
-    vocab / tp]``, their fp32 copy and the fp32 response slice the log-probs keep for backward."""
+    in backward with its attention; without, every layer's activations (with the fp32 copies the
+    engine's fp32-weight norms save, :func:`norm_upcast_bytes`). megatron's local attention
+    (``sp = 1``) holds ``[rows, heads / tp, T, T]`` scores, and saves for backward the fp32 softmax
+    and its compute-dtype copy (``attention_softmax_in_fp32``, megatron's default); with context
+    parallelism the fused attention it needs holds none. The last stage adds the logits at the start
+    of backward (:func:`pipeline_logits_per_element`). Checked against one H200 (megatron-core 0.19.2,
+    Qwen2.5-1.5B shape, 8 rows of 512 + 512, no recompute): 82.6 GiB measured, see docs/planner.md."""
     pp_layers = role.pp_layers or even_split(dims.num_layers, role.pp)
     if len(pp_layers) != role.pp or sum(pp_layers) != dims.num_layers:
         pp_layers = even_split(dims.num_layers, role.pp)
@@ -164,9 +193,12 @@ def pipeline_train_memory(dims: ModelDims, role: RoleLayout, recipe: Recipe, dp:
     tokens = rows * T / sp  # this CP rank's tokens of the micro-batch
     hidden_split = tp > 1  # megatron's sequence parallelism whenever TP > 1
     kept = tokens * c * dims.hidden_size / (tp if hidden_split else 1)  # one layer's input
-    full = layer_bytes(dims, tokens, c, tp, hidden_split)
+    full = layer_bytes(dims, tokens, c, tp, hidden_split) + norm_upcast_bytes(dims, tokens, c, tp, hidden_split)
     attention = 0.0 if sp > 1 else local_attention_bytes(rows, dims.num_heads / tp, T, c)
-    probs = 0.0 if sp > 1 else rows * dims.num_heads / tp * float(T) * T * c  # saved without recompute
+    # saved without recompute: megatron's local attention keeps the fp32 softmax for its backward and
+    # the compute-dtype copy for the probs x V matmul (one fp32 tensor for an fp32 model)
+    probs = 0.0 if sp > 1 else rows * dims.num_heads / tp * float(T) * T * (c + 4 if c < 4 else 4)
+    response = min(T, recipe.rollout.max_response_len)  # the response columns the log-probs are taken at
     samples = recipe.trainer.mini_batch * recipe.trainer.n_samples_per_prompt / max(1, dp)
     micro_batches = max(1, math.ceil(samples / rows))
     shard = dp * sp  # megatron's distributed optimizer and gradient reduce run over DP x CP
@@ -189,7 +221,7 @@ def pipeline_train_memory(dims: ModelDims, role: RoleLayout, recipe: Recipe, dp:
             m.activations = (full + probs) * layers * in_flight
             m.transient = attention
         if s == len(pp_layers) - 1:
-            m.activations += logits_bytes(dims, tokens, tp, c + 8)
+            m.activations += logits_bytes(dims, tokens, tp, pipeline_logits_per_element(c, sp, response / T))
         if m.total > worst.total:
             worst = m
     return worst
@@ -376,5 +408,6 @@ def kv_needed(dims: ModelDims, role: RoleLayout, recipe: Recipe, rows_per_instan
 
 
 __all__ = ["DTYPE_BYTES", "GiB", "LoraParams", "Memory", "TRAIN_MEMORY_MODELS", "even_split", "fsdp_train_memory",
-           "kv_needed", "lora_params", "micro_batch_tokens", "node_independent_bytes", "pipeline_train_memory",
+           "kv_needed", "lora_params", "micro_batch_tokens", "node_independent_bytes", "norm_upcast_bytes",
+           "pipeline_logits_per_element", "pipeline_train_memory",
            "ref_memory", "rollout_memory", "stage_params", "train_memory"]

@@ -16,7 +16,7 @@ from rlrecipes.plan import build_plan, format_violations, placement_groups
 from rlrecipes.plan.build import MEMORY_RULE
 from rlrecipes.plan.checks import (CONTEXT_RULE, KV_LONGEST_RULE, SP_ENGINE_RULE, SP_HEADS_RULE, SP_LAYOUT_RULE,
                                    RoleLayout)
-from rlrecipes.plan.long_context import kv_token_bytes, padded_row
+from rlrecipes.plan.long_context import kv_token_bytes, longest_sample, padded_row
 from rlrecipes.plan.memory import micro_batch_tokens
 from rlrecipes.plan.reshard import _layouts
 from rlrecipes.recipe import load_recipe
@@ -179,7 +179,14 @@ def test_megatron_activations_scale_with_one_over_cp_and_local_attention_is_quad
     m = {sp: build_plan(_long("qwen3_moe_30b", f"actor.layout.sp={sp}")).train_memory for sp in (1, 2, 4)}
     assert m[4].activations == pytest.approx(m[2].activations / 2, rel=1e-3)
     assert m[4].transient == pytest.approx(m[2].transient / 2, rel=1e-3)
-    assert m[1].activations == pytest.approx(2 * m[2].activations, rel=1e-3)
+    # sp=1 also holds the fp32 response slice the log-probs gather and its gradient (8 bytes per
+    # response element; CP takes every column's log-prob without that gather: memory.pipeline_logits_per_element)
+    r = _long("qwen3_moe_30b")
+    plan1 = build_plan(r)
+    T = padded_row(longest_sample(r), 1, plan1.roles["actor"].tp)
+    slice_bytes = r.trainer.micro_batch * min(T, r.rollout.max_response_len) * r.model.dims().vocab_size \
+        / plan1.roles["actor"].tp * 8
+    assert m[1].activations == pytest.approx(2 * m[2].activations + slice_bytes, rel=1e-3)
     # sp=1: megatron's local attention holds [rows, heads / tp, T, T] scores; CP's fused attention none
     assert m[1].transient > 100 * m[2].transient and m[1].transient > 200 * GiB
     # the distributed optimizer shards over DP x CP: unchanged by CP
