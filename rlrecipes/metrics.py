@@ -120,6 +120,20 @@ class MetricsWriter:
             pass
 
 
+def reward_failure(row: dict, limit: float, path: Path) -> Optional[str]:
+    """Why a step's row stops the run: more than ``limit`` (``reward.max_failure_rate``) of its reward
+    calls failed (raised, or returned NaN / inf). None when the step is within it."""
+    rate, calls = row.get("reward/failure_rate"), row.get("reward/samples")
+    if not _number(rate) or rate <= limit or not calls:
+        return None
+    fix = min(1.0, math.ceil(rate * 10) / 10)
+    return (f"step {row.get('step')}: the reward function failed on {rate:.0%} of the step's {calls} calls "
+            f"(it raised, or returned NaN / inf; those samples scored 0), above reward.max_failure_rate={limit}; "
+            f"first error: {row.get('reward/first_error') or 'not recorded'}. Fix reward.fn so that it returns a "
+            f"finite number for every sample, or, if those samples may score 0, set reward.max_failure_rate={fix:g}. "
+            f"The run stopped; its metrics are in {path}")
+
+
 def _clean(row: dict) -> dict:
     return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
 

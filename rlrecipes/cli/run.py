@@ -116,8 +116,16 @@ class RunView:
         t.add_row("share outside model compute", f"{s.mean('perf/overhead_share'):.1%}")
         for k in s.stage_keys:
             t.add_row(f"  {k}", f"{s.mean(k):.3f}")
+        errors, calls = s.sums.get("reward/errors", 0), s.sums.get("reward/samples", 0)
+        if errors:
+            t.add_row("reward calls failed (raised / NaN)", f"{errors:.0f} of {calls:.0f} ({errors / calls:.1%})")
         t.add_row("metrics", str(ev.run_dir / "metrics.jsonl"))
         console.print(t)
+        if errors:
+            err_console.print(f"[yellow]the reward function failed on {errors:.0f} of {calls:.0f} calls "
+                              f"({errors / calls:.1%}; those samples scored 0, per step in reward/failure_rate); "
+                              f"first error: {escape(s.first_error or 'not recorded')}. Fix reward.fn[/]",
+                              highlight=False, soft_wrap=True)
 
 
 def register(app: typer.Typer) -> None:

@@ -255,6 +255,10 @@ class RewardConfig(_Strict):
     """Reward function: a registered name (math_verify, format, smoke) or `module:function`."""
     format_weight: float = Field(0.0, ge=0)
     """Weight of the format reward added to the outcome reward."""
+    max_failure_rate: float = Field(0.5, ge=0, le=1)
+    """The share of a step's reward calls that may fail (raise, or return NaN / inf; such a sample
+    scores 0 and is counted in ``reward/errors``, its step's share in ``reward/failure_rate``). A step
+    above it stops the run with the rate, the step and the first error; 1.0 never stops."""
 
 
 # ---------------------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ from typing import Optional
 import yaml
 
 from ..loggers import build as build_loggers
-from ..metrics import MetricsError, MetricsWriter, RunSummary
+from ..metrics import MetricsError, MetricsWriter, RunSummary, reward_failure
 from ..plan import Plan, refuse_missing_engines, resolve
 from ..recipe import Recipe, resolve_path
 from . import checkpoint
@@ -89,10 +89,12 @@ def _progress_actor():
 
 class _Collector:
     """The driver's side of :class:`_Progress`: each row goes to metrics.jsonl as it arrives and
-    only the count is kept (the end-of-run summary is read back from the file)."""
+    only the count is kept (the end-of-run summary is read back from the file). A row whose reward
+    calls failed above ``max_failure_rate`` stops the run once the rows are written."""
 
-    def __init__(self, progress, writer: MetricsWriter) -> None:
+    def __init__(self, progress, writer: MetricsWriter, max_failure_rate: float = 1.0) -> None:
         self.progress, self.writer, self.taken = progress, writer, 0
+        self.max_failure_rate = max_failure_rate
 
     def take(self, timeout: Optional[float] = None) -> tuple[int, str, list]:
         import ray
@@ -101,6 +103,10 @@ class _Collector:
         for row in new:
             self.writer.write(row)
             self.taken += 1
+        for row in new:
+            why = reward_failure(row, self.max_failure_rate, self.writer.path)
+            if why:
+                raise RunError(why, code=1)
         return step, stage, new
 
 
@@ -303,7 +309,7 @@ def run_recipe(recipe: Recipe, plan: Plan, on_event: EventSink, out: Optional[Pa
                                        config=recipe.model_dump(mode="json"), resume=resume is not None)
         on_event(RunStarted(recipe.name, recipe.algorithm.name, run_dir, world, plan.roles["actor"].describe(),
                             plan.roles["rollout"].describe(), info[0]["stages"], info[0]["data"], start, total))
-        rows = _Collector(progress, writer)
+        rows = _Collector(progress, writer, recipe.reward.max_failure_rate)
         futures = [w.run.remote(start, total) for w in workers]
         _watch(futures, rows, on_event, where)
     except KeyboardInterrupt:

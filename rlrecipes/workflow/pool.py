@@ -217,7 +217,8 @@ def pool_rollout(ctx: Context, b: StageBatch) -> dict:
         # the reward of the groups that left the pool: trained on, or dropped by DAPO's filter (as a
         # colocated DAPO step counts every group it scored)
         "reward/mean": total["reward_sum"] / total["reward_n"] if total["reward_n"] else float("nan"),
-        "reward/samples": total["reward_n"], "reward/errors": total["errors"]})
+        "reward/samples": total["reward_n"], "reward/errors": total["errors"],
+        "reward/failure_rate": total["errors"] / total["reward_n"] if total["reward_n"] else 0.0})
     if first_error:
         pb.numbers["reward/first_error"] = first_error
     if ds.enabled:

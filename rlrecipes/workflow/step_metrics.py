@@ -97,6 +97,7 @@ def metrics_row(ctx: Context, st: StepState, gathered: list[dict], step_s: float
         "async/staleness_max": max(g["maxes"].get("stale_max", 0) for g in gathered),
         "reward/errors": total.get("errors", 0),
         "reward/samples": rn,
+        "reward/failure_rate": total.get("errors", 0) / rn if rn else 0.0,  # raised or not finite
         "actor/loss": upd.get("actor/loss"),
         "actor/pg_loss": upd.get("actor/pg_loss"),
         "actor/kl": upd.get("actor/kl", 0.0),
@@ -121,7 +122,7 @@ def metrics_row(ctx: Context, st: StepState, gathered: list[dict], step_s: float
                     "async/token_staleness_max": max(g["maxes"].get("token_stale_max", 0) for g in gathered)})
     if pooled_rollout(r):  # the rollout workers scored (and filtered) every group: their figures are the row's
         row["reward/trained_mean"] = row.pop("reward/mean")  # over the rows trained on
-        for key in ("reward/errors", "reward/first_error", "reward/samples"):
+        for key in ("reward/errors", "reward/first_error", "reward/samples", "reward/failure_rate"):
             row.pop(key, None)
         return row
     if r.algorithm.dynamic_sampling.enabled:

@@ -5,10 +5,12 @@
 * A metrics file that lost rows and ends in a half-written line is reconciled on --resume (rows
   re-emitted from the checkpoint, the partial line dropped, both reported).
 * metrics.jsonl deleted during a run stops the run with a message naming it.
-* A reward that raises on every sample ends the run non-zero with the reason.
+* A reward that raises on every sample ends the run non-zero with the reason; one that fails on 68 % of
+  its calls (above reward.max_failure_rate) too, and below the limit the summary says how many failed.
 """
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -128,5 +130,45 @@ def test_reward_failing_on_every_sample_exits_non_zero(tmp_path):
               check=False, extra_env={"PYTHONPATH": str(tmp_path)})
     assert out.returncode == 1, out.stderr[-2000:]
     flat = " ".join(out.stderr.split())
-    assert "reward function raised on 100% of the samples" in flat and "no parser" in flat, flat[-2000:]
-    assert len(rows(run)) == 2  # the metrics are kept
+    assert "step 0: the reward function failed on 100% of the step's" in flat and "no parser" in flat, flat[-2000:]
+    assert rows(run)[0]["reward/failure_rate"] == 1.0  # the metrics are kept (reward.max_failure_rate stopped it)
+
+
+FLAKY_REWARD = """
+calls = 0
+
+
+def score(text, answer):
+    global calls
+    i, calls = calls % 16, calls + 1  # 11 of every 16 calls fail: 68.75 % of a worker's 64 a step
+    if i < 11:
+        if i % 2:
+            return float("nan")
+        raise ValueError("cannot parse the answer")
+    return float(text.strip() == answer.strip())
+"""
+
+
+def test_a_reward_failing_on_68_percent_of_calls_stops_the_run_and_the_fix_is_reported(tmp_path):
+    """Issue 45, item 6, case 7: it exited 0 and its summary said nothing. Now a step above
+    reward.max_failure_rate (0.5) stops the run naming the key, the rate, the step and the fix; the
+    suggested value runs, and that run's summary says how many reward calls failed."""
+    (tmp_path / "flaky.py").write_text(FLAKY_REWARD)
+    run = tmp_path / "flaky"
+    args = ("run", "qwen25_7b", "--smoke", "--quiet", "reward.fn=flaky:score")
+    out = cli(*args, "--steps", "3", "--out", str(run), check=False, extra_env={"PYTHONPATH": str(tmp_path)})
+    flat = " ".join(out.stderr.split())
+    assert out.returncode == 1 and "Traceback" not in flat, flat[-3000:]
+    assert ("step 0: the reward function failed on 69% of the step's 128 calls" in flat
+            and "above reward.max_failure_rate=0.5" in flat and "cannot parse the answer" in flat), flat[-3000:]
+    got = rows(run)
+    assert len(got) < 3 and got[0]["reward/failure_rate"] == pytest.approx(11 / 16), got  # stopped
+    fix = re.search(r"set (reward\.max_failure_rate=\d+(?:\.\d+)?)", flat)
+    assert fix and fix[1] == "reward.max_failure_rate=0.7", flat[-3000:]
+    ok = cli(*args, fix[1], "--steps", "2", "--out", str(tmp_path / "ok"), check=False,
+             extra_env={"PYTHONPATH": str(tmp_path)})
+    both = " ".join((ok.stdout + ok.stderr).split())
+    assert ok.returncode == 0, both[-3000:]
+    assert "reward calls failed (raised / NaN)" in both and "176 of 256 (68.8%)" in both, both[-3000:]
+    assert "first error: sample 0: ValueError: cannot parse the answer" in both, both[-3000:]
+    assert [r["reward/failure_rate"] for r in rows(tmp_path / "ok")] == [pytest.approx(11 / 16)] * 2

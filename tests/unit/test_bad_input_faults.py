@@ -166,4 +166,41 @@ def test_a_checkpoint_whose_manifest_was_deleted_is_refused_not_taken_for_an_old
     assert f"echo step_000001 > {root / 'latest'}" in why, why  # the way back
 
 
+# ================================================================================ 7. a reward failing on 68 % of its calls
+def test_a_step_whose_reward_calls_fail_above_the_limit_is_named_with_a_fix_that_loads(tmp_path):
+    """It exited 0 and said nothing. (tests/e2e/test_faults.py runs it: the run stops at that step, the
+    suggested value runs, and its summary counts the failures.)"""
+    from rlrecipes.metrics import reward_failure
+    from rlrecipes.recipe import load_recipe
+
+    row = {"step": 3, "reward/samples": 128, "reward/errors": 87, "reward/failure_rate": 87 / 128,
+           "reward/first_error": "sample 0: ValueError: cannot parse the answer (in reward score)"}
+    limit = load_recipe("qwen25_7b", smoke=True).reward.max_failure_rate
+    assert limit == 0.5  # the default, in every recipe
+    why = reward_failure(row, limit, tmp_path / "metrics.jsonl")
+    assert why and why.startswith("step 3: the reward function failed on 68% of the step's 128 calls"), why
+    assert "reward.max_failure_rate=0.5" in why and "cannot parse the answer" in why, why
+    fix = re.search(r"set (reward\.max_failure_rate=\d+(?:\.\d+)?)", why)[1]
+    raised = load_recipe("qwen25_7b", smoke=True, overrides=[fix]).reward.max_failure_rate
+    assert raised == 0.7 and reward_failure(row, raised, tmp_path / "metrics.jsonl") is None
+    assert reward_failure({**row, "reward/failure_rate": 0.5}, limit, tmp_path) is None  # at the limit: on
+
+
+def test_the_run_summary_says_how_many_reward_calls_failed(tmp_path, capsys):
+    import json
+
+    from rlrecipes.cli.run import RunView
+    from rlrecipes.metrics import RunSummary
+    from rlrecipes.workflow.events import RunFinished
+
+    f = tmp_path / "metrics.jsonl"
+    first = "sample 5: ValueError: reward returned a non-finite value nan (in reward score)"
+    f.write_text("".join(json.dumps({"step": i, "reward/mean": 0.1, "timing_s/step": 1.0, "reward/samples": 128,
+                                     "reward/errors": e, **({"reward/first_error": first} if e else {})}) + "\n"
+                         for i, e in enumerate([0, 3, 1])))
+    RunView(quiet=True)(RunFinished("qwen25_7b", tmp_path, RunSummary.from_file(f), 3.0))
+    out = " ".join(capsys.readouterr().err.split())
+    assert "failed on 4 of 384 calls (1.0%" in out and first in out and "Fix reward.fn" in out, out
+
+
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # single-process DCP
