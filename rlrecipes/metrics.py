@@ -19,6 +19,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterable, Iterator, Optional
 
+from .disk import NO_SPACE_ERRNOS, no_space_message
+
 # Stages whose time is model compute; everything else in a step is overhead.
 COMPUTE_STAGES = ("rollout", "ref", "old", "values", "update", "critic_update")
 
@@ -75,6 +77,8 @@ class MetricsWriter:
     ``rows`` (on resume) replaces the file's content first, atomically (write + rename). Before
     each write the path is checked to still be the file this writer opened: a metrics file that
     vanished or was replaced during the run is an error, never a silent loss of every later row.
+    A row the disk has no room for is cut back off (the file keeps its whole rows) and the error
+    says no space is left, with the file system's free space.
     """
 
     def __init__(self, path: Path, rows: list[dict] | None = None) -> None:
@@ -83,12 +87,18 @@ class MetricsWriter:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             if rows is not None:
                 tmp = self.path.with_name(f".{self.path.name}.tmp")
-                tmp.write_text("".join(json.dumps(_clean(r)) + "\n" for r in rows))
+                try:
+                    tmp.write_text("".join(json.dumps(_clean(r)) + "\n" for r in rows))
+                except OSError:
+                    tmp.unlink(missing_ok=True)
+                    raise
                 os.replace(tmp, self.path)
-            self._f = self.path.open("a")
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         except OSError as e:
+            if e.errno in NO_SPACE_ERRNOS:
+                raise MetricsError(no_space_message(self.path, "the metrics file")) from None
             raise MetricsError(f"{self.path}: cannot write the metrics file ({e.strerror})") from None
-        self._ino = os.fstat(self._f.fileno()).st_ino
+        self._ino = os.fstat(self._fd).st_ino
         self.loggers: list = []  # extra sinks (TensorBoard, W&B) that receive the same rows
 
     def write(self, row: dict) -> None:
@@ -100,10 +110,20 @@ class MetricsWriter:
             what = "was deleted" if now is None else "was replaced by another file"
             raise MetricsError(f"{self.path} {what} while the run was writing it; the rows from step "
                                f"{row.get('step')} on would be lost. Leave a run's metrics.jsonl alone until it ends")
+        data, end = (json.dumps(_clean(row)) + "\n").encode(), None
         try:
-            self._f.write(json.dumps(_clean(row)) + "\n")
-            self._f.flush()
+            end = os.fstat(self._fd).st_size
+            view = memoryview(data)
+            while view:
+                view = view[os.write(self._fd, view):]
         except OSError as e:
+            if end is not None:
+                try:
+                    os.ftruncate(self._fd, end)  # no half-written row: the file keeps the rows written before
+                except OSError:
+                    pass
+            if e.errno in NO_SPACE_ERRNOS:
+                raise MetricsError(no_space_message(self.path, f"the row of step {row.get('step')}")) from None
             raise MetricsError(f"{self.path}: cannot write step {row.get('step')} ({e.strerror})") from None
         for lg in self.loggers:
             lg.log(row)
@@ -115,7 +135,7 @@ class MetricsWriter:
             except Exception:  # noqa: BLE001 - a logger's shutdown must not hide the run's outcome
                 pass
         try:
-            self._f.close()
+            os.close(self._fd)
         except OSError:
             pass
 

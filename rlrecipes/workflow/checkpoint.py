@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from .. import device as dev
 from ..core.collectives import all_gather_objects, broadcast_object
+from ..disk import no_space, no_space_message
 from ..models.files import FileLoadError, reading, reason
 from .context import Context
 
@@ -65,12 +66,10 @@ def save(ctx: Context, step: int, rows: list[dict] | None = None) -> None:
                      "manifest": MANIFEST_FORMAT}  # a deleted manifest must not pass for an old checkpoint
             (part / "trainer_state.json").write_text(json.dumps(state))
             (part / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows or [] if r["step"] <= step))
-    except OSError as e:
-        ok[0], error = 0.0, f"{e.filename or part}: {e.strerror}"
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as e:  # noqa: BLE001 - e.g. DCP's CheckpointException: every rank stops, none hangs
-        ok[0], error = 0.0, f"{part}: {reason(e)}"
+        ok[0], error = 0.0, _save_error(e, part, step)
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)
     if ok.item() == 0:
         _failed(ctx, part, step, error)
@@ -87,6 +86,15 @@ def save(ctx: Context, step: int, rows: list[dict] | None = None) -> None:
         tmp.write_text(final.name)
         os.replace(tmp, root / CKPT_LATEST)
     dist.barrier()
+
+
+def _save_error(e: BaseException, part: Path, step: int) -> str:
+    """What went wrong writing ``part``: a full disk said as one (torch's "unexpected pos" included)."""
+    if no_space(e):
+        return no_space_message(getattr(e, "filename", None) or part, f"the checkpoint of step {step}")
+    if isinstance(e, OSError):
+        return f"{e.filename or part}: {e.strerror}"
+    return f"{part}: {reason(e)}"
 
 
 def _failed(ctx: Context, part: Path, step: int, error: str) -> None:
@@ -119,7 +127,7 @@ def _write_manifest(ctx: Context, part: Path, next_step: int) -> str:
                     "files": {n: entries[n] for n in names}}
         (part / MANIFEST).write_text(json.dumps(manifest, indent=1))
     except OSError as e:
-        error = f"{e.filename or part}: {e.strerror}"
+        error = _save_error(e, part, next_step - 1)
     return error
 
 

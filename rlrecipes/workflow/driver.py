@@ -27,6 +27,7 @@ from typing import Optional
 
 import yaml
 
+from ..disk import no_space, no_space_message
 from ..loggers import build as build_loggers
 from ..metrics import MetricsError, MetricsWriter, RunSummary, reward_failure
 from ..plan import Plan, refuse_missing_engines, resolve
@@ -244,6 +245,8 @@ def run_recipe(recipe: Recipe, plan: Plan, on_event: EventSink, out: Optional[Pa
 
             build_smoke_tokenizer(run_dir / "tokenizer")
     except OSError as e:
+        if no_space(e):
+            raise RunError(no_space_message(e.filename or run_dir, "the run folder")) from None
         raise RunError(f"{e.filename or run_dir}: cannot write the run folder ({e.strerror})") from None
 
     world = plan.world

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .. import device as dev
+from ..disk import no_space, no_space_message
 from ..plan.agent import sandbox_line
 from ..recipe import Recipe
 from . import checkpoint
@@ -220,10 +221,17 @@ class Worker:
                 self._require_finite(end_step - 1, "exported")
             except RuntimeError as e:
                 raise self._fail(e, "export") from e
-            if lora:  # the adapters (a PEFT folder), always; the merged model with trainer.export_hf
-                ctx.actor.export_adapter(self.run_dir / "actor_adapter")
-            if self.recipe.trainer.export_hf:
-                self.export_hf(self.run_dir / "actor_hf")
+            folder = self.run_dir / "actor_adapter"
+            try:
+                if lora:  # the adapters (a PEFT folder), always; the merged model with trainer.export_hf
+                    ctx.actor.export_adapter(folder)
+                if self.recipe.trainer.export_hf:
+                    folder = self.run_dir / "actor_hf"
+                    self.export_hf(folder)
+            except Exception as e:
+                if not no_space(e):
+                    raise
+                raise self._fail(OSError(no_space_message(folder, "the trained model")), "export") from e
         ctx.report("done")
         return {"rank": self.rank, "last": last}
 

@@ -5,6 +5,8 @@
 * A metrics file that lost rows and ends in a half-written line is reconciled on --resume (rows
   re-emitted from the checkpoint, the partial line dropped, both reported).
 * metrics.jsonl deleted during a run stops the run with a message naming it.
+* A full disk under the checkpoints or metrics.jsonl is said as no space left, with the path and
+  the free space; what was written before stays whole.
 * A reward that raises on every sample ends the run non-zero with the reason; one that fails on 68 % of
   its calls (above reward.max_failure_rate) too, and below the limit the summary says how many failed.
 """
@@ -15,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -132,6 +135,57 @@ def test_reward_failing_on_every_sample_exits_non_zero(tmp_path):
     flat = " ".join(out.stderr.split())
     assert "step 0: the reward function failed on 100% of the step's" in flat and "no parser" in flat, flat[-2000:]
     assert rows(run)[0]["reward/failure_rate"] == 1.0  # the metrics are kept (reward.max_failure_rate stopped it)
+
+
+@contextmanager
+def small_disk(path: Path, size: str):
+    """A tmpfs of ``size`` mounted at ``path`` (root only: skipped where mounting is not permitted)."""
+    path.mkdir(parents=True, exist_ok=True)
+    try:
+        res = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                             capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as e:
+        pytest.skip(f"cannot mount a small tmpfs to fill ({e})")
+    if res.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs to fill: {res.stderr.strip() or res.returncode} (needs root)")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True, timeout=30)
+
+
+def test_a_full_disk_under_the_checkpoints_is_said_as_no_space_and_the_rows_stay(tmp_path):
+    """Issue 45, item 6, case 8: it read "unexpected pos 704 vs 598" (torch.save's short write)."""
+    with small_disk(tmp_path / "full", "256k") as run:  # room for the run folder, not for a checkpoint
+        out = cli("run", "qwen25_7b", "--smoke", "--steps", "3", "--out", str(run), "--quiet",
+                  "trainer.checkpoint_interval=1", check=False)
+        left = sorted(p.name for p in (run / "checkpoints").iterdir())
+        got = rows(run)
+    flat = " ".join(out.stderr.split())
+    assert out.returncode == 1 and "Traceback" not in flat and "unexpected pos" not in flat, flat[-3000:]
+    assert (f"{run / 'checkpoints' / 'step_000001.partial'}" in flat and "no space left on the device while writing "
+            "the checkpoint of step 0" in flat and "free of 256.0 KiB on that file system" in flat), flat[-3000:]
+    assert not [n for n in left if n.startswith("step_")], left  # the half-written checkpoint is gone
+    assert got and got[0]["step"] == 0  # the rows written before stay
+
+
+def test_a_full_disk_under_metrics_jsonl_keeps_the_rows_written_before_whole(tmp_path):
+    from rlrecipes.metrics import MetricsError, MetricsWriter
+
+    with small_disk(tmp_path / "m", "16k") as disk:
+        w = MetricsWriter(disk / "metrics.jsonl")
+        try:
+            with pytest.raises(MetricsError) as raised:
+                for step in range(1000):
+                    w.write({"step": step, "note": "x" * 1000})
+        finally:
+            w.close()
+        got = rows(disk)
+        assert [r["step"] for r in got] == list(range(step)) and step > 0, (step, len(got))
+        assert (disk / "metrics.jsonl").read_bytes().endswith(b"\n")  # no half-written row
+    flat = " ".join(str(raised.value).split())
+    assert flat.startswith(f"{disk / 'metrics.jsonl'}: no space left on the device while writing the row of step "
+                           f"{step} (") and "free of 16.0 KiB" in flat, flat
 
 
 FLAKY_REWARD = """

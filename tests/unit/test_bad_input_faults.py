@@ -203,4 +203,29 @@ def test_the_run_summary_says_how_many_reward_calls_failed(tmp_path, capsys):
     assert "failed on 4 of 384 calls (1.0%" in out and first in out and "Fix reward.fn" in out, out
 
 
+# ================================================================================ 8. a full disk
+def test_a_full_disk_under_a_checkpoint_or_the_metrics_file_says_no_space_with_the_path(tmp_path):
+    """torch.save's short write read "unexpected pos 704 vs 598". /dev/full answers every write with
+    ENOSPC (tests/e2e/test_faults.py fills a small tmpfs under a whole run's checkpoints)."""
+    import torch
+
+    from rlrecipes.metrics import MetricsError, MetricsWriter
+    from rlrecipes.workflow import checkpoint
+
+    if not Path("/dev/full").exists():
+        pytest.skip("no /dev/full on this machine")
+    with pytest.raises(RuntimeError, match="unexpected pos") as raised:
+        torch.save({"w": torch.randn(1000)}, "/dev/full")
+    why = checkpoint._save_error(raised.value, tmp_path / "step_000002.partial", 1)
+    assert why.startswith(f"{tmp_path / 'step_000002.partial'}: no space left on the device while writing the "
+                          "checkpoint of step 1 (") and " free of " in why and "unexpected pos" not in why, why
+    w = MetricsWriter(Path("/dev/full"))
+    try:
+        with pytest.raises(MetricsError, match=r"^/dev/full: no space left on the device while writing the row of "
+                                               r"step 4 \(.* free of .*\); free space there"):
+            w.write({"step": 4, "reward/mean": 0.5})
+    finally:
+        w.close()
+
+
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # single-process DCP
