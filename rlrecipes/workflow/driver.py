@@ -486,7 +486,11 @@ def _failure(futures, f, e, progress, phase: str, where: Optional[WorkerPlacemen
             lost = unanswering_nodes([where.nodes[futures.index(d)] for d, x in failures if _died(x)])
     if lost:
         return _node_loss(where, lost, progress)
-    return _root_cause(futures, failures, progress, phase)
+    msg = _root_cause(futures, failures, progress, phase)
+    last = checkpoint.latest(where.run_dir) if where is not None else None
+    if last is not None:  # the way on: the command that continues from the last checkpoint
+        msg += f". Continue from its last checkpoint ({last.name}) with: {where.resume}"
+    return msg
 
 
 def _died(e: Exception) -> bool:

@@ -13,6 +13,7 @@
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -94,6 +95,26 @@ def test_sigint_right_after_a_checkpoint_loses_no_row_and_resumes_exactly(tmp_pa
     for x, y in zip(rows(ref), got):
         for k in KEYS:
             assert x[k] == pytest.approx(y[k], rel=1e-5, abs=1e-7), (x["step"], k)
+
+
+def test_a_killed_workers_message_ends_with_the_resume_command_that_works(tmp_path):
+    """Issue 45, item 6, case 10: a killed worker was named, but no `--resume` command was printed."""
+    run = tmp_path / "killed"
+    proc = start(run, "trainer.checkpoint_interval=1")
+    try:
+        wait_for(lambda: latest(run) >= "step_000001", proc)
+        os.kill(json.loads((run / "workers.json").read_text())["pids"][1], signal.SIGKILL)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    flat = " ".join(err.split())
+    assert proc.returncode == 1 and "worker rank 1 died" in flat and "Traceback" not in flat, flat[-3000:]
+    m = re.search(r"Continue from its last checkpoint \((step_\d+)\) with: (rlrecipes run .*)$", flat)
+    assert m and m[2].endswith(f"--resume {run} --smoke"), flat[-3000:]
+    covered = int(m[1].split("_")[1])
+    res = cli(*shlex.split(m[2])[1:], "--steps", str(covered + 1), "--quiet")  # the command as printed
+    assert [r["step"] for r in rows(run)][-1] == covered, res.stderr[-2000:]
 
 
 def test_resume_reconciles_lost_rows_and_a_half_written_line(tmp_path):
