@@ -22,12 +22,14 @@ def test_padded_bins_count_every_member_at_the_groups_longest():
 
 
 def test_one_sample_per_row_needs_no_mask_and_keeps_the_samples():
-    lengths = [8, 2, 2, 2, 2]
+    lengths = [8, 4, 4, 2, 2]
     batch = _batch(lengths)
     packed = packed_micro_batches(batch, 16, 0, collective=False)
     per_row = packed_micro_batches(batch, 16, 0, collective=False, one_per_row=True)
-    assert len(packed) == 1 and packed[0]["input_ids"].shape == (2, 8) and not packed[0]["one_per_row"]
-    assert [mb["input_ids"].shape for mb in per_row] == [(2, 8), (3, 2)]
+    # packed: [8 | 4 + 4] and [2 | 2]; a row holding two samples needs the block mask
+    assert [mb["input_ids"].shape for mb in packed] == [(2, 8), (2, 2)] and not packed[0]["one_per_row"]
+    # a sample per row: [8, 4 -> 8] and [4, 2 -> 4, 2 -> 4]
+    assert [mb["input_ids"].shape for mb in per_row] == [(2, 8), (3, 4)]
     assert all(mb["one_per_row"] for mb in per_row)
     for mb in per_row:  # row r holds sample r alone, from column 0, positions 0..n-1
         for r, i in enumerate(mb["sample_index"]):

@@ -194,10 +194,14 @@ def packed_micro_batch(batch: SeqBatch, pad_id: int = 0, row_tokens: int | None 
     block of its own (its positions restart at 0) whose logits are never read.
     ``logit_index [U]`` are the columns the head is evaluated at (the union over rows) and
     ``keep_rows / keep_cols [M]`` pick each response token's logits out of ``[rows, U, V]``.
+    ``one_per_row``: every sample a row of its own (padded to the longest): plain causal attention is
+    then exact (trailing padding is never attended to, its outputs never read), so no ``[rows, T, T]``
+    mask is needed and the attention kernel keeps its fused path; ``mb["one_per_row"]`` says so.
     """
     plen, rlen = _lengths(batch.prompts), _lengths(batch.responses)  # [n]
     lengths = (plen + rlen).tolist()
-    rows_of = token_bins(lengths, row_tokens) if row_tokens else [list(range(len(batch)))]
+    rows_of = ([[i] for i in range(len(batch))] if one_per_row else
+               token_bins(lengths, row_tokens) if row_tokens else [list(range(len(batch)))])
     # every sample's row and offset in it, in row order (one batched scatter below, no per-sample ops)
     order, row_of, offset_of, ends = [], [], [], []
     for r, members in enumerate(rows_of):
