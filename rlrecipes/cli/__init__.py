@@ -19,4 +19,7 @@ for mod in (ls, show, cp, plan, run, launch, check, report):
 
 
 def main() -> None:  # console-script entry point
+    from .. import interrupts
+
+    interrupts.PROCESS_EXIT = True  # Ctrl-C while this process shuts down still exits 130 (interrupts.guard)
     app()

@@ -41,8 +41,9 @@ def user_errors(fn: Callable) -> Callable:
                     type(e).__name__.replace("Error", " error").strip())
             err_console.print(f"[bold red]{kind}:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
             raise typer.Exit(code) from None
-        except KeyboardInterrupt:
-            err_console.print("[yellow]interrupted[/]")
+        except KeyboardInterrupt as e:  # one line: the run's own (interrupts.RunInterrupted: the --resume command)
+            err_console.print(f"[yellow]{escape(getattr(e, 'message', None) or 'interrupted')}[/]", highlight=False,
+                              soft_wrap=True)
             raise typer.Exit(130) from None
 
     return wrapper

@@ -74,9 +74,8 @@ class RunView:
                 self.live.update(self._table(ev.step, ev.stage))
         elif isinstance(ev, E.Notice):
             err_console.print(f"[yellow]{ev.text}[/]", highlight=False, soft_wrap=True)
-        elif isinstance(ev, E.Interrupted):
+        elif isinstance(ev, E.Interrupted):  # the one line comes when the workers have stopped (cli/_common.py)
             self.stop()
-            err_console.print("[yellow]interrupted: stopping workers[/]")
         elif isinstance(ev, E.RunFinished):
             self.stop()
             self._summary(ev)
@@ -182,7 +181,9 @@ def register(app: typer.Typer) -> None:
             if missing:
                 die("--dry-run: the launch commands name paths that are not there:\n  - " + "\n  - ".join(missing))
             return
+        from ..interrupts import guard
         from ..workflow.driver import run_recipe
 
-        run_recipe(r, plan, RunView(quiet), out=out, resume=resume, embedded=smoke and address is None,
-                   address=address, overrides=ovr)
+        with guard():  # Ctrl-C at any moment from here on: exit 130 with one line, never a traceback or 0
+            run_recipe(r, plan, RunView(quiet), out=out, resume=resume, embedded=smoke and address is None,
+                       address=address, overrides=ovr)

@@ -27,6 +27,7 @@ from typing import Optional
 
 import yaml
 
+from .. import interrupts
 from ..disk import no_space, no_space_message
 from ..loggers import build as build_loggers
 from ..metrics import MetricsError, MetricsWriter, RunSummary, reward_failure
@@ -271,6 +272,7 @@ def run_recipe(recipe: Recipe, plan: Plan, on_event: EventSink, out: Optional[Pa
     rows: Optional[_Collector] = None
     start = 0
     t0 = time.time()
+    interrupted = False
     try:
         # one dock per step in flight: rollout may run max_staleness steps ahead of training.
         # One worker: the dock lives in its process (TransferDock.in_worker), as the controller and
@@ -316,14 +318,44 @@ def run_recipe(recipe: Recipe, plan: Plan, on_event: EventSink, out: Optional[Pa
         futures = [w.run.remote(start, total) for w in workers]
         _watch(futures, rows, on_event, where)
     except KeyboardInterrupt:
-        _drain(rows)  # every row the workers finished reaches metrics.jsonl
-        on_event(Interrupted(run_dir))
-        raise
+        interrupted = True
+        with interrupts.deferred():  # a second Ctrl-C does not cut the clean-up short
+            on_event(Interrupted(run_dir))
+            _drain(rows)  # every row the workers finished reaches metrics.jsonl
     except MetricsError as e:
         raise RunError(str(e), code=1) from None
     finally:
+        with interrupts.deferred():  # Ctrl-C now is recorded: the workers and Ray are stopped first
+            _stop(writer, workers, docks, pg, started_here)
+    if interrupted or interrupts.pending():
+        raise interrupts.RunInterrupted(_interrupted_message(run_dir, _resume_command(recipe, run_dir, embedded, address)))
+    with interrupts.deferred():
+        summary = RunSummary.from_file(run_dir / "metrics.jsonl", first_step=start)  # this session's rows
+        on_event(RunFinished(recipe.name, run_dir, summary, time.time() - t0))
+    if interrupts.pending():
+        raise interrupts.RunInterrupted(_interrupted_message(run_dir, _resume_command(recipe, run_dir, embedded, address)))
+    bad = _bad_run(recipe, summary)
+    if bad:
+        raise RunError(bad, code=1)
+    return run_dir
+
+
+def _interrupted_message(run_dir: Path, resume: str) -> str:
+    """The one line Ctrl-C ends a run with: where to continue from, when a checkpoint exists."""
+    last = checkpoint.latest(run_dir)
+    if last is None:
+        return f"interrupted; {run_dir} has no checkpoint to continue from (trainer.checkpoint_interval)"
+    return f"interrupted; continue from its last checkpoint ({last.name}) with: {resume}"
+
+
+def _stop(writer, workers: list, docks: list, pg, started_here: bool) -> None:
+    """Close metrics.jsonl, stop the workers, the docks and the placement group, and an embedded Ray."""
+    import ray
+
+    try:
         if writer is not None:
             writer.close()
+    finally:  # a writer that fails to close still lets the workers and Ray stop
         for w in workers:
             try:
                 ray.kill(w)
@@ -341,12 +373,6 @@ def run_recipe(recipe: Recipe, plan: Plan, on_event: EventSink, out: Optional[Pa
                 pass
         if started_here:
             ray.shutdown()
-    summary = RunSummary.from_file(run_dir / "metrics.jsonl", first_step=start)  # this session's rows
-    on_event(RunFinished(recipe.name, run_dir, summary, time.time() - t0))
-    bad = _bad_run(recipe, summary)
-    if bad:
-        raise RunError(bad, code=1)
-    return run_dir
 
 
 def place_workers(recipe: Recipe, world: int, device_type: str, run_dir: Path, docks: list, progress) -> tuple:

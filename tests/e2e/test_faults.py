@@ -9,6 +9,8 @@
   the free space; what was written before stays whole.
 * A reward that raises on every sample ends the run non-zero with the reason; one that fails on 68 % of
   its calls (above reward.max_failure_rate) too, and below the limit the summary says how many failed.
+* Ctrl-C in the run's last moments (its summary, the workers' and Ray's shutdown) exits 130 with one
+  line and the --resume command.
 """
 import json
 import os
@@ -247,3 +249,32 @@ def test_a_reward_failing_on_68_percent_of_calls_stops_the_run_and_the_fix_is_re
     assert "reward calls failed (raised / NaN)" in both and "176 of 256 (68.8%)" in both, both[-3000:]
     assert "first error: sample 0: ValueError: cannot parse the answer" in both, both[-3000:]
     assert [r["reward/failure_rate"] for r in rows(tmp_path / "ok")] == [pytest.approx(11 / 16)] * 2
+
+
+def test_ctrl_c_in_the_last_moments_of_a_run_exits_130_with_one_line(tmp_path):
+    """Issue 45, item 6, case 10: Ctrl-C in the last half second of a run (its summary, the workers'
+    and Ray's shutdown) printed a KeyboardInterrupt traceback and exited 0. Ctrl-C is pressed (every
+    50 ms, as an impatient user does) from the moment metrics.jsonl holds the last row until the CLI
+    exits."""
+    run = tmp_path / "late"
+    steps = 2
+    proc = subprocess.Popen([sys.executable, "-m", "rlrecipes", "run", "qwen25_7b", "--smoke", "--steps", str(steps),
+                             "--out", str(run), "--quiet", "trainer.checkpoint_interval=1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(),
+                            preexec_fn=interruptible)
+    try:
+        wait_for(lambda: (run / "metrics.jsonl").is_file() and len(rows(run)) >= steps, proc)
+        sent = 0
+        while proc.poll() is None and sent < 600:
+            proc.send_signal(signal.SIGINT)
+            sent += 1
+            time.sleep(0.05)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130 and "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    flat = " ".join(err.split())
+    assert re.search(r"interrupted\b", flat), flat[-2000:]
+    assert f"rlrecipes run qwen25_7b --resume {run} --smoke" in flat, flat[-2000:]
+
