@@ -45,6 +45,10 @@ def simulated() -> DeviceType | None:
 SIMULATED_TORCH_TYPE = "lazy"
 
 
+#: what ``device_strict.simulate()`` stands in for unless told otherwise
+SIMULATED_DEFAULT: DeviceType = "cuda"
+
+
 def _set_simulated(kind: DeviceType | None) -> None:
     """Start (``"cuda"`` or ``"npu"``: what ``resources.device`` names) or end (None) simulating."""
     global _simulated

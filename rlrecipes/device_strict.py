@@ -243,9 +243,11 @@ _lock = threading.Lock()
 
 
 @contextlib.contextmanager
-def simulate(kind: str = "cuda") -> Iterator[torch.device]:
-    """In this block ``rlrecipes.device`` sees one ``kind`` device (``cuda:0`` / ``npu:0``) whose tensors
-    are :class:`DeviceTensor`, and every op is checked (this thread; not nested)."""
+def simulate(kind: str | None = None) -> Iterator[torch.device]:
+    """In this block ``rlrecipes.device`` sees one device of type ``kind`` (default
+    ``device.SIMULATED_DEFAULT``) whose tensors are :class:`DeviceTensor`, and every op is checked
+    (this thread; not nested). Yields the simulated device."""
+    kind = kind or dev.SIMULATED_DEFAULT
     with _lock:
         if dev.simulated() is not None:
             raise RuntimeError(f"device_strict.simulate: already simulating {dev.simulated()}")
