@@ -63,6 +63,60 @@ def token_auth_like_ray_start() -> Optional[str]:
     return os.environ.get("RAY_AUTH_MODE")
 
 
+#: the node processes an embedded Ray runs as children of the driver (their /proc comm names)
+RAY_NODE_PROCESSES = {"raylet": "raylet (its node manager)", "gcs_server": "GCS (gcs_server, its control store)"}
+
+
+def dead_ray_processes(pid: Optional[int] = None) -> list[str]:
+    """The embedded Ray's node processes (children of ``pid``, this process by default) that died:
+    a zombie, or none running of that name. Empty when every one is alive; read from /proc."""
+    me, alive, dead = pid or os.getpid(), set(), []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+        except OSError:
+            continue
+        comm, rest = stat[stat.find("(") + 1:stat.rfind(")")], stat[stat.rfind(")") + 1:].split()
+        if comm in RAY_NODE_PROCESSES and len(rest) > 1 and rest[1] == str(me):
+            if rest[0] in ("Z", "X"):
+                dead.append(f"{RAY_NODE_PROCESSES[comm]}, pid {d.name}, died")
+            else:
+                alive.add(comm)
+    named = " ".join(dead)
+    dead += [f"{what} is not running" for comm, what in RAY_NODE_PROCESSES.items()
+             if comm not in alive and what not in named]
+    return dead
+
+
+def ray_logs_dir() -> str:
+    """The logs folder of this process's Ray session (or of the newest one under Ray's temp folder)."""
+    try:
+        import ray
+
+        node = ray._private.worker._global_node
+        if node is not None:
+            return node.get_logs_dir_path()
+    except Exception:  # noqa: BLE001 - Ray's internals moved: the newest session below
+        pass
+    return os.path.realpath(Path(os.environ.get("RAY_TMPDIR") or "/tmp/ray") / "session_latest" / "logs")
+
+
+def ray_died(dead: Sequence[str], e: Optional[BaseException] = None) -> ClusterError:
+    """The one paragraph for an embedded Ray whose node processes died: what, where the logs are, what to try.
+    Its exit code is 1."""
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0] if e is not None else None
+    err = ClusterError(
+        f"{'; '.join(f'the embedded Ray' + chr(39) + f's {d}' for d in dead) or 'the embedded Ray did not start'}"
+        f"{f' ({first})' if first else ''}; its logs are in "
+        f"{ray_logs_dir()} (raylet.out, gcs_server.out and gcs_server.err end with the reason). Likely causes: the "
+        "kernel's OOM killer (`dmesg | tail`), a full /tmp or /dev/shm (`df -h /tmp /dev/shm`), or a Ray left "
+        "running on this machine (`ray stop`); free what is short, then run the command again.")
+    err.code = 1
+    return err
+
+
 def connect(address: Optional[str] = None, *, embedded: bool = False, num_cpus: Optional[int] = None,
             resources: Optional[dict] = None) -> str:
     """Initialise Ray; returns 'embedded' or the address joined."""
@@ -72,8 +126,11 @@ def connect(address: Optional[str] = None, *, embedded: bool = False, num_cpus: 
         return "existing"
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     if embedded:
-        ray.init(address="local", num_cpus=num_cpus, resources=resources, include_dashboard=False, log_to_driver=True,
-                 configure_logging=False, namespace="rlrecipes")
+        try:
+            ray.init(address="local", num_cpus=num_cpus, resources=resources, include_dashboard=False,
+                     log_to_driver=True, configure_logging=False, namespace="rlrecipes")
+        except Exception as e:  # Ray raises a bare Exception ("The current node timed out during startup ...")
+            raise ray_died(dead_ray_processes(), e) from None
         return "embedded"
     target = address or os.environ.get("RAY_ADDRESS") or "auto"
     _token_auth_like_ray_start()

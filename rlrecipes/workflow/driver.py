@@ -214,7 +214,7 @@ def run_recipe(recipe: Recipe, plan: Plan, on_event: EventSink, out: Optional[Pa
 
     from .. import device as dev
     from ..cluster import (ClusterError, check_device_runtime, check_resources, cluster_resources, connect,
-                           start_hint)
+                           dead_ray_processes, ray_died, start_hint)
     from ..algos.spec import pooled_rollout
     from ..core.dock import TransferDock
     from ..inputs import run_inputs
@@ -258,6 +258,8 @@ def run_recipe(recipe: Recipe, plan: Plan, on_event: EventSink, out: Optional[Pa
     try:
         connect(address, embedded=embedded, num_cpus=max(os.cpu_count() or 1, 1) if embedded else None)
     except ClusterError as e:
+        if embedded:  # the embedded Ray did not start: no cluster to start
+            raise
         raise ClusterError(f"{e}\n{start_hint(plan.nodes, recipe.folder)}") from None
     on_cpu = resource == "CPU"
     check_resources(cluster_resources(resource), plan.nodes if not on_cpu else 1,
@@ -324,6 +326,11 @@ def run_recipe(recipe: Recipe, plan: Plan, on_event: EventSink, out: Optional[Pa
             _drain(rows)  # every row the workers finished reaches metrics.jsonl
     except MetricsError as e:
         raise RunError(str(e), code=1) from None
+    except Exception as e:  # Ray's own processes dying (an ActorDiedError, or a worker's death) are said as such
+        dead = dead_ray_processes() if started_here else []
+        if dead:
+            raise ray_died(dead, e) from None
+        raise
     finally:
         with interrupts.deferred():  # Ctrl-C now is recorded: the workers and Ray are stopped first
             _stop(writer, workers, docks, pg, started_here)

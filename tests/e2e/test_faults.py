@@ -11,6 +11,7 @@
   its calls (above reward.max_failure_rate) too, and below the limit the summary says how many failed.
 * Ctrl-C in the run's last moments (its summary, the workers' and Ray's shutdown) exits 130 with one
   line and the --resume command.
+* The embedded Ray's raylet killed as it starts: one paragraph naming it and Ray's logs folder, exit 1.
 """
 import json
 import os
@@ -278,3 +279,41 @@ def test_ctrl_c_in_the_last_moments_of_a_run_exits_130_with_one_line(tmp_path):
     assert re.search(r"interrupted\b", flat), flat[-2000:]
     assert f"rlrecipes run qwen25_7b --resume {run} --smoke" in flat, flat[-2000:]
 
+
+
+def children(pid: int, name: str) -> list[int]:
+    """The pids of ``pid``'s child processes whose command line names ``name`` (from /proc)."""
+    found = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == pid and name in cmd:
+            found.append(int(d.name))
+    return found
+
+
+def test_a_raylet_that_dies_at_start_up_is_said_with_its_logs_folder(tmp_path):
+    """Issue 45, item 6, case 9: Ray failing at start-up (its raylet killed as soon as it runs) ended in a
+    raw ActorDiedError traceback."""
+    run = tmp_path / "noray"
+    proc = start(run)
+    try:
+        deadline = time.time() + 120
+        while not (pids := children(proc.pid, "raylet")):
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()
+            time.sleep(0.05)
+        for p in pids:
+            os.kill(p, signal.SIGKILL)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    flat = " ".join(err.split())
+    assert proc.returncode == 1 and "Traceback" not in flat and "ActorDiedError" not in flat, flat[-3000:]
+    m = re.search(r"Cluster error: the embedded Ray's raylet \(its node manager\), pid \d+, died.*?; its logs are in (\S+) \(", flat)
+    assert m and Path(m[1]).is_dir() and any(Path(m[1]).glob("raylet*")), flat[-3000:]
