@@ -68,8 +68,8 @@ RAY_NODE_PROCESSES = {"raylet": "raylet (its node manager)", "gcs_server": "GCS 
 
 
 def dead_ray_processes(pid: Optional[int] = None) -> list[str]:
-    """The embedded Ray's node processes (children of ``pid``, this process by default) that died:
-    a zombie, or none running of that name. Empty when every one is alive; read from /proc."""
+    """The embedded Ray's node processes (children of ``pid``, this process by default) that died (a
+    zombie child), with any other that is not running; empty when no zombie is found. Read from /proc."""
     me, alive, dead = pid or os.getpid(), set(), []
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
@@ -84,10 +84,11 @@ def dead_ray_processes(pid: Optional[int] = None) -> list[str]:
                 dead.append(f"{RAY_NODE_PROCESSES[comm]}, pid {d.name}, died")
             else:
                 alive.add(comm)
+    if not dead:  # only a zombie is proof: a Ray that starts its processes otherwise must not read as dead
+        return []
     named = " ".join(dead)
-    dead += [f"{what} is not running" for comm, what in RAY_NODE_PROCESSES.items()
-             if comm not in alive and what not in named]
-    return dead
+    return dead + [f"{what} is not running" for comm, what in RAY_NODE_PROCESSES.items()
+                   if comm not in alive and what not in named]
 
 
 def ray_logs_dir() -> str:
