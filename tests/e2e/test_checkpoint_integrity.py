@@ -54,6 +54,13 @@ def smoke_run(tmp_path_factory) -> Path:
     return run
 
 
+
+def flip_a_bit(path) -> None:
+    """Alter one bit a third of the way into ``path`` (its size stays; only a checksum sees it)."""
+    data = bytearray(path.read_bytes())
+    data[len(data) // 3] ^= 0x40
+    path.write_bytes(bytes(data))
+
 def test_resume_refuses_a_truncated_and_an_altered_shard_by_name(smoke_run, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(smoke_run, run)
@@ -67,9 +74,7 @@ def test_resume_refuses_a_truncated_and_an_altered_shard_by_name(smoke_run, tmp_
 
     cut, flipped = ckpt / shards[0], ckpt / shards[1]
     os.truncate(cut, cut.stat().st_size // 2)
-    data = bytearray(flipped.read_bytes())
-    data[len(data) // 3] ^= 0x40
-    flipped.write_bytes(bytes(data))
+    flip_a_bit(flipped)
     before = snapshot(run)
 
     res = cli("run", "qwen25_7b", "--smoke", "--steps", "4", "--resume", run, "--quiet", check=False)
@@ -95,9 +100,7 @@ def test_a_deleted_manifest_does_not_turn_the_check_off(smoke_run, tmp_path):
     ckpt = run / "checkpoints" / "step_000002"
     shard = ckpt / sorted(n for n in manifest(ckpt) if n.endswith(".distcp"))[0]
     (ckpt / "manifest.json").unlink()
-    data = bytearray(shard.read_bytes())
-    data[len(data) // 3] ^= 0x40
-    shard.write_bytes(bytes(data))
+    flip_a_bit(shard)
     before = snapshot(run)
     res = cli("run", "qwen25_7b", "--smoke", "--steps", "3", "--resume", run, "--quiet", check=False)
     err = flat(res.stderr)
