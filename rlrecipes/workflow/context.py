@@ -112,6 +112,8 @@ class Context:
     version: int = 0
     """The policy version of the rollout weights (= the step whose update produced them)."""
     end_step: int = 0
+    #: set by the step's all-gathered facts, the same on every train worker: end the loop after this step
+    stop_after_step: bool = False
     timer: StageTimer = field(default_factory=StageTimer)
     synced_bytes: int = 0
     """Weight bytes this worker's rollout engine received since the step began (``reshard/bytes``)."""

@@ -18,7 +18,7 @@ from .context import Context, Role
 from .stage_io import DockIO, StepState, step_io
 from . import pool  # noqa: F401  (registers the pooled rollout's stage function)
 from .stages import RUNNERS, receive_weights
-from .step_metrics import metrics_row, step_facts, sync_metrics
+from .step_metrics import metrics_row, reward_failed, step_facts, sync_metrics
 
 
 def run_stages(ctx: Context, io: DockIO) -> None:
@@ -62,7 +62,8 @@ def train_step(ctx: Context, step: int) -> dict:
     ctx.dock.flush()  # this worker's last writes are committed (or their failure raised) within the step
     step_s = time.time() - t_step
     gathered = all_gather_objects(step_facts(ctx, st, trips0, wait0), device=ctx.device)
-    if ctx.role == Role.BOTH and ctx.rank == 0 and step + 1 < ctx.end_step:
+    ctx.stop_after_step = reward_failed(ctx, gathered)
+    if ctx.role == Role.BOTH and ctx.rank == 0 and step + 1 < ctx.end_step and not ctx.stop_after_step:
         # every worker has flushed this step's writes (the gather above follows each one's flush):
         # the next step's reset goes out now and is answered while this one's row is assembled
         ctx.docks[(step + 1) % len(ctx.docks)].reset_ahead(step + 1, groups=(r.trainer.global_batch,

@@ -66,6 +66,18 @@ def update_metrics(ctx: Context, out: dict, totals: list[float], parts: dict[str
 
 
 
+def reward_failed(ctx: Context, gathered: list[dict]) -> bool:
+    """Whether the step's reward calls failed above ``reward.max_failure_rate``: read from the
+    all-gathered facts, so every train worker decides the same and they stop together after this
+    step (the driver says why from rank 0's row, :func:`rlrecipes.metrics.reward_failure`). A
+    pooled rollout's rollout workers score, so their trainers never stop for it."""
+    if pooled_rollout(ctx.recipe):
+        return False
+    errors = sum(g["sums"].get("errors", 0) for g in gathered)
+    calls = sum(g["sums"].get("reward_n", 0) for g in gathered)
+    return bool(calls) and errors / calls > ctx.recipe.reward.max_failure_rate
+
+
 def metrics_row(ctx: Context, st: StepState, gathered: list[dict], step_s: float) -> dict[str, Any]:
     """Rank 0's row of the step from every worker's facts (:func:`step_facts`)."""
     r = ctx.recipe

@@ -203,6 +203,9 @@ class Worker:
             ctx.step = step
             try:
                 last = train_step(ctx, step)
+                if ctx.stop_after_step:  # reward.max_failure_rate: every train worker stops here, unsaved
+                    ctx.report("done")
+                    return {"rank": self.rank, "last": last}
                 k = self.recipe.trainer.checkpoint_interval
                 if ctx.leader and k:
                     self.rows.append(last)

@@ -240,7 +240,7 @@ def test_a_reward_failing_on_68_percent_of_calls_stops_the_run_and_the_fix_is_re
     assert ("step 0: the reward function failed on 69% of the step's 128 calls" in flat
             and "above reward.max_failure_rate=0.5" in flat and "cannot parse the answer" in flat), flat[-3000:]
     got = rows(run)
-    assert len(got) < 3 and got[0]["reward/failure_rate"] == pytest.approx(11 / 16), got  # stopped
+    assert len(got) == 1 and got[0]["reward/failure_rate"] == pytest.approx(11 / 16), got  # stopped after it
     fix = re.search(r"set (reward\.max_failure_rate=\d+(?:\.\d+)?)", flat)
     assert fix and fix[1] == "reward.max_failure_rate=0.7", flat[-3000:]
     ok = cli(*args, fix[1], "--steps", "2", "--out", str(tmp_path / "ok"), check=False,
