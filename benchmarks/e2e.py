@@ -8,6 +8,9 @@ same-architecture model, 2 CPU workers) and reports, from the run's metrics.json
 - ``stage_s``: mean seconds per stage; ``overhead_share`` / ``overhead_share_median``: mean and
   median share of the step outside model compute (dispatch, dock, reward, reshard);
 - ``reward_first5`` / ``reward_last5``: mean reward of the first and last 5 steps;
+- ``predicted_tps_per_card`` / ``predicted_step_s`` / ``predicted_stage_s``: what ``plan``'s
+  step-time model predicts for the same run on the ``cpu`` hardware row (the run's ``plan.json``),
+  and ``predicted_over_measured`` against the median above;
 - ``rollout_tokens_per_s`` vs ``generate_tokens_per_s``: the native rollout engine against
   ``transformers`` ``model.generate`` on the same smoke model and batch (single process).
 
@@ -48,8 +51,19 @@ def run_one(recipe: str, steps: int, out: Path) -> dict:
         "dispatch_skew_s": round(statistics.fmean(r.get("perf/dispatch_skew_s", 0.0) for r in body), 4),
         "reward_first5": round(statistics.fmean(r["reward/mean"] for r in rows[:5]), 4),
         "reward_last5": round(statistics.fmean(r["reward/mean"] for r in rows[-5:]), 4),
+        **_predicted(out, statistics.median(r["perf/tps_per_card"] for r in body)),
         "run_dir": str(out),
     }
+
+
+def _predicted(out: Path, measured: float) -> dict:
+    """plan's step-time model for the same run (its plan.json), beside the measured median."""
+    pred = json.loads((out / "plan.json").read_text()).get("predicted") or {}
+    if "tps_per_card" not in pred:
+        return {}
+    return {"predicted_tps_per_card": pred["tps_per_card"], "predicted_step_s": pred["step_s"],
+            "predicted_over_measured": round(pred["tps_per_card"] / measured, 3) if measured else None,
+            "predicted_stage_s": {k: v["s"] for k, v in pred["stages"].items()}}
 
 
 def rollout_vs_generate(recipe: str) -> dict:

@@ -476,7 +476,8 @@ def decode_once(eng, batch: int, spec: dict, *, with_generate: bool) -> dict:
         return time.perf_counter() - t, tokens, int(devmod.memory_stats(eng.device).peak_bytes)
 
     t_nat, tok_nat, peak_nat = timed(native)
-    out = {"prompt_len": P, "new_tokens": N, "decode": eng.decode_path, "prefill": eng.prefill_path,
+    out = {"prompt_len": P, "new_tokens": N, "layers": eng.config.num_hidden_layers, "decode": eng.decode_path,
+           "prefill": eng.prefill_path,
            "cache": eng.cache_kind, "dtype": str(eng.dtype).replace("torch.", ""), "native_s": round(t_nat, 4),
            "native_tokens": tok_nat, "native_tokens_per_s": round(tok_nat / t_nat, 1), "native_peak_bytes": peak_nat}
     if with_generate:

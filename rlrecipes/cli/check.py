@@ -32,7 +32,27 @@ def register(app: typer.Typer) -> None:
             res = check_run(run_dir, baseline, hardware)
         except BaselineError as e:
             die(str(e))
+        predicted = _predicted(run_dir)
         if res.regression:
             err_console.print(f"[bold red]{escape(res.message())}[/]", highlight=False)
+            if predicted:
+                err_console.print(predicted, highlight=False)
             raise typer.Exit(1)
         console.print(f"[bold {'yellow' if res.refresh else 'green'}]{res.message()}[/]", highlight=False)
+        if predicted:
+            console.print(predicted, highlight=False)
+
+
+def _predicted(run_dir: Path) -> str:
+    """The step-time model's TPS/card for this run, as its plan.json holds it ("" for a run planned
+    before the model existed, or whose plan.json is unreadable: the gate does not depend on it)."""
+    import json
+
+    try:
+        pred = json.loads((run_dir / "plan.json").read_text()).get("predicted")
+    except (OSError, ValueError, AttributeError):
+        return ""
+    if not isinstance(pred, dict) or "tps_per_card" not in pred:
+        return ""
+    return (f"predicted by plan on {pred.get('hardware')}: {pred['tps_per_card']:.2f} TPS/card "
+            f"({pred.get('step_s', 0):.3g} s per step); measured and baseline above")

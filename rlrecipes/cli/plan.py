@@ -44,6 +44,8 @@ def render_plan(plan) -> None:
         console.print(escape(line), highlight=False)
     console.print(f"reshard traffic per device per step: [bold]{plan.reshard_bytes_per_device / 2**30:.2f} GiB[/] "
                   f"received at most ({plan.reshard_method}; full model in bf16: {plan.reshard_full_bytes / 2**30:.1f} GiB)")
+    if plan.predicted is not None:
+        render_prediction(plan.predicted)
     if plan.inference:
         console.print(f"vllm-ascend {plan.inference['vllm_ascend']} additional_config: "
                       f"{plan.inference['additional_config']} · {plan.inference['engine_kwargs']}", highlight=False)
@@ -64,6 +66,26 @@ def render_plan(plan) -> None:
         console.print("[bold green]plan OK[/]" + (" (for a machine with the engines above)" if plan.missing_here else ""))
     else:
         console.print(f"[bold red]{escape(format_violations(plan))}[/]", highlight=False)
+
+
+def render_prediction(pred) -> None:
+    """The step-time model's table: seconds per stage, what bounds each, the step and TPS/card."""
+    from ..hardware import get_hardware
+
+    hw = get_hardware(pred.hardware)
+    t = Table(title=f"predicted step on {hw.name} ({hw.title})")
+    for c in ("stage", "seconds", "share", "bound", "how"):
+        t.add_column(c, justify="right" if c in ("seconds", "share") else "left", overflow="fold")
+    for st in pred.stages:
+        t.add_row(st.name, f"{st.seconds:.3g}", f"{100 * st.seconds / pred.step_s:.0f} %" if pred.step_s else "-",
+                  st.bound, escape(st.detail))
+    console.print(t)
+    how = " (rollout overlaps training: the longer of the two)" if pred.overlap else ""
+    console.print(f"predicted: [bold]{pred.step_s:.3g} s per step[/]{how} · [bold]{pred.tps_per_card:.1f} TPS/card[/] "
+                  f"({pred.tokens / 1e6:.3g}M tokens: prompt {pred.prompt_tokens:g} + response {pred.response_tokens:g} "
+                  f"per sample, {pred.cards:g} cards)", highlight=False)
+    for a in pred.assumptions:
+        console.print(f"[dim]assumed: {escape(a)}[/]", highlight=False)
 
 
 def register(app: typer.Typer) -> None:

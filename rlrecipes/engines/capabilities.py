@@ -60,6 +60,10 @@ class Capabilities:
     platform: ``fn(*, inference, dims) -> (dict | None, list[str])``, what ``plan`` prints (None:
     nothing to render here) and one sentence per setting the target cannot serve, each with the fix.
     Empty: the engine renders nothing."""
+    decode_graphs: bool = False
+    """A rollout engine that captures its decode step as a graph (vLLM: CUDA / ACL graphs) when
+    ``rollout.inference.graph_mode`` is on. False: the host launches every kernel of every decode
+    iteration, which ``plan``'s step-time model prices per layer (:mod:`rlrecipes.plan.steptime`)."""
     lora: bool = False
     """LoRA adapters (``actor.lora``): a train engine trains them with its base frozen and serves the
     base as the reference policy; a rollout engine applies adapters synced from the trainer."""

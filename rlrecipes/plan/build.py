@@ -32,6 +32,7 @@ from .memory import DTYPE_BYTES, GiB, Memory, node_independent_bytes, ref_memory
 from .agent import agent_checks
 from .long_tail import pool_checks, smoke_fit
 from .reshard import full_reshard, lora_reshard, lora_specs, reshard_bytes
+from .steptime import StepPrediction, predict
 from ..models.lora_shapes import lora_problems
 
 
@@ -91,6 +92,9 @@ class Plan:
     sequences than a rollout rank runs at once)."""
     suggestions: list[str] = field(default_factory=list)
     """Fixes the plan found for its violations (the smallest ``actor.layout.sp`` whose memory fits)."""
+    predicted: Optional["StepPrediction"] = None
+    """The step-time model's seconds per stage, step time and TPS/card on ``resources.hardware``
+    (:mod:`.steptime`); None while a role has no DP size (its layout does not fit the devices)."""
     node_independent: set = field(default_factory=set, repr=False)
     """Rules this plan breaks on any node count beyond :data:`~.checks.NODE_INDEPENDENT_RULES` (a train
     memory whose unshardable part exceeds the device): the nearest-node search skips them."""
@@ -197,6 +201,7 @@ class Plan:
             **({"sequence": self.sequence} if self.sequence else {}),
             **({"notes": self.notes} if self.notes else {}),
             **({"suggestions": self.suggestions} if self.suggestions else {}),
+            **({"predicted": self.predicted.to_json()} if self.predicted is not None else {}),
         }
         if self.disaggregated:  # colocated JSON is unchanged
             T, R = self.train_devices, self.rollout_devices
@@ -360,6 +365,8 @@ def build_plan(recipe: Recipe, nodes: Optional[int] = None, devices_per_node: Op
         plan.nearest_valid_nodes = nearest_valid_nodes(recipe, nodes, dpn, keep_batch)
     if _search and any(v.rule == MEMORY_RULE for v in violations):
         plan.suggestions += sp_suggestion(recipe, plan, keep_batch)
+    if _search and all(role.dp is not None for role in roles.values()):
+        plan.predicted = predict(recipe, plan)
     return plan
 
 

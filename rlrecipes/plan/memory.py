@@ -390,11 +390,18 @@ def node_independent_bytes(train: Memory, ref: Memory, caps: Capabilities) -> fl
     return train.activations
 
 
+def rollout_params_per_device(dims: ModelDims, role: RoleLayout) -> float:
+    """Parameters one rollout device holds: the dense part over TP, the experts over EP (vLLM's
+    ``enable_expert_parallel``), or over TP when EP is 1 (its fused-MoE layers then split every
+    expert's width over the TP ranks)."""
+    experts = dims.expert_params()
+    return (dims.total_params() - experts) / role.tp + experts / (role.ep if role.ep > 1 else role.tp)
+
+
 def rollout_memory(dims: ModelDims, role: RoleLayout, recipe: Recipe, device_bytes: float) -> Memory:
     """A rollout device's weights (TP / EP shards) and the KV cache its memory budget leaves."""
-    total, experts = dims.total_params(), dims.expert_params()
     m = Memory()
-    m.weights = ((total - experts) / role.tp + experts / role.ep) * DTYPE_BYTES
+    m.weights = rollout_params_per_device(dims, role) * DTYPE_BYTES
     budget = device_bytes * recipe.rollout.inference.gpu_memory_utilization
     m.kv_cache = max(0.0, budget - m.weights)
     return m

@@ -13,7 +13,7 @@ from typing import Any
 
 from ..models import ModelDims
 from .checks import RoleLayout
-from .memory import DTYPE_BYTES
+from .memory import DTYPE_BYTES, rollout_params_per_device
 
 
 @dataclass
@@ -37,7 +37,7 @@ def reshard_bytes(dims: ModelDims, train: RoleLayout, rollout: RoleLayout, place
     """
     total, experts = dims.total_params(), dims.expert_params()
     dense = total - experts
-    need = dense / rollout.tp + experts / rollout.ep
+    need = rollout_params_per_device(dims, rollout)
     if placement == "disaggregated":
         return need * DTYPE_BYTES
     held = dense / train.pp / max(train.tp, rollout.tp) + experts / train.pp / max(train.ep, rollout.ep)
@@ -71,8 +71,7 @@ def full_reshard(dims: ModelDims, train: RoleLayout, rollout: RoleLayout,
                                              placement=placement))
     except ReshardError:
         recv = reshard_bytes(dims, train, rollout, placement)
-        experts = dims.expert_params()
-        loaded = ((dims.total_params() - experts) / rollout.tp + experts / rollout.ep) * DTYPE_BYTES
+        loaded = rollout_params_per_device(dims, rollout) * DTYPE_BYTES
         return ReshardVolume(recv, recv * rollout.world / train.world if placement == "disaggregated" else 0.0,
                              loaded, "estimate")
 

@@ -47,7 +47,7 @@ class ModelConfig(_Strict):
     family: Literal["qwen2", "qwen3_moe", "deepseek_v3"]
     """Architecture family: qwen2 (dense), qwen3_moe (MoE), deepseek_v3 (MLA + MoE)."""
     preset: Optional[str] = None
-    """Pinned real dimensions used by the planner (qwen2.5-7b, qwen3-30b-a3b, deepseek-v3-671b)."""
+    """Pinned real dimensions used by the planner (qwen2.5-7b, qwen2.5-32b, qwen3-30b-a3b, deepseek-v3-671b)."""
     path: Optional[str] = None
     """Local HF folder (config.json + safetensors + tokenizer). Never a hub id: nothing is downloaded."""
     smoke: Optional[SmokeDims] = None
@@ -119,6 +119,10 @@ class DataConfig(_Strict):
     """Field holding the reference answer given to the reward function."""
     max_prompt_length: int = Field(2048, ge=1)
     """Prompts longer than this (in tokens) are dropped and counted."""
+    expected_prompt_tokens: Optional[int] = Field(None, ge=1)
+    """The mean prompt length (tokens, chat template included) ``plan`` predicts the step with. Null:
+    a tenth of max_prompt_length (math prompts are short: the DeepSeek-R1 run on deepscaler that
+    cann-recipes-train publishes averages 78 tokens of its 1,024)."""
     apply_chat_template: bool = True
     """Wrap prompts with the tokenizer's chat template when it has one."""
     shuffle: bool = True
@@ -426,6 +430,10 @@ class RolloutConfig(_Strict):
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     inference: InferenceSettings = Field(default_factory=InferenceSettings)
     multi_turn: MultiTurnConfig = Field(default_factory=MultiTurnConfig)
+    expected_response_tokens: Optional[int] = Field(None, ge=1)
+    """The mean response length (tokens) ``plan`` predicts the step with. Null: half of
+    sampling.max_new_tokens (the DeepSeek-R1 run that cann-recipes-train publishes averages 1,577 of
+    3,072). The longest response still sets the decode iterations (max_new_tokens)."""
     partial: bool = False
     """Partial rollout (disaggregated placement, algorithm.max_staleness >= 1): a new policy version
     that reaches a rollout worker mid-generation interrupts it; the weights load and the unfinished
@@ -463,6 +471,24 @@ class ReshardConfig(_Strict):
 
 
 class ResourcesConfig(_Strict):
+    @field_validator("hardware")
+    @classmethod
+    def _known_hardware(cls, v: Optional[str]) -> Optional[str]:
+        from ..hardware import get_hardware
+
+        if v is not None:
+            try:
+                get_hardware(v)
+            except KeyError as e:
+                raise ValueError(e.args[0]) from None
+        return v
+
+    def hardware_name(self) -> str:
+        """The hardware table row this recipe is predicted on (``hardware`` or the device's default)."""
+        from ..hardware import default_hardware
+
+        return self.hardware or default_hardware(self.device, self.dies_per_card)
+
     nodes: int = Field(1, ge=1, le=65536)
     """Nodes the pinned layout was published on (`--nodes` overrides)."""
     devices_per_node: int = Field(16, ge=1, le=1024)
@@ -473,6 +499,10 @@ class ResourcesConfig(_Strict):
     """Ray devices per card; TPS/card divides by cards (A3: 2 dies per card)."""
     device_memory_gb: float = Field(64.0, gt=0)
     """Memory of one device, for the planner's fit check (A3 die: 64 GB HBM)."""
+    hardware: Optional[str] = None
+    """The machine ``plan`` predicts the step time on: a row of the hardware table
+    (``rlrecipes/hardware.py``: atlas-a2, atlas-a3, h100, h200, h20, cpu). Null: from ``device``
+    and ``dies_per_card`` (npu with 2 dies per card: atlas-a3; 1: atlas-a2; cuda: h100; cpu: cpu)."""
     cpus_per_worker: float = Field(1.0, gt=0)
     """Ray CPUs reserved per worker actor."""
     placement: Literal["colocated", "disaggregated"] = "colocated"

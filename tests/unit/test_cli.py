@@ -22,7 +22,7 @@ def test_list_shows_recipes_and_baselines():
     assert res.exit_code == 0, res.output
     rows = {r["recipe"]: r for r in json.loads(res.output)}
     assert set(rows) >= {"qwen25_7b", "qwen3_moe_30b", "deepseek_r1_671b"}
-    assert rows["qwen25_7b"]["tps_per_card"]["atlas-a3"] == 220
+    assert rows["qwen25_7b"]["tps_per_card"]["atlas-a3"] == 440
     assert rows["deepseek_r1_671b"]["algorithm"] == "grpo"
 
 

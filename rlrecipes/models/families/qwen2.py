@@ -25,6 +25,12 @@ FAMILY = Family(
         family="qwen2", vocab_size=152064, hidden_size=3584, num_layers=28, num_heads=28,
         num_kv_heads=4, head_dim=128, intermediate_size=18944, attention_bias=True,
         max_position_embeddings=32768,
+    ),
+        # published config.json of Qwen/Qwen2.5-32B (the MindSpeed-RL 32B runs plan_vs_published checks)
+        "qwen2.5-32b": ModelDims(
+        family="qwen2", vocab_size=152064, hidden_size=5120, num_layers=64, num_heads=40,
+        num_kv_heads=8, head_dim=128, intermediate_size=27648, attention_bias=True,
+        max_position_embeddings=32768,
     )},
     # head_dim 32: the smallest head size vLLM's CPU attention takes (the vllm engine runs it too)
     smoke=ModelDims(

@@ -1,0 +1,431 @@
+"""How long one step takes, stage by stage, before anything runs: ``plan``'s step-time model.
+
+Each stage is priced on one row of the hardware table (:mod:`rlrecipes.hardware`) with a few named
+efficiency factors (:class:`Factors`), the same for every recipe:
+
+- **rollout**: prefill bound by compute; decode, one iteration per generated position up to the
+  longest response, bound by memory bandwidth on the weights a device reads (MoE: the experts the
+  iteration's tokens touch) plus its rows' KV cache, or by compute at high concurrency, plus the
+  latency of the per-layer collectives (TP all-reduce, EP dispatch and combine), or by the host for
+  an eager engine;
+- **ref / old / values**: one forward over every sample; **update / critic_update**: forward +
+  backward (+ a forward again with recompute), per epoch; both with the pipeline bubble, the TP and
+  EP traffic of their layout, and the data-parallel gradient sync;
+- **reshard**: the bytes the resharder's own plan moves per device, over the link its layouts span;
+  colocated, the optimizer state swapped to the host and back;
+- **dock hand-offs**: each stage's round trip to the TransferDock and the columns it carries.
+
+Colocated, the stages run one after another; disaggregated with ``max_staleness >= 1`` the rollout
+of the next step overlaps the training of this one, so the step is the longer of the two.
+
+The factors come from stated sources and from the project's own measurements: the newest
+``gpu_suite-*.json`` and ``host_pass_cost-*.json`` under ``benchmarks/results/`` (read at plan time,
+so they follow the engines as they get faster); where that folder is absent (an installed wheel)
+the values recorded here are used, and ``source`` says so.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from ..engines.registry import capabilities
+from ..hardware import Hardware, get_hardware
+from ..recipe import Recipe
+from ..recipe.roles import roles_of
+from .checks import RoleLayout
+from .memory import DTYPE_BYTES
+
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+#: the mean lengths a recipe without expected_*_tokens is predicted with (schema docstrings say why)
+PROMPT_FRACTION, RESPONSE_FRACTION = 0.1, 0.5
+
+
+@dataclass(frozen=True)
+class Factor:
+    value: float
+    source: str
+
+
+@dataclass
+class Factors:
+    """The model's efficiency factors: few, named, one set for every recipe."""
+
+    mfu: dict[str, Factor]
+    """Matmul FLOP/s reached over peak, by engine, on a dense model (train passes; prefill and
+    compute-bound decode of the rollout engine)."""
+    moe_mfu_scale: Factor
+    """What a MoE model's MFU is of a dense one's (grouped expert matmuls, routing, all-to-all)."""
+    decode_bandwidth: Factor
+    """Memory bandwidth a decode iteration's weight and KV reads reach over the peak."""
+    comm_bandwidth: Factor
+    """Bus bandwidth collectives reach over the link's peak."""
+    eager_layer_s: dict[str, Factor]
+    """Host seconds one transformer layer adds to an eager pass where the host bounds it, by
+    ``<hardware kind>/<pass>``: ``accelerator/decode`` (a GPU's host launching kernels) and
+    ``cpu/forward``, ``cpu/train``, ``cpu/decode`` (this CPU, compute included)."""
+    eager_fixed_s: dict[str, Factor]
+    """The same passes' cost outside the layers (embedding, head, loss, optimizer), on this CPU."""
+    dock_round_trip_s: Factor
+    """Seconds of one TransferDock round trip (a stage's put or take, its metadata and wait)."""
+
+    def to_json(self) -> dict:
+        def one(f: Factor) -> dict:
+            return {"value": round(f.value, 6), "source": f.source}
+
+        out: dict = {}
+        for k, v in asdict(self).items():
+            out[k] = {n: {"value": round(x["value"], 6), "source": x["source"]} for n, x in v.items()} \
+                if isinstance(v, dict) and "value" not in v else one(Factor(**v))
+        return out
+
+
+def _newest(results: Path, pattern: str) -> tuple[Optional[dict], str]:
+    """The newest results file matching ``pattern`` (by its ``started`` stamp), and its name."""
+    best, name = None, ""
+    for path in sorted(results.glob(pattern)) if results.is_dir() else []:
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if best is None or str(data.get("started", "")) >= str(best.get("started", "")):
+            best, name = data, f"benchmarks/results/{path.name}"
+    return best, name
+
+
+def measured_from_results(results: Path = RESULTS) -> Optional[dict]:
+    """What the model takes from the project's own measurements, read from the newest committed
+    results: each engine's train MFU on a dense shape (default options), what a MoE shape's MFU is
+    of the dense one's on an engine measured on both, an eager decoder's seconds per layer per
+    iteration, and this CPU's pass costs. None when no results folder is beside the package."""
+    suite, sname = _newest(results, "gpu_suite-*.json")
+    host, hname = _newest(results, "host_pass_cost-cpu-*.json")
+    if suite is None or host is None:
+        return None
+    dense, moe = {}, {}
+    for ln in suite.get("lines", []):
+        if ln.get("part") != "train" or ln.get("options") != {} or "error" in ln or "mfu" not in ln:
+            continue
+        is_moe = ln.get("active_params") not in (None, ln.get("params"))
+        (moe if is_moe else dense).setdefault(ln["engine"], (ln["mfu"], ln.get("shape")))
+    both = next((e for e in dense if e in moe), None)
+    dec = next((ln for ln in suite.get("lines", []) if ln.get("part") == "decode" and ln.get("native_tokens_per_s")),
+               None)
+    cpu = next((ln for ln in host.get("lines", []) if ln.get("part") == "summary"), None)
+    out = {"source": sname, "cpu_source": hname, "device": suite.get("device"),
+           "train_mfu": {e: {"value": v, "shape": shape} for e, (v, shape) in sorted(dense.items())}}
+    if both:
+        out["moe_mfu_scale"] = {"value": round(moe[both][0] / dense[both][0], 4), "engine": both,
+                                "moe": moe[both][0], "moe_shape": moe[both][1], "dense": dense[both][0]}
+    if dec:
+        layers = dec.get("layers", 28)  # the suite's Qwen2.5-1.5B shape (recorded in the line from 2026-11-29)
+        out["eager_decode"] = {"value": round(dec["batch"] / dec["native_tokens_per_s"] / layers, 6),
+                               "tokens_per_s": dec["native_tokens_per_s"], "batch": dec["batch"], "layers": layers}
+    if cpu:
+        out["cpu"] = {k: cpu[k] for k in sorted(cpu) if k.endswith(("_per_layer_s", "_fixed_s"))}
+    return out
+
+
+#: the same extraction, recorded for an installed package without benchmarks/results/ (a test keeps
+#: it equal to what the newest results give)
+RECORDED = Path(__file__).with_name("measured.json")
+
+
+@functools.lru_cache(maxsize=4)
+def load_factors(results: Path = RESULTS) -> Factors:
+    """The factors, from the newest committed results where they exist (see the module docstring)."""
+    m = measured_from_results(results)
+    if m is None:
+        m = json.loads(RECORDED.read_text())
+        m["source"] += " (recorded in rlrecipes/plan/measured.json: no benchmarks/results/ here)"
+        m["cpu_source"] += " (recorded)"
+    src, hsrc, dev = m["source"], m["cpu_source"], m.get("device") or "the suite's device"
+    mfu = {e: Factor(v["value"], f"{src}: {e} train, {v['shape']} shape, bf16, default options, {dev}")
+           for e, v in m["train_mfu"].items()}
+    scale = m.get("moe_mfu_scale") or {"value": 1.0, "engine": "-", "moe": 0, "moe_shape": "-", "dense": 0}
+    dec, cpu = m["eager_decode"], m["cpu"]
+    return Factors(
+        mfu=mfu,
+        moe_mfu_scale=Factor(scale["value"], f"{src}: {scale['engine']} on the {scale['moe_shape']} MoE shape, MFU "
+                                             f"{scale['moe']} over its dense shape's {scale['dense']}"),
+        decode_bandwidth=Factor(0.53, "SGLang's Ascend best-practice table: Qwen3-32B bf16 on 4 Atlas A3 cards "
+                                      "(8 dies), TPOT 9.46 ms, where reading 8 GB of weights per die at 1.6 TB/s "
+                                      "takes 5.0 ms"),
+        comm_bandwidth=Factor(0.7, "nccl-tests / HCCL all-reduce bus bandwidth is 70-80 % of the link's peak on "
+                                   "8-device NVLink and HCCS nodes; 0.7 taken"),
+        eager_layer_s={
+            "accelerator/decode": Factor(dec["value"], f"{src}: eager decode {dec['tokens_per_s']:g} tok/s at batch "
+                                                       f"{dec['batch']} on a {dec['layers']}-layer model, "
+                                                       f"{1000 * dec['batch'] / dec['tokens_per_s']:.1f} ms per "
+                                                       f"iteration, host-bound"),
+            "cpu/forward": Factor(cpu["forward_per_layer_s"], f"{hsrc}: forward of 64 smoke samples, 1 thread"),
+            "cpu/train": Factor(cpu["train_per_layer_s"], f"{hsrc}: forward + backward + AdamW, 1 thread"),
+            "cpu/decode": Factor(cpu["decode_iteration_per_layer_s"], f"{hsrc}: one KV-cache decode iteration"),
+        },
+        eager_fixed_s={
+            "cpu/forward": Factor(cpu["forward_fixed_s"], hsrc),
+            "cpu/train": Factor(cpu["train_fixed_s"], hsrc),
+            "cpu/decode": Factor(cpu["decode_iteration_fixed_s"], hsrc),
+        },
+        dock_round_trip_s=Factor(1e-3, "docs/transfer_dock.md (benchmarks/dock_call.py): a direct-channel call is "
+                                       "~0.1 ms of CPU each side, a Ray actor call ~1 ms; 1 ms taken"))
+
+
+@dataclass
+class StagePrediction:
+    name: str
+    seconds: float
+    bound: str
+    """What limits it: compute, memory, host, link (a collective or the reshard), latency or dock."""
+    detail: str = ""
+
+
+@dataclass
+class StepPrediction:
+    hardware: str
+    stages: list[StagePrediction]
+    step_s: float
+    tokens: float
+    cards: float
+    tps_per_card: float
+    prompt_tokens: float
+    response_tokens: float
+    overlap: bool = False
+    """Disaggregated with max_staleness >= 1: rollout and training overlap (step = the longer)."""
+    assumptions: list[str] = field(default_factory=list)
+    factors: Optional[Factors] = None
+
+    def to_json(self) -> dict:
+        return {"hardware": self.hardware, "step_s": round(self.step_s, 3),
+                "tps_per_card": round(self.tps_per_card, 2), "tokens": round(self.tokens),
+                "cards": self.cards, "prompt_tokens": round(self.prompt_tokens, 1),
+                "response_tokens": round(self.response_tokens, 1), "overlap": self.overlap,
+                "stages": {s.name: {"s": round(s.seconds, 4), "bound": s.bound, "detail": s.detail}
+                           for s in self.stages},
+                "assumptions": self.assumptions,
+                "factors": self.factors.to_json() if self.factors else {}}
+
+
+# ----------------------------------------------------------------------------------- the model
+@dataclass
+class _Ctx:
+    recipe: Recipe
+    hw: Hardware
+    f: Factors
+    dims: object
+    P: float
+    L: float
+    Lmax: int
+    samples: int
+    dpn: int
+
+    @property
+    def kind(self) -> str:
+        return "cpu" if self.hw.device == "cpu" else "accelerator"
+
+    def link(self, span: int) -> float:
+        """Bandwidth of a group of ``span`` devices: inside a node, or across nodes."""
+        bw = self.hw.intra_node_bytes_s if span <= self.hw.scale_up_devices else self.hw.inter_node_bytes_s
+        return bw * self.f.comm_bandwidth.value
+
+    def mfu(self, engine: str) -> float:
+        """The engine's measured MFU (an engine never measured: the lowest measured one's), scaled
+        for a MoE model."""
+        f = self.f.mfu.get(engine) or min(self.f.mfu.values(), key=lambda x: x.value)
+        return f.value * (self.f.moe_mfu_scale.value if self.dims.is_moe else 1.0)
+
+
+def _matmul_params(dims) -> float:
+    """Parameters one token multiplies by (the input embedding is a lookup, the head a matmul)."""
+    embed = dims.vocab_size * dims.hidden_size
+    return dims.active_params() - (0 if dims.tie_embeddings else embed)
+
+
+def _attn_flops_per_token(dims, context: float) -> float:
+    """Forward attention FLOPs of one token attending ``context`` earlier positions (QK^T and AV)."""
+    if dims.is_mla:
+        width = dims.num_heads * (dims.qk_nope_head_dim + dims.qk_rope_head_dim + dims.v_head_dim)
+    else:
+        width = 2 * dims.num_heads * dims.head_dim
+    return 2 * dims.num_layers * width * context
+
+
+def _forward_flops(c: _Ctx, tokens: float, seq: float) -> float:
+    return tokens * (2 * _matmul_params(c.dims) + _attn_flops_per_token(c.dims, seq / 2))
+
+
+def _eager(c: _Ctx, kind: str, layers: float, passes: float) -> float:
+    """Host seconds of ``passes`` eager passes over ``layers`` layers (0 where the host never bounds)."""
+    key = f"{c.kind}/{kind}"
+    per = c.f.eager_layer_s.get(key)
+    if per is None:
+        return 0.0
+    fixed = c.f.eager_fixed_s.get(key, Factor(0.0, "")).value
+    return passes * (layers * per.value + fixed)
+
+
+def _train_pass(c: _Ctx, name: str, role: RoleLayout, engine: str, fwd_units: float, eager_kind: str,
+                passes_per_step: int = 1) -> StagePrediction:
+    """A forward (``fwd_units`` = 1) or a training pass (3, or 4 with recompute) over every sample."""
+    r, dims = c.recipe, c.dims
+    tokens = c.samples * (c.P + c.L)
+    flops = _forward_flops(c, tokens, c.P + c.L) * fwd_units * passes_per_step
+    compute = flops / role.world / (c.hw.bf16_flops * c.mfu(engine))
+    dp = max(1, role.dp or 1)
+    budget = r.trainer.max_tokens_per_micro_batch
+    per_rank = tokens / dp
+    micro = max(1.0, math.ceil(per_rank / budget) if budget else math.ceil(c.samples / dp / r.trainer.micro_batch))
+    bubble = (micro + role.pp - 1) / micro if role.pp > 1 else 1.0
+    # per device: TP all-reduces (2 per layer forward), EP dispatch + combine (per MoE layer), both
+    # scaled like the FLOPs (a backward moves them again, twice)
+    layers_here = dims.num_layers / role.pp
+    act = per_rank / role.sp * dims.hidden_size * DTYPE_BYTES
+    comm = 0.0
+    if role.tp > 1:
+        comm += 2 * layers_here * act * 2 * (role.tp - 1) / role.tp / c.link(role.tp)
+    if dims.is_moe and role.ep > 1:
+        moe_here = dims.num_moe_layers() / role.pp
+        comm += 2 * moe_here * act / role.tp * dims.experts_per_token * (role.ep - 1) / role.ep / c.link(role.tp * role.ep)
+    comm *= fwd_units * passes_per_step
+    if capabilities(engine).memory_model == "fsdp" and dp > 1:  # FSDP2: a unit per layer (+ the root) all-gathers for every
+        # micro-batch's forward, again for its backward, and reduce-scatters its gradients
+        units, per_unit = layers_here + 1, (1 if fwd_units == 1 else 3)
+        shard = dims.total_params() / role.tp / role.pp * DTYPE_BYTES
+        comm += passes_per_step * micro * (units * per_unit * c.hw.collective_latency_s * math.log2(dp)
+                                           + per_unit * shard * (dp - 1) / dp / c.link(role.world))
+    host = _eager(c, eager_kind, layers_here, micro * passes_per_step)
+    seconds = max(compute * bubble, host) + comm  # collectives wait: not overlapped
+    bound = "link" if comm > max(compute * bubble, host) else ("host" if host > compute * bubble else "compute")
+    detail = (f"{flops / 1e15:.3g} PFLOP over {role.world} devices at MFU {c.mfu(engine):.3f}"
+              + (f", pipeline bubble x{bubble:.2f} ({micro:g} micro-batches, PP{role.pp})" if role.pp > 1 else "")
+              + (f", TP/EP traffic {comm:.3g} s" if comm else "") + (f", host {host:.3g} s" if host else ""))
+    return StagePrediction(name, seconds, bound, detail)
+
+
+def _grad_sync(c: _Ctx, role: RoleLayout, mini_batches: int) -> float:
+    """Data-parallel gradient reduce-scatter + parameter all-gather, once per optimizer step."""
+    dp = role.dp or 1
+    if dp <= 1:
+        return 0.0
+    dims = c.dims
+    per_device = ((dims.total_params() - dims.expert_params()) / (role.tp * role.pp)
+                  + dims.expert_params() / (role.pp * max(role.ep, 1) * (role.tp if role.ep == 1 else 1)))
+    moved = 2 * per_device * DTYPE_BYTES * (dp - 1) / dp
+    return mini_batches * moved / c.link(role.world)
+
+
+def _rollout(c: _Ctx, role: RoleLayout, engine: str, weights_per_device: float, kv_budget: float) -> StagePrediction:
+    r, dims, hw = c.recipe, c.dims, c.hw
+    groups = max(1, role.dp or 1)  # attention groups (TP x PP devices each) that schedule their own rows
+    rows = c.samples / groups
+    inf = r.rollout.inference
+    kvb = dims.kv_bytes_per_token() / (1 if dims.is_mla else min(role.tp, max(1, dims.num_kv_heads)) * role.pp)
+    by_kv = kv_budget / max(1.0, (c.P + c.Lmax) * kvb) if kv_budget > 0 else rows
+    conc = max(1.0, min(rows, inf.max_num_seqs, by_kv))
+    iterations = max(c.Lmax, rows * c.L / conc)
+    active = rows * c.L / iterations  # mean rows per iteration over the step (they finish unevenly)
+    # weights one device reads per iteration: dense shard, and the experts its tokens touch
+    expert_bytes = dims.expert_params() / (role.ep if role.ep > 1 else role.tp) * DTYPE_BYTES if dims.is_moe else 0.0
+    dense_bytes = max(0.0, weights_per_device - expert_bytes)
+    if dims.is_moe:
+        tokens_ep = active * max(1, role.ep // role.tp)  # rows of the attention groups that share the experts
+        touched = 1 - (1 - dims.experts_per_token / dims.num_experts) ** tokens_ep
+    else:
+        touched = 0.0
+    kv_read = active * (c.P + c.L / 2) * kvb
+    mem = (dense_bytes + expert_bytes * touched + kv_read) / (hw.hbm_bytes_s * c.f.decode_bandwidth.value)
+    flops = active * groups * 2 * _matmul_params(dims) / role.world
+    comp = flops / (hw.bf16_flops * c.mfu(engine))
+    # every layer's collectives, in sequence (over the pipeline stages too): 2 TP all-reduces per
+    # layer, EP dispatch + combine per MoE layer; a collective over g devices takes log2(g) steps
+    lat = hw.collective_latency_s * (2 * dims.num_layers * math.log2(role.tp)
+                                      + (2 * dims.num_moe_layers() * math.log2(role.ep) if dims.is_moe else 0))
+    eager = not capabilities(engine).decode_graphs or inf.enforce_eager or not inf.graph_mode
+    host = _eager(c, "decode", dims.num_layers, 1) if eager else 0.0
+    per_iter = max(mem, comp, host) + lat
+    prefill_tok = rows * c.P * groups
+    prefill = _forward_flops(c, prefill_tok, c.P) / role.world / (hw.bf16_flops * c.mfu(engine))
+    prefill = max(prefill, _eager(c, "forward", dims.num_layers, math.ceil(rows / conc)))
+    seconds = prefill + iterations * per_iter
+    bound = {mem: "memory", comp: "compute", host: "host"}[max(mem, comp, host)]
+    if lat > max(mem, comp, host):
+        bound = "latency"
+    detail = (f"{iterations:.0f} decode iterations x {1000 * per_iter:.2f} ms ({active:.1f} rows of {rows:g} per "
+              f"group at a time, {groups} groups; weights {weights_per_device / 1e9:.2f} GB/device"
+              + (f", experts touched {touched:.0%}" if dims.is_moe else "") + f", KV {kv_read / 1e9:.3f} GB; "
+              f"collectives {1000 * lat:.2f} ms) + prefill {prefill:.3g} s"
+              + (f"; eager: host {1000 * host:.1f} ms per iteration" if host else ""))
+    return StagePrediction("rollout", seconds, bound, detail)
+
+
+def predict(recipe: Recipe, plan, factors: Optional[Factors] = None, hardware: Optional[str] = None) -> StepPrediction:
+    """The step of ``recipe`` as ``plan`` lays it out, on ``hardware`` (default: the recipe's row)."""
+    f = factors or load_factors()
+    hw = get_hardware(hardware or recipe.resources.hardware_name())
+    dims = recipe.model.dims()
+    r = recipe
+    P = float(r.data.expected_prompt_tokens or PROMPT_FRACTION * r.data.max_prompt_length)
+    Lmax = r.rollout.sampling.max_new_tokens
+    L = float(min(Lmax, r.rollout.expected_response_tokens or RESPONSE_FRACTION * Lmax))
+    assumptions = []
+    if not r.data.expected_prompt_tokens:
+        assumptions.append(f"mean prompt {P:g} tokens: {PROMPT_FRACTION:g} x data.max_prompt_length (set "
+                           "data.expected_prompt_tokens)")
+    if not r.rollout.expected_response_tokens:
+        assumptions.append(f"mean response {L:g} tokens: {RESPONSE_FRACTION:g} x max_new_tokens (set "
+                           "rollout.expected_response_tokens)")
+    if r.algorithm.dynamic_sampling.enabled:
+        assumptions.append("dynamic sampling: one generation round per step (extra rounds add rollout time)")
+    samples = plan.global_batch * plan.n_samples
+    c = _Ctx(r, hw, f, dims, P, L, Lmax, samples, plan.devices_per_node)
+    roles = roles_of(r, strict=False)
+    actor = plan.roles["actor"]
+    rollout = plan.roles["rollout"]
+    epochs = r.algorithm.ppo_epochs
+    stages: list[StagePrediction] = [_rollout(c, rollout, plan.engines["rollout"],
+                                              plan.rollout_memory.weights, plan.rollout_memory.kv_cache)]
+    train_engine = plan.engines["actor"]
+    if roles.ref:
+        stages.append(_train_pass(c, "ref", plan.roles.get("ref", actor), train_engine, 1, "forward"))
+    if roles.old_pass:
+        stages.append(_train_pass(c, "old", actor, train_engine, 1, "forward"))
+    if roles.critic:
+        stages.append(_train_pass(c, "values", plan.roles.get("critic", actor), train_engine, 1, "forward"))
+    units = 4 if r.actor.recompute else 3
+    upd = _train_pass(c, "update", actor, train_engine, units, "train", epochs)
+    sync = _grad_sync(c, actor, roles.mini_batches * epochs)
+    upd.seconds += sync
+    upd.detail += f", DP gradient sync {sync:.3g} s" if sync else ""
+    stages.append(upd)
+    if roles.critic:
+        crit = _train_pass(c, "critic_update", plan.roles.get("critic", actor), train_engine, units, "train", epochs)
+        stages.append(crit)
+    # reshard: the bytes the resharder's plan moves, over the link the two layouts span
+    span = max(actor.model_parallel * max(1, actor.ep if dims.is_moe else 1), rollout.world // max(1, rollout.dp or 1))
+    link = c.link(plan.world if plan.disaggregated else span)
+    reshard = plan.reshard_bytes_per_device / link
+    swap = 0.0
+    if not plan.disaggregated and r.resharding.swap_optimizer and not r.actor.offload_optimizer:
+        swap = 2 * plan.train_memory.optimizer / hw.host_bytes_s  # out before the rollout, back for the update
+    stages.append(StagePrediction("reshard", reshard + swap, "link",
+                                  f"{plan.reshard_bytes_per_device / 1e9:.2f} GB per device ({plan.reshard_method}) at "
+                                  f"{link / 1e9:.0f} GB/s" + (f"; optimizer swap to host and back {swap:.3g} s" if swap else "")))
+    # dock hand-offs: a round trip per stage and the columns (token ids, a float per token per
+    # log-prob column) each worker puts and takes
+    columns = 8 + 4 * (1 + roles.ref + roles.old_pass + roles.critic)
+    dock_bytes = samples * (P + L) * columns / plan.world
+    trips = len(stages) + 2
+    dock = trips * c.f.dock_round_trip_s.value + dock_bytes / (hw.inter_node_bytes_s * f.comm_bandwidth.value)
+    stages.append(StagePrediction("dock", dock, "dock", f"{trips} hand-offs, {dock_bytes / 1e6:.2f} MB per worker"))
+    overlap = plan.disaggregated and r.algorithm.max_staleness >= 1
+    train = sum(s.seconds for s in stages if s.name != "rollout")
+    step = max(stages[0].seconds, train) if overlap else stages[0].seconds + train
+    tokens = samples * (P + L)
+    cards = plan.world / r.resources.dies_per_card
+    return StepPrediction(hw.name, stages, step, tokens, cards, tokens / step / cards, P, L, overlap, assumptions, f)
+
+
+__all__ = ["Factor", "Factors", "StagePrediction", "StepPrediction", "load_factors", "predict"]
