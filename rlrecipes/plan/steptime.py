@@ -65,8 +65,9 @@ class Factors:
     """Bus bandwidth collectives reach over the link's peak."""
     eager_layer_s: dict[str, Factor]
     """Host seconds one transformer layer adds to an eager pass where the host bounds it, by
-    ``<hardware kind>/<pass>``: ``accelerator/decode`` (a GPU's host launching kernels) and
-    ``cpu/forward``, ``cpu/train``, ``cpu/decode`` (this CPU, compute included)."""
+    ``<hardware kind>/<pass>[/<engine>]``: ``accelerator/decode`` (a GPU's host launching the
+    kernels of a decode iteration: every eager engine, only one is measured) and ``cpu/forward``,
+    ``cpu/train``, ``cpu/decode/<engine>`` (this CPU, its kernels included)."""
     eager_fixed_s: dict[str, Factor]
     """The same passes' cost outside the layers (embedding, head, loss, optimizer), on this CPU."""
     dock_round_trip_s: Factor
@@ -103,7 +104,8 @@ def measured_from_results(results: Path = RESULTS) -> Optional[dict]:
     iteration, and this CPU's pass costs. None when no results folder is beside the package."""
     suite, sname = _newest(results, "gpu_suite-*.json")
     host, hname = _newest(results, "host_pass_cost-cpu-*.json")
-    if suite is None or host is None:
+    dhc, dname = _newest(results, "decode_host_cost-cpu-*.json")
+    if suite is None or host is None or dhc is None:
         return None
     dense, moe = {}, {}
     for ln in suite.get("lines", []):
@@ -115,7 +117,7 @@ def measured_from_results(results: Path = RESULTS) -> Optional[dict]:
     dec = next((ln for ln in suite.get("lines", []) if ln.get("part") == "decode" and ln.get("native_tokens_per_s")),
                None)
     cpu = next((ln for ln in host.get("lines", []) if ln.get("part") == "summary"), None)
-    out = {"source": sname, "cpu_source": hname, "device": suite.get("device"),
+    out = {"source": sname, "cpu_source": hname, "cpu_decode_source": dname, "device": suite.get("device"),
            "train_mfu": {e: {"value": v, "shape": shape} for e, (v, shape) in sorted(dense.items())}}
     if both:
         out["moe_mfu_scale"] = {"value": round(moe[both][0] / dense[both][0], 4), "engine": both,
@@ -125,7 +127,10 @@ def measured_from_results(results: Path = RESULTS) -> Optional[dict]:
         out["eager_decode"] = {"value": round(dec["batch"] / dec["native_tokens_per_s"] / layers, 6),
                                "tokens_per_s": dec["native_tokens_per_s"], "batch": dec["batch"], "layers": layers}
     if cpu:
-        out["cpu"] = {k: cpu[k] for k in sorted(cpu) if k.endswith(("_per_layer_s", "_fixed_s"))}
+        out["cpu"] = {k: cpu[k] for k in sorted(cpu) if k.endswith(("_per_layer_s", "_fixed_s"))
+                      and not k.startswith("decode")}
+    out["cpu_decode"] = {ln["engine"]: {"per_layer_s": ln["per_layer_s"], "fixed_s": ln["fixed_s"]}
+                         for ln in dhc.get("lines", []) if ln.get("part") == "decode_iteration"}
     return out
 
 
@@ -142,6 +147,7 @@ def load_factors(results: Path = RESULTS) -> Factors:
         m = json.loads(RECORDED.read_text())
         m["source"] += " (recorded in rlrecipes/plan/measured.json: no benchmarks/results/ here)"
         m["cpu_source"] += " (recorded)"
+        m["cpu_decode_source"] += " (recorded)"
     src, hsrc, dev = m["source"], m["cpu_source"], m.get("device") or "the suite's device"
     mfu = {e: Factor(v["value"], f"{src}: {e} train, {v['shape']} shape, bf16, default options, {dev}")
            for e, v in m["train_mfu"].items()}
@@ -163,12 +169,15 @@ def load_factors(results: Path = RESULTS) -> Factors:
                                                        f"iteration, host-bound"),
             "cpu/forward": Factor(cpu["forward_per_layer_s"], f"{hsrc}: forward of 64 smoke samples, 1 thread"),
             "cpu/train": Factor(cpu["train_per_layer_s"], f"{hsrc}: forward + backward + AdamW, 1 thread"),
-            "cpu/decode": Factor(cpu["decode_iteration_per_layer_s"], f"{hsrc}: one KV-cache decode iteration"),
+            **{f"cpu/decode/{e}": Factor(v["per_layer_s"], f"{m['cpu_decode_source']}: one decode iteration of the "
+                                                            f"{e} engine, 64 smoke rows, 1 thread")
+               for e, v in m["cpu_decode"].items()},
         },
         eager_fixed_s={
             "cpu/forward": Factor(cpu["forward_fixed_s"], hsrc),
             "cpu/train": Factor(cpu["train_fixed_s"], hsrc),
-            "cpu/decode": Factor(cpu["decode_iteration_fixed_s"], hsrc),
+            **{f"cpu/decode/{e}": Factor(max(0.0, v["fixed_s"]), m["cpu_decode_source"])
+               for e, v in m["cpu_decode"].items()},
         },
         dock_round_trip_s=Factor(1e-3, "docs/transfer_dock.md (benchmarks/dock_call.py): a direct-channel call is "
                                        "~0.1 ms of CPU each side, a Ray actor call ~1 ms; 1 ms taken"))
@@ -257,12 +266,19 @@ def _forward_flops(c: _Ctx, tokens: float, seq: float) -> float:
     return tokens * (2 * _matmul_params(c.dims) + _attn_flops_per_token(c.dims, seq / 2))
 
 
-def _eager(c: _Ctx, kind: str, layers: float, passes: float) -> float:
-    """Host seconds of ``passes`` eager passes over ``layers`` layers (0 where the host never bounds)."""
+def _eager(c: _Ctx, kind: str, layers: float, passes: float, engine: str = "") -> float:
+    """Host seconds of ``passes`` eager passes over ``layers`` layers (0 where the host never bounds):
+    the engine's own measurement where there is one, else the pass's; an engine without either on
+    this CPU takes the slowest engine measured here."""
     key = f"{c.kind}/{kind}"
-    per = c.f.eager_layer_s.get(key)
-    if per is None:
-        return 0.0
+    if f"{key}/{engine}" in c.f.eager_layer_s:
+        key = f"{key}/{engine}"
+    elif key not in c.f.eager_layer_s:
+        own = [k for k in c.f.eager_layer_s if k.startswith(key + "/")]
+        if not own:
+            return 0.0
+        key = max(own, key=lambda k: c.f.eager_layer_s[k].value)
+    per = c.f.eager_layer_s[key]
     fixed = c.f.eager_fixed_s.get(key, Factor(0.0, "")).value
     return passes * (layers * per.value + fixed)
 
@@ -323,7 +339,9 @@ def _rollout(c: _Ctx, role: RoleLayout, engine: str, weights_per_device: float, 
     rows = c.samples / groups
     inf = r.rollout.inference
     kvb = dims.kv_bytes_per_token() / (1 if dims.is_mla else min(role.tp, max(1, dims.num_kv_heads)) * role.pp)
-    by_kv = kv_budget / max(1.0, (c.P + c.Lmax) * kvb) if kv_budget > 0 else rows
+    # paged KV: a row holds its prompt and what it generated so far, and frees it when done; a
+    # row's mean final length (P + L) sits between its mean occupancy and the worst case (P + Lmax)
+    by_kv = kv_budget / max(1.0, (c.P + c.L) * kvb) if kv_budget > 0 else rows
     conc = max(1.0, min(rows, inf.max_num_seqs, by_kv))
     iterations = max(c.Lmax, rows * c.L / conc)
     active = rows * c.L / iterations  # mean rows per iteration over the step (they finish unevenly)
@@ -344,7 +362,7 @@ def _rollout(c: _Ctx, role: RoleLayout, engine: str, weights_per_device: float, 
     lat = hw.collective_latency_s * (2 * dims.num_layers * math.log2(role.tp)
                                       + (2 * dims.num_moe_layers() * math.log2(role.ep) if dims.is_moe else 0))
     eager = not capabilities(engine).decode_graphs or inf.enforce_eager or not inf.graph_mode
-    host = _eager(c, "decode", dims.num_layers, 1) if eager else 0.0
+    host = _eager(c, "decode", dims.num_layers, 1, engine) if eager else 0.0
     per_iter = max(mem, comp, host) + lat
     prefill_tok = rows * c.P * groups
     prefill = _forward_flops(c, prefill_tok, c.P) / role.world / (hw.bf16_flops * c.mfu(engine))
@@ -379,6 +397,12 @@ def predict(recipe: Recipe, plan, factors: Optional[Factors] = None, hardware: O
                            "rollout.expected_response_tokens)")
     if r.algorithm.dynamic_sampling.enabled:
         assumptions.append("dynamic sampling: one generation round per step (extra rounds add rollout time)")
+    if r.rollout.multi_turn.enabled:
+        assumptions.append("multi-turn: tool calls and their observations take no time (the agent loop's tool "
+                           "seconds are not modelled); every turn's tokens decode as one response")
+    if r.rollout.pooled:
+        assumptions.append("pooled rollout (partial / over-sampling): priced as a plain rollout of the step's "
+                           "groups; the pool's carry-over is not modelled")
     samples = plan.global_batch * plan.n_samples
     c = _Ctx(r, hw, f, dims, P, L, Lmax, samples, plan.devices_per_node)
     roles = roles_of(r, strict=False)
@@ -394,7 +418,9 @@ def predict(recipe: Recipe, plan, factors: Optional[Factors] = None, hardware: O
         stages.append(_train_pass(c, "old", actor, train_engine, 1, "forward"))
     if roles.critic:
         stages.append(_train_pass(c, "values", plan.roles.get("critic", actor), train_engine, 1, "forward"))
-    units = 4 if r.actor.recompute else 3
+    # forward 1, backward 2 (activation and weight gradients); LoRA's frozen base skips its weight
+    # gradients (the adapters' are negligible); recompute runs the forward again
+    units = (2 if r.actor.lora.enabled else 3) + (1 if r.actor.recompute else 0)
     upd = _train_pass(c, "update", actor, train_engine, units, "train", epochs)
     sync = _grad_sync(c, actor, roles.mini_batches * epochs)
     upd.seconds += sync
