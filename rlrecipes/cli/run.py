@@ -159,7 +159,7 @@ def register(app: typer.Typer) -> None:
         if steps is not None:
             ovr.append(f"trainer.steps={steps}")
         if resume is not None:
-            from ..workflow.driver import resumed_recipe
+            from ..workflow.resume import resumed_recipe
 
             r = resumed_recipe(resume, ovr)  # the run's own config.yaml; only resumable keys may change
         else:

@@ -4,7 +4,7 @@ from pathlib import Path
 
 from rlrecipes.cluster import LostNode, lost_nodes, unanswering_nodes
 from rlrecipes.recipe import load_recipe
-from rlrecipes.workflow.driver import WorkerPlacement, _resume_command, node_loss_message
+from rlrecipes.workflow.supervise import WorkerPlacement, node_loss_message, resume_command
 
 A, B, C = "a" * 56, "b" * 56, "c" * 56
 
@@ -44,8 +44,8 @@ def test_message_without_a_checkpoint(tmp_path: Path):
 def test_resume_command_matches_how_the_run_reached_ray(tmp_path: Path):
     r = load_recipe("qwen25_7b", smoke=True)
     run = tmp_path / "my run"
-    assert _resume_command(r, run, True, None) == f"rlrecipes run qwen25_7b --resume '{run}' --smoke"
-    assert _resume_command(r, run, False, "10.0.0.1:6379") == \
+    assert resume_command(r, run, True, None) == f"rlrecipes run qwen25_7b --resume '{run}' --smoke"
+    assert resume_command(r, run, False, "10.0.0.1:6379") == \
         f"rlrecipes run qwen25_7b --resume '{run}' --address 10.0.0.1:6379"
 
 

@@ -12,7 +12,8 @@ from rich.console import Console
 from rlrecipes.cli import run as cli_run
 from rlrecipes.metrics import MetricsWriter, RunSummary, read_rows
 from rlrecipes.recipe import load_recipe
-from rlrecipes.workflow.driver import _bad_run, _Progress
+from rlrecipes.workflow.driver import _bad_run
+from rlrecipes.workflow.progress import ProgressBoard
 from rlrecipes.workflow.events import Progress, RunFinished, RunStarted
 from rlrecipes.workflow.worker import CheckpointRows
 
@@ -24,7 +25,7 @@ def row(step: int, **kw) -> dict:
 
 
 def test_progress_actor_drops_the_rows_the_driver_confirmed():
-    p = _Progress()
+    p = ProgressBoard()
     for s in range(3):
         p.metrics(row(s))
     step, stage, new = p.poll(0)
@@ -42,7 +43,7 @@ def test_progress_actor_drops_the_rows_the_driver_confirmed():
 
 
 def test_progress_actor_merges_rollout_facts_once():
-    p = _Progress()
+    p = ProgressBoard()
     p.rollout(4, {"timing_s/rollout": 1.5})
     p.metrics(row(4))
     assert p.poll(0)[2][0]["timing_s/rollout"] == 1.5 and p.rollout_facts == {}
