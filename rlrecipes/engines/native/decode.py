@@ -29,99 +29,12 @@ qualifies; the engine falls back to ``model.forward`` otherwise.
 """
 from __future__ import annotations
 
-import weakref
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 
 from rlrecipes.engines.native.kv_buffers import KVBuffers
-
-
-def supports_fast_decode(model: nn.Module) -> bool:
-    """True when ``model`` is an HF causal LM whose decode step :class:`FastDecoder` can run."""
-    backbone = getattr(model, "model", None)
-    if backbone is None or not hasattr(model, "lm_head"):
-        return False
-    for attr in ("embed_tokens", "layers", "norm", "rotary_emb"):
-        if not hasattr(backbone, attr):
-            return False
-    cfg = model.config
-    types = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
-    if any(t != "full_attention" for t in types):
-        return False  # sliding-window layers need their own mask
-    if getattr(cfg, "final_logit_softcapping", None):
-        return False
-    return True
-
-
-def _has_hooks(mod: nn.Module) -> bool:
-    from torch.nn.modules import module as _m
-
-    return bool(mod._forward_hooks or mod._forward_pre_hooks or _m._global_forward_hooks
-                or _m._global_forward_pre_hooks)
-
-
-_RMS_PROBED: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
-
-
-def _fused_rms_norm_matches(mod: nn.Module, w: torch.Tensor, eps: float) -> bool:
-    """Whether ``F.rms_norm`` reproduces this RMSNorm module bitwise (probed once per module)."""
-    seen = _RMS_PROBED.setdefault(mod, {})
-    key = (w.dtype, str(w.device), eps)
-    if key not in seen:
-        probe = torch.randn((8, w.shape[0]), generator=torch.Generator().manual_seed(0)).to(w.device)
-        seen[key] = bool(torch.equal(F.rms_norm(probe, (w.shape[0],), w, eps), mod.forward(probe)))
-    return seen[key]
-
-
-def _fast_call(mod: nn.Module):
-    """A callable computing exactly ``mod(x)`` with less per-call Python.
-
-    Hooked modules (DTensor TP plans install their layout conversions as hooks) are returned as
-    is; a plain ``nn.Linear`` becomes ``F.linear`` on its current weight/bias objects; an fp32
-    RMSNorm becomes ``F.rms_norm`` when that is bitwise equal on a probe; anything else runs its
-    ``forward`` without ``nn.Module.__call__``.
-    """
-    if _has_hooks(mod):
-        return mod
-    if type(mod) is nn.Linear and not isinstance(mod.weight, DTensor):
-        w, b = mod.weight, mod.bias
-        return lambda x: F.linear(x, w, b)
-    if type(mod).__name__.endswith("RMSNorm") and hasattr(mod, "variance_epsilon"):
-        w, eps = mod.weight, mod.variance_epsilon
-        if not isinstance(w, DTensor) and w.dtype == torch.float32 and w.dim() == 1:
-            shape = (w.shape[0],)
-            if _fused_rms_norm_matches(mod, w, eps):
-                return lambda x: F.rms_norm(x, shape, w, eps)
-    return mod.forward
-
-
-def _mlp_call(mlp: nn.Module):
-    """``down(act(gate(x)) * up(x))`` with fast calls for gated dense MLPs; the module itself otherwise."""
-    parts = ("gate_proj", "up_proj", "down_proj", "act_fn")
-    if _has_hooks(mlp) or not type(mlp).__name__.endswith("MLP") or not all(hasattr(mlp, a) for a in parts):
-        return _fast_call(mlp)
-    gate, up, down, act = (_fast_call(getattr(mlp, a)) for a in parts)
-    return lambda x: down(act(gate(x)) * up(x))
-
-
-_GQA_ATTENTION = ("Qwen2Attention", "Qwen3MoeAttention", "Qwen3Attention")
-_MLA_ATTENTION = ("DeepseekV3Attention",)
-_LAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
-
-
-def _attention_kind(layer: nn.Module) -> str:
-    """``gqa`` / ``mla``: a hand-written decode step exists; ``layer``: call the HF decoder layer."""
-    if not all(hasattr(layer, a) for a in _LAYER_PARTS):
-        return "layer"
-    name = type(layer.self_attn).__name__
-    if name in _GQA_ATTENTION and getattr(layer.self_attn, "sliding_window", None) is None:
-        return "gqa"
-    if name in _MLA_ATTENTION:
-        return "mla"
-    return "layer"
+from rlrecipes.engines.native.decode_parts import attention_kind, fast_call, mlp_call, rotate_half, supports_fast_decode
 
 
 class FastDecoder:
@@ -153,7 +66,7 @@ class FastDecoder:
         self.norm = backbone.norm
         self.rotary = backbone.rotary_emb
         self.lm_head = model.lm_head
-        self.kinds = [_attention_kind(layer) if mode == "fast" else "layer" for layer in self.layers]
+        self.kinds = [attention_kind(layer) if mode == "fast" else "layer" for layer in self.layers]
         self.rope_interleave = bool(getattr(model.config, "rope_interleave", False))
         self.buffers = KVBuffers(len(self.layers))
         self._cos = self._sin = self._sin_signed = None
@@ -169,8 +82,8 @@ class FastDecoder:
     def _prepare(self) -> None:
         """Per-call callables (rebuilt every ``generate``: weights may have been swapped / reloaded)."""
         self._plan = [self._layer_plan(kind, layer) for kind, layer in zip(self.kinds, self.layers)]
-        self._embed, self._final_norm, self._head = (_fast_call(self.embed), _fast_call(self.norm),
-                                                     _fast_call(self.lm_head))
+        self._embed, self._final_norm, self._head = (fast_call(self.embed), fast_call(self.norm),
+                                                     fast_call(self.lm_head))
 
     def _set_rotary(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """Store the decode steps' ``(cos, sin) [B, S, D]`` (rotary module layout) in the step layouts."""
@@ -378,7 +291,7 @@ class FastDecoder:
         if self.rope_interleave:
             x1, x2 = x[..., 0::2], x[..., 1::2]
             return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
-        return x * c + _rotate_half(x) * s
+        return x * c + rotate_half(x) * s
 
     def _mla_prefill(self, attn, plan, x, li, capacity, cos, sin, mask, last_only, start=0):
         """DeepSeek MLA over the prompt ``x [B, P, H]``, writing expanded per-head K/V to the buffers
@@ -421,16 +334,16 @@ class FastDecoder:
         if kind == "layer":
             return None
         attn = layer.self_attn
-        plan = {"in_norm": _fast_call(layer.input_layernorm), "post_norm": _fast_call(layer.post_attention_layernorm),
-                "mlp": _mlp_call(layer.mlp), "o": _fast_call(attn.o_proj)}
+        plan = {"in_norm": fast_call(layer.input_layernorm), "post_norm": fast_call(layer.post_attention_layernorm),
+                "mlp": mlp_call(layer.mlp), "o": fast_call(attn.o_proj)}
         if kind == "gqa":
-            plan.update(q=_fast_call(attn.q_proj), k=_fast_call(attn.k_proj), v=_fast_call(attn.v_proj),
+            plan.update(q=fast_call(attn.q_proj), k=fast_call(attn.k_proj), v=fast_call(attn.v_proj),
                         head_dim=attn.head_dim, scale=attn.scaling)
             qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-            plan.update(q_norm=_fast_call(qn) if qn is not None else None,
-                        k_norm=_fast_call(kn) if kn is not None else None)
+            plan.update(q_norm=fast_call(qn) if qn is not None else None,
+                        k_norm=fast_call(kn) if kn is not None else None)
         if kind == "mla":
-            plan.update({name: _fast_call(getattr(attn, name)) for name in (
+            plan.update({name: fast_call(getattr(attn, name)) for name in (
                 "q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm")
                 if getattr(attn, name, None) is not None})
         return plan
@@ -538,11 +451,6 @@ class FastDecoder:
         self.buffers = KVBuffers(len(self.layers))
         self._cos = self._sin = self._sin_signed = self._mask = None
         self._plan = []
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 __all__ = ["FastDecoder", "KVBuffers", "supports_fast_decode"]
