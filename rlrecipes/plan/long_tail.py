@@ -7,12 +7,20 @@ from ..recipe import Recipe
 from .checks import Violation, one_rank_sessions
 
 POOL_RULE = "a pooled rollout runs on this rollout engine and layout"
+WAIT_RULE = "rollout.max_wait_steps caps a pooled rollout"
 
 
 def pool_checks(r: Recipe) -> list[Violation]:
     """A pooled rollout continues samples through the engine's turn sessions: refused where those
-    run on one rank per instance only, and with routing replay (recorded per generate call)."""
+    run on one rank per instance only, and with routing replay (recorded per generate call); and
+    ``rollout.max_wait_steps`` without a pool."""
     if not pooled_rollout(r):
+        wait = r.rollout.max_wait_steps
+        if wait is not None:  # a cap on the wait in a pool that this recipe does not keep
+            return [Violation(WAIT_RULE, f"rollout.max_wait_steps={wait} caps how long a pooled rollout's groups "
+                                         "wait, and this recipe keeps no pool (rollout.partial, rollout.oversample > 1, or "
+                                         "algorithm.dynamic_sampling with resources.placement=disaggregated): set "
+                                         "rollout.max_wait_steps=null, or turn one of those on")]
         return []
     v: list[Violation] = []
     what = ("rollout.partial" if r.rollout.partial else "rollout.oversample" if r.rollout.oversample > 1
@@ -58,4 +66,4 @@ def smoke_fit(r: Recipe) -> Recipe:
     return r
 
 
-__all__ = ["POOL_RULE", "pool_checks", "smoke_devices", "smoke_fit"]
+__all__ = ["POOL_RULE", "WAIT_RULE", "pool_checks", "smoke_devices", "smoke_fit"]

@@ -225,6 +225,13 @@ class AlgorithmConfig(_Strict):
     """Asynchronous RL: how many optimizer versions the rollout weights may lag behind the actor's when
     a batch is trained on (0: on-policy, synchronous). Above 0 needs resources.placement=disaggregated
     (rollout and training on their own devices, so generation overlaps training)."""
+    max_token_staleness: Optional[int] = Field(None, ge=0)
+    """A pooled rollout (rollout.partial / rollout.oversample): the most policy versions any trained
+    response token may lag behind the weights trained on it (a sample continued across steps holds
+    tokens of several versions). Null: max_staleness; never below it. A carried sample whose oldest
+    token would pass it is regenerated from its prompt under the current policy
+    (rollout/pool_restarted_samples, _tokens). A sample must then be generated within about this
+    many steps, so 1 leaves the pool little speed-up on a long tail (docs/workflow.md)."""
     dynamic_sampling: DynamicSampling = Field(default_factory=DynamicSampling)
     overlong: Overlong = Field(default_factory=Overlong)
 
@@ -251,7 +258,16 @@ class AlgorithmConfig(_Strict):
             raise ValueError(f"algorithm.ppo_epochs must be >= 1; got {self.ppo_epochs}")
         if self.rollout_correction == "auto":
             self.rollout_correction = "tis" if self.max_staleness > 0 else "none"
+        if self.max_token_staleness is not None and self.max_token_staleness < self.max_staleness:
+            raise ValueError(f"algorithm.max_token_staleness={self.max_token_staleness} is below algorithm.max_staleness="
+                             f"{self.max_staleness}, which rows (and so their tokens) may lag: set "
+                             f"algorithm.max_token_staleness={self.max_staleness} or more, or null (= max_staleness)")
         return self
+
+    @property
+    def token_staleness(self) -> int:
+        """The bound on every trained token's version lag (max_token_staleness, else max_staleness)."""
+        return self.max_staleness if self.max_token_staleness is None else self.max_token_staleness
 
 
 class RewardConfig(_Strict):
@@ -446,6 +462,19 @@ class RolloutConfig(_Strict):
     chunk_tokens: int = Field(8, ge=1, le=65536)
     """Partial rollout / over-sampling: tokens each unfinished sample generates between two looks
     at the batch (enough complete groups? a new policy version waiting?)."""
+    max_wait_steps: Optional[int] = Field(None, ge=1)
+    """Pooled rollout: the most steps a group may wait in the pool after the step that drew it; the
+    step it reaches this does not commit before the group is complete, and trains on it. 1: every
+    carried group is finished, and trained on, in the next step (carried groups first). Bounds how
+    far the trained batch leans to short responses (rollout/length_bias), at a cost in speed. Null:
+    a group waits until it completes."""
+    on_stale: Literal["regenerate", "finish"] = "regenerate"
+    """Pooled rollout: how algorithm.max_token_staleness is kept. regenerate: a carried sample whose
+    oldest token has passed the bound when a step starts is regenerated from its prompt under the
+    current policy (its tokens thrown away: rollout/pool_restarted_tokens); steps stay short, but
+    an answer that takes longer than the bound's steps to generate restarts again and again.
+    finish: a group that would pass the bound at the next step is finished in this one (the step
+    does not commit before it is complete); nothing is thrown away, and the step waits for it."""
 
     @property
     def pooled(self) -> bool:

@@ -8,8 +8,9 @@ pooled rollout worker keeps a pool of prompt groups instead of one batch:
   unfinished sample generates ``rollout.chunk_tokens`` tokens at a time; after each chunk the
   rollout workers agree (one small all-gather) whether enough groups are complete. The step then
   commits the batch's worth of complete groups, oldest first, to its dock; the rest stay in the
-  **carry-over dock** (``Context.pool_dock``) and continue in the next step. Nothing is dropped: a
-  group leaves the pool only by being trained on (or by DAPO's filter, counted).
+  **carry-over dock** (``Context.pool_dock``) and continue in the next step. No group is dropped:
+  a group leaves the pool only by being trained on (or by DAPO's filter, counted); a sample past
+  the token-staleness bound is regenerated (below).
 - **Partial rollout** (``rollout.partial``): between chunks the rollout also looks whether the
   trainers announced a new policy version (``stages.version_waiting``); if so it receives it, and
   the unfinished samples continue from their prefix under it (their KV cache rebuilt by a new
@@ -20,10 +21,36 @@ pooled rollout worker keeps a pool of prompt groups instead of one batch:
   ``max_gen_batches``) until the batch has enough informative groups -- while the trainers train
   the previous batch.
 
-A row's ``policy_version`` is the newest version among its group's tokens (the version the group
-was finished under), so the staleness bound ``step - max_staleness <= version`` holds for every
-committed row; a complete group that would fall outside it by the next step is committed now
-rather than carried. The tokens' own spread is reported (``async/token_staleness_max``).
+**Staleness bounds.** A row's ``policy_version`` is the newest version among its group's tokens
+(the version the group was finished under), and ``step - algorithm.max_staleness <= version`` holds
+for every committed row. Every response token is bounded as well: ``step -
+algorithm.max_token_staleness <= its version`` (the bound ``B`` defaults to ``max_staleness``; the
+step's largest lag is ``async/token_staleness_max``, and the trainers' ``scored`` stage refuses a
+token past ``B``). ``rollout.on_stale`` says how the pool keeps it:
+
+- ``regenerate`` (default): a carried sample whose oldest token is past ``B`` when a step starts is
+  regenerated from its prompt under the current policy (:func:`restart_stale`;
+  ``rollout/pool_restarted_samples``, ``_tokens``). Its later tokens were sampled after the stale
+  ones, so none is kept. The group is not dropped: what goes stale is the long answer, and dropping
+  would take the long tail out of training for good, while a restart keeps the prompt in the pool
+  and costs the tokens thrown away.
+- ``finish``: a group that would be past ``B`` at the next step is finished in this one (the step
+  does not commit before it is complete, :func:`overdue`): nothing is thrown away, and the step
+  waits for it.
+
+A complete group that the next step could not take (a row or a token past its bound by then, or a
+group at ``rollout.max_wait_steps``) is committed now rather than carried, so a step may train on
+more than its batch (:func:`choose`; ``samples`` in the row).
+
+A sample must thus be generated within about ``B`` steps. With ``B = 1`` no step can be much
+shorter than the longest answer's generation if that answer is to be trained on: ``regenerate``
+keeps steps short and restarts the long answers until the pool holds little else and a step has to
+wait for them; ``finish`` waits at once (synchronous steps that train every complete group). Each
+step reports how far its trained batch leans short: ``rollout/length_bias`` (the trained responses'
+mean length against every response of the step's pool, the unfinished ones at their length so far,
+less 1) with ``rollout/length_trained_mean``, ``_p90`` and ``rollout/length_pool_mean``, ``_p90``.
+``rollout.max_wait_steps`` caps how many steps a group may wait after the step that drew it (the
+step it reaches the cap does not commit before it is complete), which bounds the lean.
 """
 from __future__ import annotations
 
@@ -88,6 +115,59 @@ class _Generation:
         return made
 
 
+def restart_stale(groups: list[Group], step: int, bound: int) -> tuple[int, int]:
+    """Regenerate from the prompt every sample of ``groups`` whose oldest token is more than
+    ``bound`` policy versions behind ``step``: it could never be trained at this step or a later one,
+    and its later tokens were sampled after it, so none of its tokens is kept. The rest of its group
+    stays; the group is unfinished again (its scores go). Returns (samples, tokens) restarted."""
+    samples = tokens = 0
+    for g in groups:
+        stale = [s for s in g.samples if s.versions and s.versions[0] < step - bound]
+        for s in stale:
+            tokens += len(s.tokens)
+            s.tokens, s.logps, s.versions, s.done = [], [], [], False
+        if stale:
+            samples += len(stale)
+            g.scores = g.acc = None
+    return samples, tokens
+
+
+def choose(ready: list[int], groups: list[Group], newest: list[int], oldest: list, step: int, target: int,
+           staleness: int, token_staleness: int, max_wait: int | None) -> set[int]:
+    """The complete groups the step commits (``ready``: their indices, oldest first): the batch's
+    worth, and any that the next step could not take -- a row version (``newest``) or a token
+    version (``oldest``) that would be past its bound, or a group at ``rollout.max_wait_steps``."""
+    take = set(ready[:target])
+    for i in ready[target:]:
+        if (newest[i] < step + 1 - staleness or (oldest[i] is not None and oldest[i] < step + 1 - token_staleness)
+                or (max_wait is not None and step - groups[i].born >= max_wait)):
+            take.add(i)
+    return take
+
+
+def overdue(groups: list[Group], live: list[int], done: list[bool], oldest: list, step: int, max_wait: int | None,
+            finish_within: int | None) -> bool:
+    """Whether the step may not commit yet: an unfinished group has waited ``rollout.max_wait_steps``,
+    or (``finish_within``: the token bound, ``rollout.on_stale=finish``) holds a token that would be
+    past the bound at the next step."""
+    for i in live:
+        if done[i]:
+            continue
+        if max_wait is not None and step - groups[i].born >= max_wait:
+            return True
+        if finish_within is not None and oldest[i] is not None and oldest[i] < step + 1 - finish_within:
+            return True
+    return False
+
+
+def _quantile(xs: list, q: float) -> float:
+    """The nearest-rank ``q`` quantile of ``xs`` (0 when empty)."""
+    if not xs:
+        return 0.0
+    xs = sorted(xs)
+    return float(xs[max(0, math.ceil(q * len(xs)) - 1)])
+
+
 def _draw(ctx: Context, count: int, step: int) -> list[Group]:
     """``count`` new prompt groups, in the sampler's order (identical on every rollout rank)."""
     n = ctx.recipe.trainer.n_samples_per_prompt
@@ -96,6 +176,18 @@ def _draw(ctx: Context, count: int, step: int) -> list[Group]:
         prompt = torch.tensor(ctx.dataset[i]["prompt_ids"], dtype=torch.long)
         out.append(Group(int(i), step, prompt, [Sample() for _ in range(n)]))
     return out
+
+
+def length_numbers(trained: list, pool: list) -> dict:
+    """How far the trained batch's response lengths lean from the pool's (``rollout/length_bias``: the
+    trained mean over the pool's, less 1; negative: shorter). The pool is every sample the step
+    worked on -- trained, carried, filtered -- the unfinished ones at their length so far, a lower
+    bound of their final one, so the lean shown is at most the real one."""
+    tm = sum(trained) / len(trained) if trained else 0.0
+    pm = sum(pool) / len(pool) if pool else 0.0
+    return {"rollout/length_trained_mean": tm, "rollout/length_trained_p90": _quantile(trained, 0.9),
+            "rollout/length_pool_mean": pm, "rollout/length_pool_p90": _quantile(pool, 0.9),
+            "rollout/length_bias": tm / pm - 1 if pm else 0.0}
 
 
 @stage("pool_rollout")
@@ -117,14 +209,18 @@ def pool_rollout(ctx: Context, b: StageBatch) -> dict:
                             top_k=s.top_k, eos_token_id=ctx.eos_id, pad_token_id=ctx.pad_id)
     groups = list(pb.carried)
     carried_in = len(groups)
+    bound, wait = alg.token_staleness, ro.max_wait_steps
+    finish = bound if ro.on_stale == "finish" else None
+    restarted, restarted_tokens = restart_stale(groups, step, bound)  # every rank holds the same carried groups
     groups += _draw(ctx, max(0, math.ceil(ro.oversample * target) - len(groups)), step)
     drawn = len(groups) - carried_in
     done = [g.done for g in groups]       # the common view, per group
     version = [g.version for g in groups]
+    oldest = [g.oldest for g in groups]
     dropped: set[int] = set()
     sums = {"errors": 0, "gen_tokens": 0, "filtered_tokens": 0, "reward_sum": 0.0, "reward_n": 0}
     first_error = None
-    interrupts, rounds = 0, 1
+    interrupts, rounds, chunks = 0, 1, 0
     gen = _Generation(ctx, params, seed_of(r.trainer.seed, step, "pool"))
     t0, t_weights = time.perf_counter(), 0.0
     leader = eng.is_data_leader
@@ -134,6 +230,7 @@ def pool_rollout(ctx: Context, b: StageBatch) -> dict:
         while True:
             mine = [i for i in range(len(groups)) if i % eng.dp_size == eng.dp_rank and i not in dropped]
             sums["gen_tokens"] += gen.chunk([groups[i] for i in mine], chunk)
+            chunks += 1
             facts = []
             for i in mine:
                 g = groups[i]
@@ -147,17 +244,17 @@ def pool_rollout(ctx: Context, b: StageBatch) -> dict:
                             metric.float(), torch.zeros(n, dtype=torch.long)).kept_group_ids):
                         dropped.add(i)  # DAPO: a constant group gives no gradient
                         sums["filtered_tokens"] += g.tokens
-                facts.append((i, g.done, g.version, i in dropped))
+                facts.append((i, g.done, g.version, g.oldest, i in dropped))
             waiting = (ro.partial and ctx.rank == 0 and ctx.signals is not None
                        and version_waiting(ctx.signals, ctx.version + 1))
             every = all_gather_objects((facts if leader else [], waiting), device=ctx.device)
             for part, _ in every:
-                for i, d, v, x in part:
-                    done[i], version[i] = d, v
+                for i, d, v, o, x in part:
+                    done[i], version[i], oldest[i] = d, v, o
                     if x:
                         dropped.add(i)
             live = [i for i in range(len(groups)) if i not in dropped]
-            if sum(done[i] for i in live) >= target:
+            if sum(done[i] for i in live) >= target and not overdue(groups, live, done, oldest, step, wait, finish):
                 break
             if every[0][1]:  # partial rollout: the new version loads now; the unfinished continue under it
                 gen.close()
@@ -176,17 +273,17 @@ def pool_rollout(ctx: Context, b: StageBatch) -> dict:
             groups += more
             done += [False] * len(more)
             version += [-1] * len(more)
+            oldest += [None] * len(more)
             drawn += len(more)
             rounds += 1
     finally:
         gen.close()
         eng.sleep()
     ctx.timer.add_compute("rollout", time.perf_counter() - t0 - t_weights)
-    # committed: the batch's worth of complete groups, oldest first, and any complete group that
-    # would be too stale to train on at the next step; the rest stay in the pool
-    k = alg.max_staleness
+    # committed: the batch's worth of complete groups, oldest first, and any complete group the next
+    # step could not take; the rest stay in the pool
     ready = sorted((i for i in range(len(groups)) if done[i] and i not in dropped), key=lambda i: (groups[i].born, i))
-    take = set(ready[:target]) | {i for i in ready[target:] if version[i] < step + 1 - k}
+    take = choose(ready, groups, version, oldest, step, target, alg.max_staleness, bound, wait)
     committed = [i for i in range(len(groups)) if i in take]
     carry = [i for i in range(len(groups)) if i not in take and i not in dropped]
     at_c, at_k = {i: p for p, i in enumerate(committed)}, {i: p for p, i in enumerate(carry)}
@@ -201,8 +298,13 @@ def pool_rollout(ctx: Context, b: StageBatch) -> dict:
     sums["carry_tokens"] = sum(g.tokens for g in pb.carry)
     gone = pb.committed + [groups[i] for i in dropped if i in mine]  # the groups that left the pool
     sums["reward_sum"], sums["reward_n"] = sum(float(g.acc.sum()) for g in gone), n * len(gone)
-    every = all_gather_objects(sums if leader else {}, device=ctx.device)
-    total = {key: sum(e.get(key, 0) for e in every) for key in sums}
+    # response lengths: the trained rows, and every sample of the step's pool (unfinished: so far)
+    lens = ([len(x.tokens) for g in pb.committed for x in g.samples],
+            [len(x.tokens) for g in gone + pb.carry for x in g.samples])
+    every = all_gather_objects((sums, lens) if leader else ({}, ([], [])), device=ctx.device)
+    total = {key: sum(e[0].get(key, 0) for e in every) for key in sums}
+    trained_lens = [x for e in every for x in e[1][0]]
+    pool_lens = [x for e in every for x in e[1][1]]
     ages = [step - groups[i].born for i in carry]
     pb.numbers.update({
         "rollout/pool_carried_in": carried_in, "rollout/pool_new_groups": drawn,
@@ -213,12 +315,17 @@ def pool_rollout(ctx: Context, b: StageBatch) -> dict:
         "rollout/pool_committed_age_max": max((step - groups[i].born for i in committed), default=0),
         "rollout/generated_tokens": total["gen_tokens"], "rollout/filtered_tokens": total["filtered_tokens"],
         "rollout/pool_dock_tokens": total["carry_tokens"],
+        "rollout/pool_restarted_samples": restarted, "rollout/pool_restarted_tokens": restarted_tokens,
         "rollout/interrupts": interrupts, "async/weights_wait_mid_s": round(t_weights, 4),
+        # the step's chunks of generation, and the engine sessions opened for them (each a prefill of
+        # the unfinished samples' prefixes)
+        "rollout/pool_chunks": chunks, "rollout/pool_sessions": gen.opened,
         # the reward of the groups that left the pool: trained on, or dropped by DAPO's filter (as a
         # colocated DAPO step counts every group it scored)
         "reward/mean": total["reward_sum"] / total["reward_n"] if total["reward_n"] else float("nan"),
         "reward/samples": total["reward_n"], "reward/errors": total["errors"],
         "reward/failure_rate": total["errors"] / total["reward_n"] if total["reward_n"] else 0.0})
+    pb.numbers.update(length_numbers(trained_lens, pool_lens))
     if first_error:
         pb.numbers["reward/first_error"] = first_error
     if ds.enabled:

@@ -48,6 +48,12 @@ class Group:
         """The newest policy version any of its tokens was generated under."""
         return max((s.versions[-1] for s in self.samples if s.versions), default=-1)
 
+    @property
+    def oldest(self) -> Optional[int]:
+        """The oldest policy version any of its tokens was generated under (versions only grow along a
+        sample, so its first token's); None before it has a token."""
+        return min((s.versions[0] for s in self.samples if s.versions), default=None)
+
 
 @dataclass
 class PoolBatch:

@@ -127,7 +127,8 @@ def reward(ctx: Context, b: StageBatch) -> dict:
 @stage("scored")
 def scored(ctx: Context, b: StageBatch) -> dict:
     """A pooled rollout scored its groups (``workflow/pool.py``): check the rows' policy versions and
-    every token's, and count the scores into the step's reward."""
+    every token's (within ``algorithm.max_token_staleness``), and count the scores into the step's
+    reward."""
     st = b.state
     st.round += 1
     if not len(b):
@@ -135,6 +136,10 @@ def scored(ctx: Context, b: StageBatch) -> dict:
     check_versions(ctx, st, b["policy_version"])
     lags = torch.cat([st.step - v.reshape(-1).long() for v in b["token_versions"]])  # [tokens]
     if lags.numel():
+        bound = ctx.recipe.algorithm.token_staleness
+        if int(lags.max()) > bound:  # the pool regenerates such samples: a broken pool, never trained on
+            raise RuntimeError(f"step {st.step} was handed response tokens {int(lags.max())} policy versions old, "
+                               f"past algorithm.max_token_staleness={bound}")
         st.add(token_stale_sum=int(lags.sum()), token_n=int(lags.numel()))
         st.peak(token_stale_max=int(lags.max()))
     st.add(reward_sum=float(b["acc"].sum()), reward_n=len(b))
