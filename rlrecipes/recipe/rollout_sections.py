@@ -5,7 +5,7 @@ from typing import Literal, Optional
 
 from pydantic import Field, field_validator
 
-from .base import _Strict
+from .base import _Strict, registered_engine
 
 
 class RolloutLayout(_Strict):
@@ -56,6 +56,16 @@ class SamplingConfig(_Strict):
 class MultiTurnConfig(_Strict):
     """Multi-turn agentic rollout: tool calls inside the rollout (docs/agentic.md)."""
 
+    @field_validator("tool_format")
+    @classmethod
+    def _registered_format(cls, v: str) -> str:
+        from ..agent.parsing import TOOL_FORMATS  # the one list of formats: a new one needs no schema edit
+
+        if v != "auto" and v not in TOOL_FORMATS:
+            raise ValueError(f"rollout.multi_turn.tool_format={v!r} is not a registered tool format; one of: auto, "
+                             f"{', '.join(TOOL_FORMATS)}")
+        return v
+
     enabled: bool = False
     """Run the agent loop: generate until a tool call, run the tools, append their results as
     observation tokens (``response_mask`` 0), continue until EOS or a limit."""
@@ -68,7 +78,7 @@ class MultiTurnConfig(_Strict):
     limits each turn."""
     tools: list[str] = Field(default_factory=lambda: ["calculator"])
     """Built-in tool names (calculator, python) or ``module:function`` of your own."""
-    tool_format: Literal["auto", "qwen", "smoke"] = "auto"
+    tool_format: str = "auto"
     """How the model writes calls and reads results: qwen (``<tool_call>`` JSON, the chat template
     renders results), smoke (the smoke tokenizer's one-letter calls); auto: smoke for smoke models,
     qwen otherwise."""
@@ -102,8 +112,14 @@ class MultiTurnConfig(_Strict):
 
 
 class RolloutConfig(_Strict):
-    engine: Literal["native", "vllm"] = "native"
-    """Rollout engine: native (batched KV-cache sampler, any device) or vllm (vLLM / vllm-ascend)."""
+    @field_validator("engine")
+    @classmethod
+    def _rollout_engine(cls, v: str) -> str:
+        return registered_engine(v, "rollout", "rollout.engine")
+
+    engine: str = "native"
+    """Rollout engine, by its name in the engine registry: native (batched KV-cache sampler, any
+    device) or vllm (vLLM / vllm-ascend)."""
     layout: RolloutLayout = Field(default_factory=RolloutLayout)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     inference: InferenceSettings = Field(default_factory=InferenceSettings)

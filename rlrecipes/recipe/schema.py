@@ -161,8 +161,9 @@ class Overlong(_Strict):
 
 
 class AlgorithmConfig(_Strict):
-    name: Literal["grpo", "dapo", "ppo"]
-    """The algorithm: its stage DAG and defaults."""
+    name: str
+    """The algorithm, by its name in ``rlrecipes/algos/spec.py``'s ``ALGORITHMS`` (grpo, dapo, ppo):
+    its stage DAG and defaults."""
     adv_estimator: str = "grpo"
     """Advantage: group-normalised outcome (grpo), without std (Dr. GRPO), or GAE with a critic (ppo)."""
     norm_adv_by_std: bool = True
@@ -244,6 +245,14 @@ class AlgorithmConfig(_Strict):
     def _registered(cls, v: str, info) -> str:
         # the registries in rlrecipes/algos are the one list of names (a new estimator registers itself)
         _ALG_TABLES[f"algorithm.{info.field_name}"].get(v)
+        return v
+
+    @field_validator("name")
+    @classmethod
+    def _algorithm(cls, v: str) -> str:
+        from ..algos.spec import get_algorithm  # ALGORITHMS is the one list: a new algorithm needs no schema edit
+
+        get_algorithm(v)
         return v
 
     @model_validator(mode="after")

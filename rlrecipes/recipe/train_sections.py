@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
-from .base import _Strict
+from .base import _Strict, registered_engine
 
 
 
@@ -46,8 +46,14 @@ class LoraConfig(_Strict):
 
 
 class ActorConfig(_Strict):
-    engine: Literal["native", "megatron"] = "native"
-    """Training engine: native (HF + FSDP2 + DTensor TP/EP, any device) or megatron (megatron-core / MindSpeed)."""
+    @field_validator("engine")
+    @classmethod
+    def _train_engine(cls, v: str) -> str:
+        return registered_engine(v, "train", "actor.engine")
+
+    engine: str = "native"
+    """Training engine, by its name in the engine registry: native (HF + FSDP2 + DTensor TP/EP, any
+    device) or megatron (megatron-core / MindSpeed)."""
     layout: TrainLayout = Field(default_factory=TrainLayout)
     weight_decay: float = Field(0.0, ge=0)
     """AdamW weight decay."""

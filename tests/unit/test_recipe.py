@@ -54,7 +54,7 @@ def test_overrides_are_typed():
 @pytest.mark.parametrize("override, needle", [
     ("trainer.steps=abc", "`trainer.steps`"),
     ("trainer.stpes=3", "did you mean `trainer.steps`"),
-    ("algorithm.name=sac", "`algorithm.name`"),
+    ("algorithm.name=sac", "unknown algorithm 'sac' (algorithm.name)"),
     ("rollout.sampling.top_p=2", "`rollout.sampling.top_p`"),
     ("nonsense", "expected KEY=VALUE"),
     ("trainer.steps.x=1", "is a value, not a section"),
