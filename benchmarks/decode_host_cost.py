@@ -1,10 +1,11 @@
 """Seconds one decode iteration costs per transformer layer in each rollout engine, where the host
 bounds it: the native sampler and vLLM's eager path (its CPU build), on the same smoke shapes.
 
-The step-time model prices an eager decode iteration as ``layers x per_layer_s`` of host time. The
-only accelerator measurement is the native sampler's (``gpu_suite``: 1,148 tok/s at batch 64 on
-an H200); this script measures what each engine's eager iteration costs per layer on this CPU, so
-the model can carry the native measurement over to another engine by their ratio here.
+The step-time model prices an eager decode iteration as ``layers x per_layer_s + fixed_s``. On
+this CPU (the ``cpu`` hardware row: the smoke runs, and the vLLM tier's smoke run) it takes each
+engine's own figures from here. It does not carry them over to an accelerator: here the kernels
+run on the same cores as the host, so the ratio between two engines says nothing about a GPU's
+host (the accelerator figure is the native sampler's on an H200, ``gpu_suite``).
 
 For each engine and layer count (``--layers``, default 2 and 6) it builds the engine from the
 smoke dimensions (``rlrecipes.models.SMOKE``, fp32, one thread), generates ``--samples`` responses

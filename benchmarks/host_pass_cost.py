@@ -1,8 +1,8 @@
 """What one eager pass costs per transformer layer where the host, not the math, bounds it.
 
 The step-time model (``rlrecipes/plan/steptime.py``) needs, for an eager engine on small shapes,
-the seconds one transformer layer adds to a pass: a forward of a micro-batch, a forward + backward,
-and one decode iteration with a KV cache. On a GPU that is the host launching kernels; on this CPU
+the seconds one transformer layer adds to a pass: a forward of a micro-batch and a forward +
+backward + AdamW step (a decode iteration, per rollout engine: ``decode_host_cost.py``). On a GPU that is the host launching kernels; on this CPU
 it is the same Python and dispatch plus small-tensor kernels. This script measures them on the
 smoke shapes (``rlrecipes.models.SMOKE``, fp32, one thread: a smoke worker's share of the machine),
 at two layer counts, so a pass's cost splits into a per-layer part and a fixed part (embedding,
@@ -71,20 +71,7 @@ def measure(layers: int, samples: int, prompt: int, new: int, repeats: int) -> d
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    with torch.no_grad():
-        cache = model(ids[:, :prompt], use_cache=True).past_key_values
-    step_ids = ids[:, prompt:prompt + 1]
-
-    def decode():
-        with torch.no_grad():
-            c = __import__("copy").deepcopy(cache)
-            for i in range(4):
-                out = model(step_ids, past_key_values=c, use_cache=True)
-                c = out.past_key_values
-                torch.multinomial(torch.softmax(out.logits[:, -1].float(), -1), 1)
-
-    return {"forward": _median(forward, repeats), "train": _median(train, repeats),
-            "decode_iteration": _median(decode, repeats) / 4}
+    return {"forward": _median(forward, repeats), "train": _median(train, repeats)}
 
 
 def main() -> None:

@@ -6,7 +6,7 @@ the resident set size (``VmRSS``) of the driver process and of every Ray actor p
 the embedded Ray's processes are the driver's descendants, and an actor's process title is
 ``ray::<Class>[.<method>]`` (``Worker`` -> ``worker<rank>`` by the pids in the run's
 ``workers.json``; ``_Warehouse`` -> ``warehouse<i>`` in pid order, warehouse 0 hosting the dock's
-metadata controller; ``_Progress`` -> ``progress``; any other actor by its class name). With
+metadata controller; ``ProgressBoard`` -> ``progress``; any other actor by its class name). With
 ``--ray-system`` Ray's own processes (gcs_server, raylet, dashboard, agents) are reported too.
 The run's current step is the number of rows in its ``metrics.jsonl``.
 
@@ -111,7 +111,7 @@ def label_processes(driver: int, run_dir: Path, ray_system: bool) -> dict[str, i
             if name:
                 found[f"ray:{name.removesuffix('.py')}"] = pid
     for cls, pids in by_class.items():
-        name = {"_Warehouse": "warehouse", "_Progress": "progress", "_Controller": "controller"}.get(cls, cls)
+        name = {"_Warehouse": "warehouse", "ProgressBoard": "progress", "_Controller": "controller"}.get(cls, cls)
         if len(pids) == 1 and name != "warehouse":
             found[name] = pids[0]
         else:

@@ -1,7 +1,7 @@
 """Multi-turn agent helpers: tools, tool-call formats, a tool pool and the Python sandbox.
 
-These are the pieces the rollout stage's agent loop (``rollout.multi_turn``, not built yet) is
-made of. Per sample the loop will:
+These are the pieces the rollout stage's agent loop (``rollout.multi_turn``: :mod:`.loop`) is
+made of; :mod:`.setup` builds them from the recipe. Per sample the loop:
 
 1. generate until the tool format says to pause (:meth:`ToolFormat.call_complete`, the smoke
    format's closing parenthesis), the end-of-turn token (Qwen's ``<|im_end|>``) or a limit;

@@ -77,7 +77,7 @@ def render_prediction(pred) -> None:
     for c in ("stage", "seconds", "share", "bound", "how"):
         t.add_column(c, justify="right" if c in ("seconds", "share") else "left", overflow="fold")
     for st in pred.stages:
-        t.add_row(st.name, f"{st.seconds:.3g}", f"{100 * st.seconds / pred.step_s:.0f} %" if pred.step_s else "-",
+        t.add_row(st.name, f"{st.seconds:.3g}", f"{100 * st.seconds / pred.step_s:.0f} %" if pred.step_s and not pred.overlap else "-",
                   st.bound, escape(st.detail))
     console.print(t)
     how = " (rollout overlaps training: the longer of the two)" if pred.overlap else ""

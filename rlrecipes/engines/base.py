@@ -250,6 +250,12 @@ class TrainEngine(_Parallel):
         """Per sample ``[R_i]`` log-probs of the response tokens (values for a critic), fp32 on the
         host, and the entropy likewise (or None). No gradient. Collective over model-parallel peers."""
 
+    def base_forward(self, batch: SeqBatch, *, with_entropy: bool = False
+                     ) -> tuple[list[torch.Tensor], Optional[list[torch.Tensor]]]:
+        """:meth:`forward` of the frozen base with the LoRA adapters off: the reference policy of a
+        LoRA actor (:class:`AdaptersOff`). Engines that declare ``Capabilities.lora`` implement it."""
+        raise NotImplementedError(f"{type(self).__name__} trains no LoRA adapters (Capabilities.lora is False)")
+
     @abc.abstractmethod
     def train_step(self, batch: SeqBatch, loss_fn: LossFn, *, with_entropy: bool = False) -> dict:
         """Forward/backward over micro-batches of ``batch``, clip, one optimizer step.

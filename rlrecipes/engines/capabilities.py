@@ -19,7 +19,8 @@ class Capabilities:
     ep_within_tp: bool = False
     """EP groups must sit inside the TP group (EP divides TP), as in the native engine."""
     expert_tensor_parallel: bool = False
-    """Experts are split over TP as well (megatron's expert-TP); the planner's memory model uses it."""
+    """Experts are split over TP as well: megatron's expert-TP in training; a rollout engine whose
+    MoE layers split every expert over the TP ranks at EP 1 (vLLM). The planner's memory model uses it."""
     separate_ref_layout: bool = False
     """The reference model / critic may use a layout other than the actor's."""
     critic: bool = True

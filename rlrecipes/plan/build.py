@@ -328,7 +328,9 @@ def build_plan(recipe: Recipe, nodes: Optional[int] = None, devices_per_node: Op
         plan.sequence = sequence_summary(recipe, roles, train_caps.memory_model if train_caps else "")
     rollout = roles["rollout"]
     if rollout.dp is not None:
-        plan.rollout_memory = rollout_memory(dims, rollout, recipe, device_bytes)
+        rollout_caps = caps.get("rollout")
+        plan.rollout_memory = rollout_memory(dims, rollout, recipe, device_bytes,
+                                             expert_tp=bool(rollout_caps and rollout_caps.expert_tensor_parallel))
         budget = device_bytes * recipe.rollout.inference.gpu_memory_utilization
         if plan.rollout_memory.weights > budget:
             violations.append(Violation("rollout weights fit the device",
@@ -366,7 +368,10 @@ def build_plan(recipe: Recipe, nodes: Optional[int] = None, devices_per_node: Op
     if _search and any(v.rule == MEMORY_RULE for v in violations):
         plan.suggestions += sp_suggestion(recipe, plan, keep_batch)
     if _search and all(role.dp is not None for role in roles.values()):
-        plan.predicted = predict(recipe, plan)
+        try:
+            plan.predicted = predict(recipe, plan)
+        except Exception as e:  # noqa: BLE001 - a prediction is advice: it never stops plan or run
+            plan.notes.append(f"no step-time prediction: {type(e).__name__}: {e}")
     return plan
 
 

@@ -390,18 +390,21 @@ def node_independent_bytes(train: Memory, ref: Memory, caps: Capabilities) -> fl
     return train.activations
 
 
-def rollout_params_per_device(dims: ModelDims, role: RoleLayout) -> float:
-    """Parameters one rollout device holds: the dense part over TP, the experts over EP (vLLM's
-    ``enable_expert_parallel``), or over TP when EP is 1 (its fused-MoE layers then split every
-    expert's width over the TP ranks)."""
+def rollout_params_per_device(dims: ModelDims, role: RoleLayout, expert_tp: bool = False) -> float:
+    """Parameters one rollout device holds: the dense part over TP, the experts over EP; at EP 1,
+    over TP too where the engine splits them so (``Capabilities.expert_tensor_parallel``: vLLM's
+    fused-MoE layers split every expert's width over the TP ranks; the resharder, and the native
+    engine, split experts over EP only)."""
     experts = dims.expert_params()
-    return (dims.total_params() - experts) / role.tp + experts / (role.ep if role.ep > 1 else role.tp)
+    over = role.ep if role.ep > 1 else (role.tp if expert_tp else 1)
+    return (dims.total_params() - experts) / role.tp + experts / over
 
 
-def rollout_memory(dims: ModelDims, role: RoleLayout, recipe: Recipe, device_bytes: float) -> Memory:
+def rollout_memory(dims: ModelDims, role: RoleLayout, recipe: Recipe, device_bytes: float,
+                   expert_tp: bool = False) -> Memory:
     """A rollout device's weights (TP / EP shards) and the KV cache its memory budget leaves."""
     m = Memory()
-    m.weights = rollout_params_per_device(dims, role) * DTYPE_BYTES
+    m.weights = rollout_params_per_device(dims, role, expert_tp) * DTYPE_BYTES
     budget = device_bytes * recipe.rollout.inference.gpu_memory_utilization
     m.kv_cache = max(0.0, budget - m.weights)
     return m

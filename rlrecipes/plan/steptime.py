@@ -19,9 +19,11 @@ Colocated, the stages run one after another; disaggregated with ``max_staleness 
 of the next step overlaps the training of this one, so the step is the longer of the two.
 
 The factors come from stated sources and from the project's own measurements: the newest
-``gpu_suite-*.json`` and ``host_pass_cost-*.json`` under ``benchmarks/results/`` (read at plan time,
-so they follow the engines as they get faster); where that folder is absent (an installed wheel)
-the values recorded here are used, and ``source`` says so.
+``gpu_suite-*.json`` of an accelerator, ``host_pass_cost-cpu-*.json`` and
+``decode_host_cost-cpu-*.json`` under ``benchmarks/results/`` that hold each item (read at plan
+time, so they follow the engines as they get faster); an item no file holds, or an installed
+package without that folder, takes ``measured.json`` (the same extraction, recorded), and every
+factor's ``source`` names the file it came from.
 """
 from __future__ import annotations
 
@@ -84,53 +86,65 @@ class Factors:
         return out
 
 
-def _newest(results: Path, pattern: str) -> tuple[Optional[dict], str]:
-    """The newest results file matching ``pattern`` (by its ``started`` stamp), and its name."""
-    best, name = None, ""
+def _newest_first(results: Path, pattern: str, keep=lambda data: True) -> list[tuple[dict, str]]:
+    """Results files matching ``pattern`` that ``keep`` accepts, newest first (by ``started``)."""
+    found = []
     for path in sorted(results.glob(pattern)) if results.is_dir() else []:
         try:
             data = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-        if best is None or str(data.get("started", "")) >= str(best.get("started", "")):
-            best, name = data, f"benchmarks/results/{path.name}"
-    return best, name
+        if isinstance(data, dict) and keep(data):
+            found.append((data, f"benchmarks/results/{path.name}"))
+    return sorted(found, key=lambda x: str(x[0].get("started", "")), reverse=True)
 
 
-def measured_from_results(results: Path = RESULTS) -> Optional[dict]:
-    """What the model takes from the project's own measurements, read from the newest committed
-    results: each engine's train MFU on a dense shape (default options), what a MoE shape's MFU is
-    of the dense one's on an engine measured on both, an eager decoder's seconds per layer per
-    iteration, and this CPU's pass costs. None when no results folder is beside the package."""
-    suite, sname = _newest(results, "gpu_suite-*.json")
-    host, hname = _newest(results, "host_pass_cost-cpu-*.json")
-    dhc, dname = _newest(results, "decode_host_cost-cpu-*.json")
-    if suite is None or host is None or dhc is None:
-        return None
-    dense, moe = {}, {}
-    for ln in suite.get("lines", []):
-        if ln.get("part") != "train" or ln.get("options") != {} or "error" in ln or "mfu" not in ln:
-            continue
-        is_moe = ln.get("active_params") not in (None, ln.get("params"))
-        (moe if is_moe else dense).setdefault(ln["engine"], (ln["mfu"], ln.get("shape")))
-    both = next((e for e in dense if e in moe), None)
-    dec = next((ln for ln in suite.get("lines", []) if ln.get("part") == "decode" and ln.get("native_tokens_per_s")),
-               None)
-    cpu = next((ln for ln in host.get("lines", []) if ln.get("part") == "summary"), None)
-    out = {"source": sname, "cpu_source": hname, "cpu_decode_source": dname, "device": suite.get("device"),
-           "train_mfu": {e: {"value": v, "shape": shape} for e, (v, shape) in sorted(dense.items())}}
-    if both:
-        out["moe_mfu_scale"] = {"value": round(moe[both][0] / dense[both][0], 4), "engine": both,
-                                "moe": moe[both][0], "moe_shape": moe[both][1], "dense": dense[both][0]}
-    if dec:
-        layers = dec.get("layers", 28)  # the suite's Qwen2.5-1.5B shape (recorded in the line from 2026-11-29)
-        out["eager_decode"] = {"value": round(dec["batch"] / dec["native_tokens_per_s"] / layers, 6),
-                               "tokens_per_s": dec["native_tokens_per_s"], "batch": dec["batch"], "layers": layers}
-    if cpu:
-        out["cpu"] = {k: cpu[k] for k in sorted(cpu) if k.endswith(("_per_layer_s", "_fixed_s"))
-                      and not k.startswith("decode")}
-    out["cpu_decode"] = {ln["engine"]: {"per_layer_s": ln["per_layer_s"], "fixed_s": ln["fixed_s"]}
-                         for ln in dhc.get("lines", []) if ln.get("part") == "decode_iteration"}
+def _on_accelerator(suite: dict) -> bool:
+    return suite.get("device_type") in ("cuda", "npu")  # a CPU run of the suite measures no accelerator
+
+
+def measured_from_results(results: Path = RESULTS) -> dict:
+    """What the model takes from the project's own measurements, each item from the newest
+    committed results file that holds it: each engine's train MFU on a dense shape (default
+    options) and what a MoE shape's MFU is of the dense one's (accelerator suites only), an eager
+    decoder's seconds per layer per iteration, and this CPU's pass costs. Items no file holds are
+    left out (:func:`load_factors` takes them from ``measured.json``)."""
+    out: dict = {}
+    suites = _newest_first(results, "gpu_suite-*.json", _on_accelerator)
+    for suite, name in suites:
+        dense, moe = {}, {}
+        for ln in suite.get("lines", []):
+            if ln.get("part") != "train" or ln.get("options") != {} or "error" in ln or "mfu" not in ln:
+                continue
+            is_moe = ln.get("active_params") not in (None, ln.get("params"))
+            (moe if is_moe else dense).setdefault(ln["engine"], (ln["mfu"], ln.get("shape")))
+        for e, (v, shape) in dense.items():
+            out.setdefault("train_mfu", {}).setdefault(e, {"value": v, "shape": shape, "source": name,
+                                                           "device": suite.get("device")})
+        both = next((e for e in sorted(dense) if e in moe), None)
+        if both and "moe_mfu_scale" not in out:
+            out["moe_mfu_scale"] = {"value": round(moe[both][0] / dense[both][0], 4), "engine": both, "source": name,
+                                    "moe": moe[both][0], "moe_shape": moe[both][1], "dense": dense[both][0]}
+        dec = next((ln for ln in suite.get("lines", [])
+                    if ln.get("part") == "decode" and ln.get("native_tokens_per_s") and ln.get("batch")), None)
+        if dec and "eager_decode" not in out:
+            layers = dec.get("layers", 28)  # the suite's Qwen2.5-1.5B shape (recorded in the line from 2026-11-29)
+            out["eager_decode"] = {"value": round(dec["batch"] / dec["native_tokens_per_s"] / layers, 6),
+                                   "tokens_per_s": dec["native_tokens_per_s"], "batch": dec["batch"], "layers": layers,
+                                   "source": name}
+    for host, name in _newest_first(results, "host_pass_cost-cpu-*.json"):
+        cpu = next((ln for ln in host.get("lines", []) if ln.get("part") == "summary"), None)
+        if cpu:
+            out["cpu"] = {k: cpu[k] for k in sorted(cpu) if k.endswith(("_per_layer_s", "_fixed_s"))
+                          and not k.startswith("decode")}
+            out["cpu"]["source"] = name
+            break
+    for dhc, name in _newest_first(results, "decode_host_cost-cpu-*.json"):
+        lines = [ln for ln in dhc.get("lines", []) if ln.get("part") == "decode_iteration"]
+        if lines:
+            out["cpu_decode"] = {ln["engine"]: {"per_layer_s": ln["per_layer_s"], "fixed_s": ln["fixed_s"],
+                                                "source": name} for ln in lines}
+            break
     return out
 
 
@@ -141,21 +155,21 @@ RECORDED = Path(__file__).with_name("measured.json")
 
 @functools.lru_cache(maxsize=4)
 def load_factors(results: Path = RESULTS) -> Factors:
-    """The factors, from the newest committed results where they exist (see the module docstring)."""
-    m = measured_from_results(results)
-    if m is None:
-        m = json.loads(RECORDED.read_text())
-        m["source"] += " (recorded in rlrecipes/plan/measured.json: no benchmarks/results/ here)"
-        m["cpu_source"] += " (recorded)"
-        m["cpu_decode_source"] += " (recorded)"
-    src, hsrc, dev = m["source"], m["cpu_source"], m.get("device") or "the suite's device"
-    mfu = {e: Factor(v["value"], f"{src}: {e} train, {v['shape']} shape, bf16, default options, {dev}")
-           for e, v in m["train_mfu"].items()}
-    scale = m.get("moe_mfu_scale") or {"value": 1.0, "engine": "-", "moe": 0, "moe_shape": "-", "dense": 0}
-    dec, cpu = m["eager_decode"], m["cpu"]
+    """The factors: each measured one from the newest committed results that hold it, else from
+    ``measured.json`` (the same extraction, recorded: an installed package has no results folder);
+    the others from their stated sources (see the module docstring)."""
+    m = json.loads(RECORDED.read_text())
+    for key, value in measured_from_results(results).items():
+        if key == "train_mfu":
+            m[key] = {**m.get(key, {}), **value}
+        else:
+            m[key] = value
+    mfu = {e: Factor(v["value"], f"{v['source']}: {e} train, {v['shape']} shape, bf16, default options, "
+                                 f"{v.get('device') or 'an accelerator'}") for e, v in m["train_mfu"].items()}
+    scale, dec, cpu = m["moe_mfu_scale"], m["eager_decode"], m["cpu"]
     return Factors(
         mfu=mfu,
-        moe_mfu_scale=Factor(scale["value"], f"{src}: {scale['engine']} on the {scale['moe_shape']} MoE shape, MFU "
+        moe_mfu_scale=Factor(scale["value"], f"{scale['source']}: {scale['engine']} on the {scale['moe_shape']} MoE shape, MFU "
                                              f"{scale['moe']} over its dense shape's {scale['dense']}"),
         decode_bandwidth=Factor(0.53, "SGLang's Ascend best-practice table: Qwen3-32B bf16 on 4 Atlas A3 cards "
                                       "(8 dies), TPOT 9.46 ms, where reading 8 GB of weights per die at 1.6 TB/s "
@@ -163,20 +177,20 @@ def load_factors(results: Path = RESULTS) -> Factors:
         comm_bandwidth=Factor(0.7, "nccl-tests / HCCL all-reduce bus bandwidth is 70-80 % of the link's peak on "
                                    "8-device NVLink and HCCS nodes; 0.7 taken"),
         eager_layer_s={
-            "accelerator/decode": Factor(dec["value"], f"{src}: eager decode {dec['tokens_per_s']:g} tok/s at batch "
+            "accelerator/decode": Factor(dec["value"], f"{dec['source']}: eager decode {dec['tokens_per_s']:g} tok/s at batch "
                                                        f"{dec['batch']} on a {dec['layers']}-layer model, "
                                                        f"{1000 * dec['batch'] / dec['tokens_per_s']:.1f} ms per "
                                                        f"iteration, host-bound"),
-            "cpu/forward": Factor(cpu["forward_per_layer_s"], f"{hsrc}: forward of 64 smoke samples, 1 thread"),
-            "cpu/train": Factor(cpu["train_per_layer_s"], f"{hsrc}: forward + backward + AdamW, 1 thread"),
-            **{f"cpu/decode/{e}": Factor(v["per_layer_s"], f"{m['cpu_decode_source']}: one decode iteration of the "
+            "cpu/forward": Factor(cpu["forward_per_layer_s"], f"{cpu['source']}: forward of 64 smoke samples, 1 thread"),
+            "cpu/train": Factor(cpu["train_per_layer_s"], f"{cpu['source']}: forward + backward + AdamW, 1 thread"),
+            **{f"cpu/decode/{e}": Factor(v["per_layer_s"], f"{v['source']}: one decode iteration of the "
                                                             f"{e} engine, 64 smoke rows, 1 thread")
                for e, v in m["cpu_decode"].items()},
         },
         eager_fixed_s={
-            "cpu/forward": Factor(cpu["forward_fixed_s"], hsrc),
-            "cpu/train": Factor(cpu["train_fixed_s"], hsrc),
-            **{f"cpu/decode/{e}": Factor(max(0.0, v["fixed_s"]), m["cpu_decode_source"])
+            "cpu/forward": Factor(cpu["forward_fixed_s"], cpu["source"]),
+            "cpu/train": Factor(cpu["train_fixed_s"], cpu["source"]),
+            **{f"cpu/decode/{e}": Factor(max(0.0, v["fixed_s"]), v["source"])
                for e, v in m["cpu_decode"].items()},
         },
         dock_round_trip_s=Factor(1e-3, "docs/transfer_dock.md (benchmarks/dock_call.py): a direct-channel call is "
@@ -229,7 +243,6 @@ class _Ctx:
     L: float
     Lmax: int
     samples: int
-    dpn: int
 
     @property
     def kind(self) -> str:
@@ -284,8 +297,11 @@ def _eager(c: _Ctx, kind: str, layers: float, passes: float, engine: str = "") -
 
 
 def _train_pass(c: _Ctx, name: str, role: RoleLayout, engine: str, fwd_units: float, eager_kind: str,
-                passes_per_step: int = 1) -> StagePrediction:
-    """A forward (``fwd_units`` = 1) or a training pass (3, or 4 with recompute) over every sample."""
+                passes_per_step: int = 1, comm_units: float = 1, flushes: int = 1) -> StagePrediction:
+    """A forward (``fwd_units`` = 1) or a training pass (3 forward-equivalents of FLOPs, 2 with
+    LoRA's frozen base, +1 with recompute) over every sample. ``comm_units``: how many times the
+    pass moves a forward's TP / EP traffic (a backward moves it once more, a recompute once more).
+    ``flushes``: pipeline flushes per pass (one per optimizer step)."""
     r, dims = c.recipe, c.dims
     tokens = c.samples * (c.P + c.L)
     flops = _forward_flops(c, tokens, c.P + c.L) * fwd_units * passes_per_step
@@ -294,9 +310,9 @@ def _train_pass(c: _Ctx, name: str, role: RoleLayout, engine: str, fwd_units: fl
     budget = r.trainer.max_tokens_per_micro_batch
     per_rank = tokens / dp
     micro = max(1.0, math.ceil(per_rank / budget) if budget else math.ceil(c.samples / dp / r.trainer.micro_batch))
-    bubble = (micro + role.pp - 1) / micro if role.pp > 1 else 1.0
-    # per device: TP all-reduces (2 per layer forward), EP dispatch + combine (per MoE layer), both
-    # scaled like the FLOPs (a backward moves them again, twice)
+    per_flush = max(1.0, micro / flushes)  # the pipeline drains at every optimizer step
+    bubble = (per_flush + role.pp - 1) / per_flush if role.pp > 1 else 1.0
+    # per device: TP all-reduces (2 per layer forward), EP dispatch + combine (per MoE layer)
     layers_here = dims.num_layers / role.pp
     act = per_rank / role.sp * dims.hidden_size * DTYPE_BYTES
     comm = 0.0
@@ -305,7 +321,7 @@ def _train_pass(c: _Ctx, name: str, role: RoleLayout, engine: str, fwd_units: fl
     if dims.is_moe and role.ep > 1:
         moe_here = dims.num_moe_layers() / role.pp
         comm += 2 * moe_here * act / role.tp * dims.experts_per_token * (role.ep - 1) / role.ep / c.link(role.tp * role.ep)
-    comm *= fwd_units * passes_per_step
+    comm *= comm_units * passes_per_step
     if capabilities(engine).memory_model == "fsdp" and dp > 1:  # FSDP2: a unit per layer (+ the root) all-gathers for every
         # micro-batch's forward, again for its backward, and reduce-scatters its gradients
         units, per_unit = layers_here + 1, (1 if fwd_units == 1 else 3)
@@ -316,19 +332,24 @@ def _train_pass(c: _Ctx, name: str, role: RoleLayout, engine: str, fwd_units: fl
     seconds = max(compute * bubble, host) + comm  # collectives wait: not overlapped
     bound = "link" if comm > max(compute * bubble, host) else ("host" if host > compute * bubble else "compute")
     detail = (f"{flops / 1e15:.3g} PFLOP over {role.world} devices at MFU {c.mfu(engine):.3f}"
-              + (f", pipeline bubble x{bubble:.2f} ({micro:g} micro-batches, PP{role.pp})" if role.pp > 1 else "")
+              + (f", pipeline bubble x{bubble:.2f} ({per_flush:g} micro-batches per flush, PP{role.pp})"
+                 if role.pp > 1 else "")
               + (f", TP/EP traffic {comm:.3g} s" if comm else "") + (f", host {host:.3g} s" if host else ""))
     return StagePrediction(name, seconds, bound, detail)
 
 
-def _grad_sync(c: _Ctx, role: RoleLayout, mini_batches: int) -> float:
-    """Data-parallel gradient reduce-scatter + parameter all-gather, once per optimizer step."""
+def _grad_sync(c: _Ctx, role: RoleLayout, engine: str, mini_batches: int) -> float:
+    """Data-parallel gradient reduce-scatter + parameter all-gather (a distributed optimizer), once
+    per optimizer step. None for an ``fsdp`` engine (its per-micro-batch gathers and scatters are
+    in the pass) or LoRA (the adapters' are negligible)."""
     dp = role.dp or 1
-    if dp <= 1:
+    caps = capabilities(engine)
+    if dp <= 1 or caps.memory_model == "fsdp" or c.recipe.actor.lora.enabled:
         return 0.0
     dims = c.dims
+    etp = role.tp if caps.expert_tensor_parallel else 1  # as the memory model shards them
     per_device = ((dims.total_params() - dims.expert_params()) / (role.tp * role.pp)
-                  + dims.expert_params() / (role.pp * max(role.ep, 1) * (role.tp if role.ep == 1 else 1)))
+                  + dims.expert_params() / (role.pp * max(role.ep, 1) * etp))
     moved = 2 * per_device * DTYPE_BYTES * (dp - 1) / dp
     return mini_batches * moved / c.link(role.world)
 
@@ -338,7 +359,7 @@ def _rollout(c: _Ctx, role: RoleLayout, engine: str, weights_per_device: float, 
     groups = max(1, role.dp or 1)  # attention groups (TP x PP devices each) that schedule their own rows
     rows = c.samples / groups
     inf = r.rollout.inference
-    kvb = dims.kv_bytes_per_token() / (1 if dims.is_mla else min(role.tp, max(1, dims.num_kv_heads)) * role.pp)
+    kvb = dims.kv_bytes_per_token() / ((1 if dims.is_mla else min(role.tp, max(1, dims.num_kv_heads))) * role.pp)
     # paged KV: a row holds its prompt and what it generated so far, and frees it when done; a
     # row's mean final length (P + L) sits between its mean occupancy and the worst case (P + Lmax)
     by_kv = kv_budget / max(1.0, (c.P + c.L) * kvb) if kv_budget > 0 else rows
@@ -346,7 +367,8 @@ def _rollout(c: _Ctx, role: RoleLayout, engine: str, weights_per_device: float, 
     iterations = max(c.Lmax, rows * c.L / conc)
     active = rows * c.L / iterations  # mean rows per iteration over the step (they finish unevenly)
     # weights one device reads per iteration: dense shard, and the experts its tokens touch
-    expert_bytes = dims.expert_params() / (role.ep if role.ep > 1 else role.tp) * DTYPE_BYTES if dims.is_moe else 0.0
+    over = role.ep if role.ep > 1 else (role.tp if capabilities(engine).expert_tensor_parallel else 1)
+    expert_bytes = dims.expert_params() / over * DTYPE_BYTES if dims.is_moe else 0.0
     dense_bytes = max(0.0, weights_per_device - expert_bytes)
     if dims.is_moe:
         tokens_ep = active * max(1, role.ep // role.tp)  # rows of the attention groups that share the experts
@@ -372,17 +394,19 @@ def _rollout(c: _Ctx, role: RoleLayout, engine: str, weights_per_device: float, 
     if lat > max(mem, comp, host):
         bound = "latency"
     detail = (f"{iterations:.0f} decode iterations x {1000 * per_iter:.2f} ms ({active:.1f} rows of {rows:g} per "
-              f"group at a time, {groups} groups; weights {weights_per_device / 1e9:.2f} GB/device"
-              + (f", experts touched {touched:.0%}" if dims.is_moe else "") + f", KV {kv_read / 1e9:.3f} GB; "
+              f"group at a time, {groups} groups; weights {weights_per_device / 2**30:.2f} GiB/device"
+              + (f", experts touched {touched:.0%}" if dims.is_moe else "") + f", KV {kv_read / 2**30:.3f} GiB; "
               f"collectives {1000 * lat:.2f} ms) + prefill {prefill:.3g} s"
               + (f"; eager: host {1000 * host:.1f} ms per iteration" if host else ""))
     return StagePrediction("rollout", seconds, bound, detail)
 
 
-def predict(recipe: Recipe, plan, factors: Optional[Factors] = None, hardware: Optional[str] = None) -> StepPrediction:
-    """The step of ``recipe`` as ``plan`` lays it out, on ``hardware`` (default: the recipe's row)."""
+def predict(recipe: Recipe, plan, factors: Optional[Factors] = None) -> StepPrediction:
+    """The step of ``recipe`` as ``plan`` lays it out, on the recipe's hardware row. A card is the
+    row's (``devices_per_card``): where ``resources.dies_per_card`` or ``device_memory_gb`` say
+    otherwise, the prediction follows the row and says so."""
     f = factors or load_factors()
-    hw = get_hardware(hardware or recipe.resources.hardware_name())
+    hw = get_hardware(recipe.resources.hardware_name())
     dims = recipe.model.dims()
     r = recipe
     P = float(r.data.expected_prompt_tokens or PROMPT_FRACTION * r.data.max_prompt_length)
@@ -403,8 +427,14 @@ def predict(recipe: Recipe, plan, factors: Optional[Factors] = None, hardware: O
     if r.rollout.pooled:
         assumptions.append("pooled rollout (partial / over-sampling): priced as a plain rollout of the step's "
                            "groups; the pool's carry-over is not modelled")
+    if r.resources.dies_per_card != hw.devices_per_card:
+        assumptions.append(f"a card of {hw.name} is {hw.devices_per_card} device(s) (the hardware table); the recipe's "
+                           f"resources.dies_per_card={r.resources.dies_per_card} is not used for TPS/card")
+    if abs(r.resources.device_memory_gb - hw.hbm_gb) > 0.5:
+        assumptions.append(f"resources.device_memory_gb={r.resources.device_memory_gb:g} (the memory plan's) while "
+                           f"{hw.name} has {hw.hbm_gb:g} GB per device")
     samples = plan.global_batch * plan.n_samples
-    c = _Ctx(r, hw, f, dims, P, L, Lmax, samples, plan.devices_per_node)
+    c = _Ctx(r, hw, f, dims, P, L, Lmax, samples)
     roles = roles_of(r, strict=False)
     actor = plan.roles["actor"]
     rollout = plan.roles["rollout"]
@@ -421,13 +451,16 @@ def predict(recipe: Recipe, plan, factors: Optional[Factors] = None, hardware: O
     # forward 1, backward 2 (activation and weight gradients); LoRA's frozen base skips its weight
     # gradients (the adapters' are negligible); recompute runs the forward again
     units = (2 if r.actor.lora.enabled else 3) + (1 if r.actor.recompute else 0)
-    upd = _train_pass(c, "update", actor, train_engine, units, "train", epochs)
-    sync = _grad_sync(c, actor, roles.mini_batches * epochs)
+    comm_units = 2 + (1 if r.actor.recompute else 0)
+    flushes = roles.mini_batches
+    upd = _train_pass(c, "update", actor, train_engine, units, "train", epochs, comm_units, flushes)
+    sync = _grad_sync(c, actor, train_engine, roles.mini_batches * epochs)
     upd.seconds += sync
     upd.detail += f", DP gradient sync {sync:.3g} s" if sync else ""
     stages.append(upd)
     if roles.critic:
-        crit = _train_pass(c, "critic_update", plan.roles.get("critic", actor), train_engine, units, "train", epochs)
+        crit = _train_pass(c, "critic_update", plan.roles.get("critic", actor), train_engine, units, "train", epochs,
+                           comm_units, flushes)
         stages.append(crit)
     # reshard: the bytes the resharder's plan moves, over the link the two layouts span
     span = max(actor.model_parallel * max(1, actor.ep if dims.is_moe else 1), rollout.world // max(1, rollout.dp or 1))
@@ -437,7 +470,7 @@ def predict(recipe: Recipe, plan, factors: Optional[Factors] = None, hardware: O
     if not plan.disaggregated and r.resharding.swap_optimizer and not r.actor.offload_optimizer:
         swap = 2 * plan.train_memory.optimizer / hw.host_bytes_s  # out before the rollout, back for the update
     stages.append(StagePrediction("reshard", reshard + swap, "link",
-                                  f"{plan.reshard_bytes_per_device / 1e9:.2f} GB per device ({plan.reshard_method}) at "
+                                  f"{plan.reshard_bytes_per_device / 2**30:.2f} GiB per device ({plan.reshard_method}) at "
                                   f"{link / 1e9:.0f} GB/s" + (f"; optimizer swap to host and back {swap:.3g} s" if swap else "")))
     # dock hand-offs: a round trip per stage and the columns (token ids, a float per token per
     # log-prob column) each worker puts and takes
@@ -450,7 +483,7 @@ def predict(recipe: Recipe, plan, factors: Optional[Factors] = None, hardware: O
     train = sum(s.seconds for s in stages if s.name != "rollout")
     step = max(stages[0].seconds, train) if overlap else stages[0].seconds + train
     tokens = samples * (P + L)
-    cards = plan.world / r.resources.dies_per_card
+    cards = plan.world / hw.devices_per_card
     return StepPrediction(hw.name, stages, step, tokens, cards, tokens / step / cards, P, L, overlap, assumptions, f)
 
 

@@ -279,8 +279,22 @@ class AlgorithmConfig(_Strict):
 
 
 class RewardConfig(_Strict):
+    @field_validator("fn")
+    @classmethod
+    def _registered_reward(cls, v: str) -> str:
+        from ..rewards import BUILTIN_REWARDS  # the one list of built-in rewards: a new one needs no schema edit
+
+        if ":" not in v and v.strip() not in BUILTIN_REWARDS:
+            import difflib
+
+            close = difflib.get_close_matches(v, BUILTIN_REWARDS, n=1, cutoff=0.5)
+            raise ValueError(f"reward.fn={v!r} is not a registered reward; one of: {', '.join(sorted(BUILTIN_REWARDS))}, "
+                             "or an import path 'pkg.module:function'" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        return v
+
     fn: str = "math_verify"
-    """Reward function: a registered name (math_verify, format, smoke) or `module:function`."""
+    """Reward function: a registered name (``rlrecipes/rewards/registry.py``: math_verify, format,
+    smoke) or ``module:function``."""
     format_weight: float = Field(0.0, ge=0)
     """Weight of the format reward added to the outcome reward."""
     max_failure_rate: float = Field(0.5, ge=0, le=1)

@@ -1,7 +1,7 @@
 """Recipe sections of the train roles: their layouts, LoRA, the actor, the reference model and the critic."""
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Optional
 
 from pydantic import Field, field_validator
 

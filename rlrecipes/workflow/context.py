@@ -250,7 +250,7 @@ def build_agent(r: Recipe, tokenizer, tools: "ToolRegistry") -> "AgentLoop":
     """The agent loop of a rollout worker: the tool format, a tool pool, the limits."""
     from ..agent import ToolPool, get_format
     from ..agent.loop import AgentLimits, AgentLoop
-    from ..plan.agent import tool_format_name
+    from ..agent.setup import tool_format_name
 
     mt = r.rollout.multi_turn
     fmt = get_format(tool_format_name(r))
@@ -286,7 +286,7 @@ def load_data(r: Recipe, run_dir: Path) -> WorkerData:
             skipped += n_bad
     if not r.data.apply_chat_template:
         tokenizer.chat_template = None
-    from ..plan.agent import build_tools
+    from ..agent.setup import build_tools
 
     tools = build_tools(r) if r.rollout.multi_turn.enabled else None
     dataset = PromptDataset(rows, tokenizer, max_prompt_len=r.data.max_prompt_length,

@@ -44,6 +44,9 @@ class LocalWorker(Worker):
         return {"rank": self.rank, "device_type": kind, "assigned": [],
                 "visible": os.environ.get(env) if env else None, "local_rank": 0}
 
+    def _rows_delivered(self) -> None:  # in this process: every row is already on the board
+        pass
+
 
 def run_local(recipe_name: str, overrides: Sequence[str], steps: int, run_dir: Path) -> LocalProgress:
     """Run ``steps`` steps of ``recipe_name`` (``--smoke``, with ``overrides``) on one worker in this

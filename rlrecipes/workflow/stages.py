@@ -169,7 +169,7 @@ def score_rows(ctx: Context, responses: list, index: list, masks: list | None = 
     answers = [ctx.dataset[int(i)]["answer"] for i in index]
     if masks is not None:  # multi-turn: the final answer, and the whole trajectory
         from ..agent import get_format
-        from ..plan.agent import tool_format_name
+        from ..agent.setup import tool_format_name
 
         fmt = get_format(tool_format_name(r))
         trajectories = [_messages(ctx.tokenizer, fmt, x, m) for x, m in zip(responses, masks)]

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from .. import device as dev
 from ..disk import no_space, no_space_message
-from ..plan.agent import sandbox_line
+from ..agent.setup import sandbox_line
 from ..recipe import Recipe
 from . import checkpoint
 from .context import Context, Role, build_context
@@ -205,6 +205,7 @@ class Worker:
                 last = train_step(ctx, step)
                 if ctx.stop_after_step:  # reward.max_failure_rate: every train worker stops here, unsaved
                     ctx.report("done")
+                    self._rows_delivered()
                     return {"rank": self.rank, "last": last}
                 k = self.recipe.trainer.checkpoint_interval
                 if ctx.leader and k:
@@ -236,7 +237,17 @@ class Worker:
                     raise
                 raise self._fail(OSError(no_space_message(folder, "the trained model")), "export") from e
         ctx.report("done")
+        self._rows_delivered()
         return {"rank": self.rank, "last": last}
+
+    def _rows_delivered(self) -> None:
+        """Rank 0's rows went to the progress board as one-way calls; one answered call after them
+        (Ray runs one caller's calls to an actor in order) means the board holds them all before
+        this worker returns, so the driver's last poll finds every row."""
+        if self.ctx.leader and self.ctx.progress is not None:
+            import ray
+
+            ray.get(self.ctx.progress.where.remote())
 
     def _require_finite(self, step: int, what: str) -> None:
         ok = torch.tensor([1.0 if self.ctx.actor.weights_finite() else 0.0])

@@ -55,7 +55,7 @@ def test_without_bubblewrap_plan_refuses_the_python_tool_unless_rlimits_is_chose
     """Fail closed: the seam ($RLRECIPES_BWRAP) points at a bwrap that does not exist."""
     from rlrecipes.agent import ToolSpecError
     from rlrecipes.agent.bwrap import BWRAP_ENV
-    from rlrecipes.plan.agent import build_tools
+    from rlrecipes.agent.setup import build_tools
 
     monkeypatch.setenv(BWRAP_ENV, str(tmp_path / "no-such-bwrap"))
     p = _plan("rollout.multi_turn.tools=[calculator,python]")

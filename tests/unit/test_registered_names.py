@@ -42,6 +42,8 @@ def test_an_engine_is_refused_for_a_role_it_does_not_serve_naming_the_ones_that_
     ("rollout.engine=vlm", "rollout.engine='vlm' is not a registered engine; one of: native, vllm (did you mean 'vllm'?)"),
     ("algorithm.name=sac", "unknown algorithm 'sac' (algorithm.name)"),
     ("rollout.multi_turn.tool_format=hermes", "not a registered tool format; one of: auto, qwen, smoke"),
+    ("reward.fn=math_verfy", "reward.fn='math_verfy' is not a registered reward; one of: format, math_verify, smoke, "
+                             "or an import path 'pkg.module:function' (did you mean 'math_verify'?)"),
 ])
 def test_unknown_names_list_the_registered_ones(override, needle):
     with pytest.raises(RecipeError) as e:

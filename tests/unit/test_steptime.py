@@ -49,12 +49,14 @@ def test_deepseek_on_48_nodes_prints_seconds_per_stage_the_step_and_tps_per_card
 def test_a_copied_recipe_on_hardware_no_recipe_pins_gets_its_step_from_plan(tmp_path):
     """resources.hardware=h100 on a copy: the row's FLOP/s and bandwidth, not the A3's."""
     assert runner.invoke(app, ["cp", "qwen25_7b", str(tmp_path / "mine")]).exit_code == 0
-    args = ["plan", str(tmp_path / "mine"), "--json", "resources.device=cuda", "resources.dies_per_card=1",
+    args = ["plan", str(tmp_path / "mine"), "--json", "resources.device=cuda",
             "resources.devices_per_node=8", "resources.device_memory_gb=80", "actor.layout.tp=2", "actor.layout.pp=1"]
     h100 = json.loads(runner.invoke(app, args + ["resources.hardware=h100"]).output)["predicted"]
     h200 = json.loads(runner.invoke(app, args + ["resources.hardware=h200"]).output)["predicted"]
     h20 = json.loads(runner.invoke(app, args + ["resources.hardware=h20"]).output)["predicted"]
     assert h100["hardware"] == "h100" and h200["hardware"] == "h200"
+    # 8 GPUs are 8 cards (an H100 card is one GPU), not the 4 the copied recipe's dies_per_card=2 gives; it is said
+    assert h100["cards"] == 8 and any("resources.dies_per_card=2 is not used" in x for x in h100["assumptions"])
     # same FLOP/s: the compute-bound update is the same; decode reads memory: faster on the H200
     assert h200["stages"]["update"]["s"] == pytest.approx(h100["stages"]["update"]["s"], rel=1e-6)
     assert h200["stages"]["rollout"]["s"] < h100["stages"]["rollout"]["s"]
@@ -157,3 +159,50 @@ def test_smoke_plans_predict_on_the_cpu_row():
         assert pred.hardware == "cpu" and pred.cards == 2
         assert pred.prompt_tokens == 5 and pred.response_tokens == 6  # smoke.yaml's expected lengths
         assert {s.bound for s in pred.stages if s.name in ("ref", "update")} <= {"host", "link"}
+
+
+def test_a_results_file_without_an_item_falls_back_to_the_recorded_one_and_a_cpu_suite_is_ignored(tmp_path):
+    """A newer accelerator suite that only trained (no decode line) moves the MFU, not the eager
+    decode; a suite run on the CPU (device_type cpu) moves nothing; plan never fails for it."""
+    results = tmp_path / "results"
+    shutil.copytree(RESULTS, results)
+    base = json.loads(max(results.glob("gpu_suite-*.json")).read_text())
+    partial = {**base, "started": "2099-01-01T00:00:00",
+               "lines": [dict(ln, mfu=0.5) for ln in base["lines"] if ln.get("part") == "train" and ln.get("engine") == "native"]}
+    (results / "gpu_suite-partial-20990101.json").write_text(json.dumps(partial))
+    cpu_run = {**base, "started": "2099-02-01T00:00:00", "device_type": "cpu",
+               "lines": [dict(ln, mfu=0.01) for ln in base["lines"] if ln.get("part") == "train"]}
+    (results / "gpu_suite-cpu-20990201.json").write_text(json.dumps(cpu_run))
+    f = load_factors(results)
+    assert f.mfu["native"].value == 0.5 and "partial" in f.mfu["native"].source
+    assert f.mfu["megatron"].value == load_factors(RESULTS).mfu["megatron"].value  # not in the partial file
+    assert f.eager_layer_s["accelerator/decode"].value == load_factors(RESULTS).eager_layer_s["accelerator/decode"].value
+
+
+def _stage(pred, name):
+    return {s.name: s for s in pred.stages}[name]
+
+
+def test_fsdp_gathers_are_counted_once_and_a_distributed_optimizer_syncs_per_optimizer_step():
+    """native (fsdp): no extra DP sync on top of its per-micro-batch gathers; megatron: one
+    reduce-scatter + all-gather per optimizer step, twice as much with two mini-batches."""
+    _, _, native = _pred("qwen25_7b", "actor.engine=native", "actor.layout.pp=1", "actor.layout.tp=2")
+    assert "DP gradient sync" not in _stage(native, "update").detail
+    _, _, one = _pred("qwen25_7b", "actor.layout.tp=4", "actor.layout.pp=1", "trainer.mini_batch=32")
+    _, _, two = _pred("qwen25_7b", "actor.layout.tp=4", "actor.layout.pp=1", "trainer.mini_batch=16")
+    sync = [float(_stage(p, "update").detail.split("DP gradient sync ")[1].split(" s")[0]) for p in (one, two)]
+    assert sync[1] == pytest.approx(2 * sync[0], rel=0.02)
+
+
+def test_the_pipeline_drains_at_every_optimizer_step():
+    _, _, one = _pred("qwen25_7b", "trainer.mini_batch=32")  # PP2: one flush per step
+    _, _, four = _pred("qwen25_7b", "trainer.mini_batch=8")   # four optimizer steps: four flushes
+    bubble = [float(_stage(p, "update").detail.split("pipeline bubble x")[1].split(" ")[0]) for p in (one, four)]
+    assert bubble[1] > bubble[0] > 1.0
+
+
+def test_a_backward_moves_the_forwards_tp_traffic_once_more_not_twice():
+    """TP traffic of the update = 2 x the ref forward's (3 x with recompute), not 3 x (4 x)."""
+    _, _, p = _pred("qwen25_7b", "actor.layout.tp=4", "actor.layout.pp=1", "actor.recompute=false")
+    traffic = [float(_stage(p, n).detail.split("TP/EP traffic ")[1].split(" s")[0]) for n in ("ref", "update")]
+    assert traffic[1] == pytest.approx(2 * traffic[0], rel=0.02)

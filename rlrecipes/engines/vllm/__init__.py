@@ -14,6 +14,7 @@ from ..base import Capabilities
 CAPABILITIES = Capabilities(
     name="vllm", roles=frozenset({"rollout"}), expert_parallel=True, devices=("cpu", "cuda", "npu"),
     decode_graphs=True,  # enforce_eager=False: CUDA graphs / ACL graph (args.py, settings.py)
+    expert_tensor_parallel=True,  # EP 1: its fused-MoE layers split every expert over the TP ranks
     multi_turn_multi_rank=False,  # DP-attention ranks step together; mirrored turn calls untested here
     lora=True,  # adapters built on the worker from the synced tensors (lora.py); limits: args.lora_problem
     dtypes=("auto", "bf16", "fp16", "fp32"), requires=("vllm",),

@@ -20,18 +20,21 @@ FAMILY = Family(
     name="qwen2",
     hf_architecture="Qwen2ForCausalLM",
     model_type="qwen2",
-    # published config.json of Qwen/Qwen2.5-7B-Instruct
-    presets={"qwen2.5-7b": ModelDims(
-        family="qwen2", vocab_size=152064, hidden_size=3584, num_layers=28, num_heads=28,
-        num_kv_heads=4, head_dim=128, intermediate_size=18944, attention_bias=True,
-        max_position_embeddings=32768,
-    ),
-        # published config.json of Qwen/Qwen2.5-32B (the MindSpeed-RL 32B runs plan_vs_published checks)
+    presets={
+        # published config.json of Qwen/Qwen2.5-7B-Instruct
+        "qwen2.5-7b": ModelDims(
+            family="qwen2", vocab_size=152064, hidden_size=3584, num_layers=28, num_heads=28,
+            num_kv_heads=4, head_dim=128, intermediate_size=18944, attention_bias=True,
+            max_position_embeddings=32768,
+        ),
+        # published config.json of Qwen/Qwen2.5-32B (MindSpeed-RL's 32B runs, which
+        # benchmarks/predict_vs_published.py predicts)
         "qwen2.5-32b": ModelDims(
-        family="qwen2", vocab_size=152064, hidden_size=5120, num_layers=64, num_heads=40,
-        num_kv_heads=8, head_dim=128, intermediate_size=27648, attention_bias=True,
-        max_position_embeddings=32768,
-    )},
+            family="qwen2", vocab_size=152064, hidden_size=5120, num_layers=64, num_heads=40,
+            num_kv_heads=8, head_dim=128, intermediate_size=27648, attention_bias=True,
+            max_position_embeddings=32768,
+        ),
+    },
     # head_dim 32: the smallest head size vLLM's CPU attention takes (the vllm engine runs it too)
     smoke=ModelDims(
         family="qwen2", vocab_size=32, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2,
