@@ -31,20 +31,20 @@ from pathlib import Path
 import torch
 
 
-def _engine(name: str, layers: int):
+def _engine(name: str, family: str, layers: int):
     from rlrecipes.engines.base import EngineSpec
     from rlrecipes.engines.registry import build_rollout_engine
     from rlrecipes.models import SMOKE
 
-    dims = dataclasses.replace(SMOKE["qwen2"], num_layers=layers)
+    dims = dataclasses.replace(SMOKE[family], num_layers=layers)
     kw = {"max_model_len": 128} if name == "vllm" else {}
     return build_rollout_engine(name, EngineSpec(model=dims, role="rollout", dtype="fp32", seed=0, **kw))
 
 
-def measure(name: str, layers: int, samples: int, new: int, repeats: int) -> float:
+def measure(name: str, family: str, layers: int, samples: int, new: int, repeats: int) -> float:
     from rlrecipes.engines.base import SamplingParams
 
-    eng = _engine(name, layers)
+    eng = _engine(name, family, layers)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 30, (16,), generator=g) for _ in range(samples)]
 
@@ -69,6 +69,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--engines", default="native")
     ap.add_argument("--layers", default="2,6")
+    ap.add_argument("--families", default="qwen2,qwen3_moe,deepseek_v3", help="model families (their smoke shapes)")
     ap.add_argument("--samples", type=int, default=64)
     ap.add_argument("--new", type=int, default=33)
     ap.add_argument("--repeats", type=int, default=5)
@@ -85,10 +86,10 @@ def main() -> None:
         dist.init_process_group("gloo", rank=0, world_size=1)
     lo, hi = (int(x) for x in a.layers.split(","))
     lines = []
-    for name in a.engines.split(","):
-        small, big = (measure(name, n, a.samples, a.new, a.repeats) for n in (lo, hi))
+    for name, family in ((n, f) for n in a.engines.split(",") for f in a.families.split(",")):
+        small, big = (measure(name, family, n, a.samples, a.new, a.repeats) for n in (lo, hi))
         per_layer = (big - small) / (hi - lo)
-        lines.append({"part": "decode_iteration", "engine": name, "per_layer_s": round(per_layer, 6),
+        lines.append({"part": "decode_iteration", "engine": name, "family": family, "per_layer_s": round(per_layer, 6),
                       "fixed_s": round(small - lo * per_layer, 6), f"s_at_{lo}_layers": round(small, 6),
                       f"s_at_{hi}_layers": round(big, 6), "samples": a.samples, "threads": 1, "dtype": "fp32",
                       "machine": platform.machine(), "torch": torch.__version__})
@@ -97,7 +98,8 @@ def main() -> None:
     if a.out:
         old = json.loads(a.out.read_text()) if a.out.is_file() else {
             "suite": "decode_host_cost", "hardware": "cpu", "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "lines": []}
-        old["lines"] = [ln for ln in old["lines"] if ln.get("engine") not in {x["engine"] for x in lines}] + lines
+        new = {(x["engine"], x["family"]) for x in lines}
+        old["lines"] = [ln for ln in old["lines"] if (ln.get("engine"), ln.get("family")) not in new] + lines
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps(old, indent=1) + "\n")
 

@@ -10,7 +10,9 @@ head, loss, optimizer):
 
     pass_s(layers) = fixed_s + layers * per_layer_s
 
-One JSON line per pass kind, then a summary line ``{"part": "summary", ...}`` that
+Per model family (``--families``: each one's smoke shape; a MoE layer's routing and expert
+loops, or MLA's projections, cost more per layer than a dense one), one JSON line per pass kind,
+then a summary line ``{"part": "summary", "family": ...}`` that
 ``steptime.load_factors`` reads when its output is saved under ``benchmarks/results/`` as
 ``host_pass_cost-<hardware>-<date>.json`` (``--out``).
 
@@ -28,7 +30,7 @@ from pathlib import Path
 import torch
 
 
-def _model(layers: int):
+def _model(family: str, layers: int):
     import dataclasses
 
     from transformers import AutoModelForCausalLM
@@ -37,7 +39,7 @@ def _model(layers: int):
     from rlrecipes.models.catalog import hf_config
 
     torch.manual_seed(0)
-    cfg = hf_config(dataclasses.replace(SMOKE["qwen2"], num_layers=layers))
+    cfg = hf_config(dataclasses.replace(SMOKE[family], num_layers=layers))
     return AutoModelForCausalLM.from_config(cfg).float()
 
 
@@ -52,8 +54,8 @@ def _median(fn, repeats: int) -> float:
     return statistics.median(out)
 
 
-def measure(layers: int, samples: int, prompt: int, new: int, repeats: int) -> dict:
-    model = _model(layers)
+def measure(family: str, layers: int, samples: int, prompt: int, new: int, repeats: int) -> dict:
+    model = _model(family, layers)
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (samples, prompt + new))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -81,22 +83,26 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--layers", default="2,6", help="two layer counts to split fixed and per-layer cost")
+    ap.add_argument("--families", default="qwen2,qwen3_moe,deepseek_v3", help="model families (their smoke shapes)")
     ap.add_argument("--out", type=Path, default=None, help="also write every line to this JSON file")
     a = ap.parse_args()
     torch.set_num_threads(1)
     lo, hi = (int(x) for x in a.layers.split(","))
-    small, big = (measure(n, a.samples, a.prompt, a.new, a.repeats) for n in (lo, hi))
     lines = []
-    for kind in small:
-        per_layer = (big[kind] - small[kind]) / (hi - lo)
-        lines.append({"part": "pass", "kind": kind, "per_layer_s": round(per_layer, 6),
-                      "fixed_s": round(small[kind] - lo * per_layer, 6), f"s_at_{lo}_layers": round(small[kind], 6),
-                      f"s_at_{hi}_layers": round(big[kind], 6), "samples": a.samples, "tokens": a.prompt + a.new})
-    summary = {"part": "summary", "hardware": "cpu", "threads": 1, "dtype": "fp32", "model": "SMOKE['qwen2'] (HF)",
-               "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
-               **{f"{ln['kind']}_per_layer_s": ln["per_layer_s"] for ln in lines},
-               **{f"{ln['kind']}_fixed_s": ln["fixed_s"] for ln in lines}}
-    lines.append(summary)
+    for family in a.families.split(","):
+        small, big = (measure(family, n, a.samples, a.prompt, a.new, a.repeats) for n in (lo, hi))
+        passes = []
+        for kind in small:
+            per_layer = (big[kind] - small[kind]) / (hi - lo)
+            passes.append({"part": "pass", "family": family, "kind": kind, "per_layer_s": round(per_layer, 6),
+                           "fixed_s": round(small[kind] - lo * per_layer, 6), f"s_at_{lo}_layers": round(small[kind], 6),
+                           f"s_at_{hi}_layers": round(big[kind], 6), "samples": a.samples,
+                           "tokens": a.prompt + a.new})
+        lines += passes + [{"part": "summary", "family": family, "hardware": "cpu", "threads": 1, "dtype": "fp32",
+                            "model": f"SMOKE[{family!r}] (HF)", "machine": platform.processor() or platform.machine(),
+                            "torch": torch.__version__,
+                            **{f"{ln['kind']}_per_layer_s": ln["per_layer_s"] for ln in passes},
+                            **{f"{ln['kind']}_fixed_s": ln["fixed_s"] for ln in passes}}]
     for ln in lines:
         print(json.dumps(ln), flush=True)
     if a.out:

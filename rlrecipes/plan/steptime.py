@@ -133,18 +133,16 @@ def measured_from_results(results: Path = RESULTS) -> dict:
                                    "tokens_per_s": dec["native_tokens_per_s"], "batch": dec["batch"], "layers": layers,
                                    "source": name}
     for host, name in _newest_first(results, "host_pass_cost-cpu-*.json"):
-        cpu = next((ln for ln in host.get("lines", []) if ln.get("part") == "summary"), None)
-        if cpu:
-            out["cpu"] = {k: cpu[k] for k in sorted(cpu) if k.endswith(("_per_layer_s", "_fixed_s"))
-                          and not k.startswith("decode")}
-            out["cpu"]["source"] = name
-            break
+        for ln in host.get("lines", []):  # per model family (a file before families: its qwen2 shape)
+            if ln.get("part") == "summary":
+                out.setdefault("cpu", {}).setdefault(ln.get("family", "qwen2"), {
+                    **{k: ln[k] for k in sorted(ln) if k.endswith(("_per_layer_s", "_fixed_s"))
+                       and not k.startswith("decode")}, "source": name})
     for dhc, name in _newest_first(results, "decode_host_cost-cpu-*.json"):
-        lines = [ln for ln in dhc.get("lines", []) if ln.get("part") == "decode_iteration"]
-        if lines:
-            out["cpu_decode"] = {ln["engine"]: {"per_layer_s": ln["per_layer_s"], "fixed_s": ln["fixed_s"],
-                                                "source": name} for ln in lines}
-            break
+        for ln in dhc.get("lines", []):
+            if ln.get("part") == "decode_iteration":
+                out.setdefault("cpu_decode", {}).setdefault(ln["engine"], {}).setdefault(ln.get("family", "qwen2"), {
+                    "per_layer_s": ln["per_layer_s"], "fixed_s": ln["fixed_s"], "source": name})
     return out
 
 
@@ -160,13 +158,13 @@ def load_factors(results: Path = RESULTS) -> Factors:
     the others from their stated sources (see the module docstring)."""
     m = json.loads(RECORDED.read_text())
     for key, value in measured_from_results(results).items():
-        if key == "train_mfu":
+        if key in ("train_mfu", "cpu", "cpu_decode"):  # per engine / family: the newest of each
             m[key] = {**m.get(key, {}), **value}
         else:
             m[key] = value
     mfu = {e: Factor(v["value"], f"{v['source']}: {e} train, {v['shape']} shape, bf16, default options, "
                                  f"{v.get('device') or 'an accelerator'}") for e, v in m["train_mfu"].items()}
-    scale, dec, cpu = m["moe_mfu_scale"], m["eager_decode"], m["cpu"]
+    scale, dec, cpu = m["moe_mfu_scale"], m["eager_decode"], m["cpu"]  # cpu: per model family
     return Factors(
         mfu=mfu,
         moe_mfu_scale=Factor(scale["value"], f"{scale['source']}: {scale['engine']} on the {scale['moe_shape']} MoE shape, MFU "
@@ -181,17 +179,19 @@ def load_factors(results: Path = RESULTS) -> Factors:
                                                        f"{dec['batch']} on a {dec['layers']}-layer model, "
                                                        f"{1000 * dec['batch'] / dec['tokens_per_s']:.1f} ms per "
                                                        f"iteration, host-bound"),
-            "cpu/forward": Factor(cpu["forward_per_layer_s"], f"{cpu['source']}: forward of 64 smoke samples, 1 thread"),
-            "cpu/train": Factor(cpu["train_per_layer_s"], f"{cpu['source']}: forward + backward + AdamW, 1 thread"),
-            **{f"cpu/decode/{e}": Factor(v["per_layer_s"], f"{v['source']}: one decode iteration of the "
-                                                            f"{e} engine, 64 smoke rows, 1 thread")
-               for e, v in m["cpu_decode"].items()},
+            **{f"cpu/{kind}/{fam}": Factor(v[f"{kind}_per_layer_s"], f"{v['source']}: {what} of 64 {fam} smoke "
+                                                                     "samples, 1 thread")
+               for fam, v in cpu.items() for kind, what in (("forward", "forward"),
+                                                            ("train", "forward + backward + AdamW"))},
+            **{f"cpu/decode/{e}/{fam}": Factor(v["per_layer_s"], f"{v['source']}: one decode iteration of the "
+                                                                  f"{e} engine, 64 {fam} smoke rows, 1 thread")
+               for e, fams in m["cpu_decode"].items() for fam, v in fams.items()},
         },
-        eager_fixed_s={
-            "cpu/forward": Factor(cpu["forward_fixed_s"], cpu["source"]),
-            "cpu/train": Factor(cpu["train_fixed_s"], cpu["source"]),
-            **{f"cpu/decode/{e}": Factor(max(0.0, v["fixed_s"]), v["source"])
-               for e, v in m["cpu_decode"].items()},
+        eager_fixed_s={  # a fixed part measured below 0 is noise around none
+            **{f"cpu/{kind}/{fam}": Factor(max(0.0, v[f"{kind}_fixed_s"]), v["source"])
+               for fam, v in cpu.items() for kind in ("forward", "train")},
+            **{f"cpu/decode/{e}/{fam}": Factor(max(0.0, v["fixed_s"]), v["source"])
+               for e, fams in m["cpu_decode"].items() for fam, v in fams.items()},
         },
         dock_round_trip_s=Factor(1e-3, "docs/transfer_dock.md (benchmarks/dock_call.py): a direct-channel call is "
                                        "~0.1 ms of CPU each side, a Ray actor call ~1 ms; 1 ms taken"))
@@ -280,14 +280,16 @@ def _forward_flops(c: _Ctx, tokens: float, seq: float) -> float:
 
 
 def _eager(c: _Ctx, kind: str, layers: float, passes: float, engine: str = "") -> float:
-    """Host seconds of ``passes`` eager passes over ``layers`` layers (0 where the host never bounds):
-    the engine's own measurement where there is one, else the pass's; an engine without either on
-    this CPU takes the slowest engine measured here."""
-    key = f"{c.kind}/{kind}"
-    if f"{key}/{engine}" in c.f.eager_layer_s:
-        key = f"{key}/{engine}"
-    elif key not in c.f.eager_layer_s:
-        own = [k for k in c.f.eager_layer_s if k.startswith(key + "/")]
+    """Host seconds of ``passes`` eager passes over ``layers`` layers (0 where the host never bounds).
+    The most specific measurement wins: this engine on this model family, the family, the engine,
+    the pass; where several fit less well, the slowest of them."""
+    base, fam = f"{c.kind}/{kind}", c.dims.family
+    for key in (f"{base}/{engine}/{fam}", f"{base}/{fam}", f"{base}/{engine}", base):
+        if key in c.f.eager_layer_s:
+            break
+    else:
+        own = [k for k in c.f.eager_layer_s if k.startswith(base + "/") and k.endswith("/" + fam)] or \
+              [k for k in c.f.eager_layer_s if k.startswith(base + "/")]
         if not own:
             return 0.0
         key = max(own, key=lambda k: c.f.eager_layer_s[k].value)
@@ -321,6 +323,13 @@ def _train_pass(c: _Ctx, name: str, role: RoleLayout, engine: str, fwd_units: fl
     if dims.is_moe and role.ep > 1:
         moe_here = dims.num_moe_layers() / role.pp
         comm += 2 * moe_here * act / role.tp * dims.experts_per_token * (role.ep - 1) / role.ep / c.link(role.tp * role.ep)
+    # and their latency: each collective of a micro-batch waits log2(group) small-message steps
+    lat = 0.0
+    if role.tp > 1:
+        lat += 2 * layers_here * math.log2(role.tp)
+    if dims.is_moe and role.ep > 1:
+        lat += 2 * dims.num_moe_layers() / role.pp * math.log2(role.ep)
+    comm += lat * c.hw.collective_latency_s * micro
     comm *= comm_units * passes_per_step
     if capabilities(engine).memory_model == "fsdp" and dp > 1:  # FSDP2: a unit per layer (+ the root) all-gathers for every
         # micro-batch's forward, again for its backward, and reduce-scatters its gradients
