@@ -439,7 +439,7 @@ def predict(recipe: Recipe, plan, factors: Optional[Factors] = None) -> StepPred
     if r.resources.dies_per_card != hw.devices_per_card:
         assumptions.append(f"a card of {hw.name} is {hw.devices_per_card} device(s) (the hardware table); the recipe's "
                            f"resources.dies_per_card={r.resources.dies_per_card} is not used for TPS/card")
-    if abs(r.resources.device_memory_gb - hw.hbm_gb) > 0.5:
+    if hw.device != "cpu" and abs(r.resources.device_memory_gb - hw.hbm_gb) > 0.5:  # a smoke run's budget is its own
         assumptions.append(f"resources.device_memory_gb={r.resources.device_memory_gb:g} (the memory plan's) while "
                            f"{hw.name} has {hw.hbm_gb:g} GB per device")
     samples = plan.global_batch * plan.n_samples
