@@ -135,8 +135,11 @@ class RolloutConfig(_Strict):
     records the version and the behaviour log-prob that produced it (``token_versions``)."""
     oversample: float = Field(1.0, ge=1.0, le=8.0)
     """Generate this many times the batch's prompt groups; a step trains on the first complete
-    groups, the unfinished ones stay in the dock and continue in the next step (never dropped).
-    Above 1 needs disaggregated placement and algorithm.max_staleness >= 1."""
+    groups, the unfinished ones stay in the dock and continue in the next step (never dropped;
+    within algorithm.max_token_staleness, see on_stale). A complete group the next step could not
+    take is trained at once, so a step may train on more than its batch: with the token bound at 1,
+    on every group that completes in it. Above 1 needs disaggregated placement and
+    algorithm.max_staleness >= 1."""
     chunk_tokens: int = Field(8, ge=1, le=65536)
     """Partial rollout / over-sampling: tokens each unfinished sample generates between two looks
     at the batch (enough complete groups? a new policy version waiting?)."""
