@@ -316,4 +316,7 @@ def test_a_raylet_that_dies_at_start_up_is_said_with_its_logs_folder(tmp_path):
     flat = " ".join(err.split())
     assert proc.returncode == 1 and "Traceback" not in flat and "ActorDiedError" not in flat, flat[-3000:]
     m = re.search(r"Cluster error: the embedded Ray's raylet \(its node manager\), pid \d+, died.*?; its logs are in (\S+) \(", flat)
-    assert m and Path(m[1]).is_dir() and any(Path(m[1]).glob("raylet*")), flat[-3000:]
+    # the session's logs folder (a raylet killed within milliseconds of starting may not have
+    # written its own log file there yet: on a loaded machine the folder held none)
+    assert m and Path(m[1]).is_dir() and Path(m[1]).name == "logs" and Path(m[1]).parent.name.startswith("session_"), \
+        flat[-3000:]
