@@ -1,15 +1,15 @@
 """What one TransferDock call costs on the Ray backend: one client actor, one warehouse, small rows,
-over the direct channel (``--transport direct``, the default; ZeroMQ, encrypted with CURVE unless
-``--encryption off``) or Ray actor calls (``ray``).
+over the dock's channel (ZeroMQ; between machines encrypted with CURVE unless ``--encryption off``;
+on one machine the warehouse's socket files unless ``--wire tcp``).
 
 Ops, each repeated ``--calls`` times by the client in its own loop:
-  empty    an empty Ray actor call to a plain actor (Ray's floor on this host, either transport)
+  empty    an empty Ray actor call to a plain actor (what the same call would cost as a Ray call)
   control  a controller call through the warehouse (``step``)
   put      ``put`` of one column for 32 rows, then ``flush`` (the write's round trip)
   claim    ``put(..., defer=True)`` of one column, then a ``get`` of another for the same rows
            (the write rides on the claim: "write my outputs, hand me my next inputs")
 
-One JSON line per op: ``{"op", "transport", "encrypted", "nodes", "calls", "us_per_call",
+One JSON line per op: ``{"op", "transport", "encrypted", "wire", "nodes", "calls", "us_per_call",
 "cpu_us_per_call", "cpu_us_per_call_dock", "client_channels", "head_channels"}`` (the direct channels
 open after the op); ``cpu_us_per_call`` counts every process of the local Ray session (caller,
 warehouse, raylet, ...), the steadier figure on a shared host (see sample_flow.py);
@@ -19,10 +19,10 @@ without the idle Ray daemons' background).
 ``--nodes 2`` starts a local two-node Ray cluster (``ray.cluster_utils.Cluster``) and pins the client
 to the second node, whose warehouse holds the client's rows (``writer_node`` placement) but not the
 controller: each commit and claim then also crosses from that warehouse to the head's controller
-(a direct channel of its own with ``--transport direct``, a Ray call with ``ray``).
+(over a channel of its own).
 
-    python benchmarks/dock_call.py [--calls 5000] [--rows 32] [--width 8] [--transport direct|ray]
-                                   [--encryption on|off] [--nodes 1|2]
+    python benchmarks/dock_call.py [--calls 5000] [--rows 32] [--width 8] [--encryption on|off]
+                                   [--wire files|tcp] [--nodes 1|2]
 """
 from __future__ import annotations
 
@@ -53,18 +53,19 @@ class _Client:
         self.claims = 0   # each claim is a new consumer (a consumer takes each row once)
 
     def channels(self) -> int:
-        """Direct channels this client has open (0 with ``--transport ray``, or where none opened)."""
+        """Channels this client has open."""
         return self.d.channels_open
 
     def loop(self, op: str, n: int) -> float:
         import ray
+        from rlrecipes.core.dock.messages import CurrentStep
         d, rows, x = self.d, self.rows, self.x
         t0 = time.perf_counter()
         for i in range(n):
             if op == "empty":
                 ray.get(self.plain.noop.remote())
             elif op == "control":
-                d._wait(d._ctl("step"))
+                d._wait(d._ctl(CurrentStep()))
             elif op == "put":
                 d.put({"p": x}, rows)
                 d.flush()
@@ -94,8 +95,6 @@ def main(argv=None) -> None:
     ap.add_argument("--calls", type=int, default=5000)
     ap.add_argument("--rows", type=int, default=32)
     ap.add_argument("--width", type=int, default=8, help="int64 values per row")
-    ap.add_argument("--transport", default="direct", choices=["direct", "ray"],
-                    help="how clients call the dock's warehouses (TransferDock.ray(transport=))")
     ap.add_argument("--encryption", default="on", choices=["on", "off"],
                     help="direct channels encrypted (CURVE) or in clear (TransferDock.ray(encryption=))")
     ap.add_argument("--wire", default="files", choices=["files", "tcp"],
@@ -126,7 +125,7 @@ def main(argv=None) -> None:
         # the controller's warehouse first (warehouse 0 hosts it), the client's second
         alive = [n for n in ray.nodes() if n["Alive"]]
         nodes = [n["NodeID"] for n in sorted(alive, key=lambda n: "client_node" in n["Resources"])]
-    dock = TransferDock.ray(transport=args.transport, encryption=args.encryption == "on",
+    dock = TransferDock.ray(encryption=args.encryption == "on",
                             same_host_files=args.wire == "files", nodes=nodes,
                             placement="writer_node" if args.nodes > 1 else "round_robin")
     try:
@@ -140,7 +139,7 @@ def main(argv=None) -> None:
             dock_cpu = (_actors_cpu() - dock0) / args.calls
             # open direct channels: the client's to warehouses, the warehouses' to the head's controller
             head_channels = sum(w["head_channels"] for w in dock.stats()["warehouses"])
-            print(json.dumps({"op": op, "transport": args.transport if op != "empty" else "ray",
+            print(json.dumps({"op": op, "transport": "channel" if op != "empty" else "ray",
                               "encrypted": dock.encrypted if op != "empty" else False, "wire": args.wire,
                               "nodes": args.nodes, "calls": args.calls, "us_per_call": round(dt * 1e6),
                               "cpu_us_per_call": round(cpu * 1e6), "cpu_us_per_call_dock": round(dock_cpu * 1e6),

@@ -41,9 +41,9 @@ What is timed, per mode (the same things a real step pays):
                the rows (gloo). Rank 0's clock at each opening delimits the steps; the workflow
                pays the same per step (on worker rank 0).
 
-The dock modes' clients call the warehouses over direct channels (``--transport direct``, the
-default; ZeroMQ, encrypted with CURVE unless ``--encryption off``) or Ray actor calls
-(``--transport ray``); each JSON line names the transport and whether it was encrypted.
+The dock modes' clients call the warehouses over the dock's channels (ZeroMQ; between machines
+encrypted with CURVE unless ``--encryption off``; on one machine the warehouses' socket files
+unless ``--wire tcp``); each JSON line says whether it was encrypted.
 
     python benchmarks/sample_flow.py                       # W = 2, 4, 8, 16; L = 1024; 64 rows/worker
     python benchmarks/sample_flow.py --workers 8 --seq-len 512 --rows-per-worker 32 --steps 5
@@ -314,8 +314,6 @@ def main(argv=None):
                          "so a few steps give a coarse figure")
     ap.add_argument("--modes", nargs="+", default=["centralised", "dock", "dock+cache"],
                     choices=["centralised", "dock", "dock+cache"])
-    ap.add_argument("--transport", default="direct", choices=["direct", "ray"],
-                    help="how clients call the dock's warehouses (TransferDock.ray(transport=))")
     ap.add_argument("--encryption", default="on", choices=["on", "off"],
                     help="direct channels encrypted (CURVE) or in clear (TransferDock.ray(encryption=))")
     ap.add_argument("--wire", default="files", choices=["files", "tcp"],
@@ -340,7 +338,7 @@ def main(argv=None):
             ray.get([w.ready.remote() for w in workers])
             port = _free_port()
             ray.get([w.init_group.remote(port) for w in workers])
-            dock = TransferDock.ray(transport=args.transport, encryption=args.encryption == "on",
+            dock = TransferDock.ray(encryption=args.encryption == "on",
                                     same_host_files=args.wire == "files")
             ray.get([w.set_dock.remote(dock) for w in workers])
             try:
@@ -356,7 +354,7 @@ def main(argv=None):
                     cpu = (_session_cpu() - cpu0) / (args.steps + 1)
                     print(json.dumps({
                         "mode": mode, "workers": W, "rows": W * R, "seq_len": L,
-                        "transport": args.transport if mode != "centralised" else None,
+                        "transport": "channel" if mode != "centralised" else None,
                         "encrypted": dock.encrypted if mode != "centralised" else None, "wire": args.wire,
                         "seconds_per_step": round(float(np.median(st)), 4),
                         "cpu_s_per_step": round(float(cpu), 4),

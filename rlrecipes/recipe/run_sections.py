@@ -22,6 +22,22 @@ class ReshardConfig(_Strict):
 
 
 class ResourcesConfig(_Strict):
+    @model_validator(mode="before")
+    @classmethod
+    def _removed_dock_transport(cls, data):
+        """``dock_transport`` was removed (issue 47): the dock has one transport, its channels. Old
+        run folders' config.yaml hold ``direct`` (what still happens): taken and dropped; ``ray``
+        asks for what no longer exists."""
+        if isinstance(data, dict) and "dock_transport" in data:
+            if data["dock_transport"] != "direct":
+                raise ValueError(
+                    f"resources.dock_transport={data['dock_transport']!r}: this key was removed; the "
+                    "TransferDock has one transport, ZeroMQ channels from every worker to the warehouses "
+                    "(Ray still places and supervises the actors). Delete the key; where the nodes' ephemeral "
+                    "TCP ports are firewalled from each other, open them (docs/transfer_dock.md)")
+            data = {k: v for k, v in data.items() if k != "dock_transport"}
+        return data
+
     @field_validator("hardware")
     @classmethod
     def _known_hardware(cls, v: Optional[str]) -> Optional[str]:
@@ -64,13 +80,8 @@ class ResourcesConfig(_Strict):
     rollout_devices: Optional[int] = Field(None, ge=1)
     """disaggregated: devices given to the rollout (rollout TP x EP x DP fills exactly these);
     the actor, ref and critic layouts fill the other world - rollout_devices. Null when colocated."""
-    dock_transport: Literal["direct", "ray"] = "direct"
-    """How workers call the TransferDock's warehouses: direct (a ZeroMQ connection per worker thread
-    and warehouse, on an ephemeral port of each node; a small fraction of a Ray call's CPU) or ray
-    (Ray actor calls only). A worker that cannot open a connection uses Ray calls for it, with a
-    warning; set ray where the nodes' ephemeral ports are firewalled from each other."""
     dock_encryption: bool = True
-    """direct transport: encrypt and authenticate the dock's connections with ZeroMQ CURVE (keys made
+    """Encrypt and authenticate the dock's connections between machines with ZeroMQ CURVE (keys made
     per run, passed only through Ray). false: traffic in clear, peers still checked by a per-run
     token; turn off only inside a trusted network (docs/transfer_dock.md has the measured cost)."""
 

@@ -134,13 +134,12 @@ def run_recipe(recipe: Recipe, plan: Plan, on_event: EventSink, out: Optional[Pa
     try:
         # one dock per step in flight: rollout may run max_staleness steps ahead of training.
         # One worker: the dock lives in its process (TransferDock.in_worker), as the controller and
-        # the node warehouse would be its only peers; else Ray actors, where a blocked get holds a
-        # warehouse thread (room for every worker's get and writes at once).
+        # the node warehouse would be its only peers; else Ray actors, reached over the dock's
+        # channels (a blocked get holds its own channel's thread in the warehouse).
         n_docks = 1 + (recipe.algorithm.max_staleness if recipe.resources.placement == "disaggregated" else 0) \
             + (1 if pooled_rollout(recipe) else 0)  # a pooled rollout's carry-over dock
         docks = ([TransferDock.in_worker()] if world == 1 else
                  [TransferDock.ray(name=f"dock-{os.getpid()}-{i}", concurrency=max(64, 4 * world + 16),
-                                   transport=recipe.resources.dock_transport,
                                    encryption=recipe.resources.dock_encryption)
                   for i in range(n_docks)])
         progress = progress_actor()

@@ -396,14 +396,71 @@ def test_undo_of_a_rejected_write_keeps_a_write_stored_after_it():
         store.read("b", [7])
 
 
-def test_a_warehouse_answers_only_the_controllers_own_calls():
-    """Clients name controller calls over the wire: anything but its calls is refused by name."""
+def test_a_warehouse_takes_only_typed_requests_and_checks_every_answer():
+    """The transport carries only the requests of messages.py: anything else is refused by name,
+    and an answer of a type the request's schema does not allow fails at the warehouse."""
+    from rlrecipes.core.dock import messages as m
     from rlrecipes.core.dock.warehouse import _Warehouse
     wh = _Warehouse(0)
-    for name in ("_add", "call", "__init__", "try_claim", "reset_everything", "meta"):
-        with pytest.raises(DockError, match=f"no controller method '{name}'"):
-            wh.call(("control", (name,)))
-    with pytest.raises(DockError, match="no method 'ctl'"):
-        wh.call(("ctl", ()))
-    assert wh.call(("control", ("step",))) == 0 and wh.call(("control", ("stats",)))["rows"] == 0
+    for bad in (("control", ("step",)), "claim", {"method": "reset"}, None):
+        with pytest.raises(DockError, match="takes only dock requests"):
+            wh.handle(bad)
 
+    @m.message
+    class Unknown(m.Request):
+        ANSWER = (int,)
+
+    @m.message
+    class UnknownToTheController(m.ControllerRequest):
+        ANSWER = (int,)
+
+    with pytest.raises(DockError, match="warehouse 0 takes no Unknown"):
+        wh.handle(Unknown())
+    with pytest.raises(DockError, match="controller takes no UnknownToTheController"):
+        wh.handle(UnknownToTheController())
+    assert wh.handle(m.CurrentStep()) == 0 and wh.handle(m.ControllerStats())["rows"] == 0
+    wh._handlers[m.Clear] = lambda req: "cleared"          # a handler that breaks the schema
+    with pytest.raises(DockError, match="Clear answered with str, not one of NoneType"):
+        wh.handle(m.Clear(3))
+
+
+def test_messages_pickle_by_their_fields_and_packed_columns_in_the_wire_format():
+    from rlrecipes.core.dock import messages as m
+    from rlrecipes.core.dock.packing import pack_column
+    p = pack_column("ids", torch.arange(6, dtype=torch.int64).view(3, 2), 3)
+    w = m.Write([4, 5, 6], {"ids": p}, {"ids": ("int64", True, [2, 2, 2])}, hops=1)
+    back = pickle.loads(pickle.dumps(w, protocol=5))
+    assert type(back) is m.Write and back.rows == [4, 5, 6] and back.hops == 1 and back.meta == w.meta
+    got = back.columns["ids"]
+    assert isinstance(got.flat.base, bytes) and got.shapes == [(2,)] * 3 and got.flat.tolist() == list(range(6))
+    assert pickle.dumps(back, protocol=5) == pickle.dumps(w, protocol=5)   # bytes pass through unchanged
+    assert pickle.loads(pickle.dumps(m.Stored())) == m.Stored()
+    claimed = m.ClaimedHere(m.Applied([m.Stored(), m.Refused("no")]), m.TimedOut({"step": 1}), 2)
+    again = pickle.loads(pickle.dumps(claimed))
+    assert again == claimed and again.applied.failure == "no"
+    # on a channel: nested tuples of plain values (no class named in the pickle), the same messages back
+    req = m.ClaimRead(m.Claim("c", ["ids"], None, 0, 1, False, 5.0), m.Apply([w], [m.MarkReady({}, [1], 0)], [7]))
+    wire = pickle.dumps(m.encode(req), protocol=5)
+    assert b"ClaimRead" not in wire and b"messages" not in wire and b"packing" not in wire
+    back = m.decode(pickle.loads(wire))
+    assert back.claim == req.claim and back.carried.marks == req.carried.marks and back.carried.drops == [7]
+    assert back.carried.writes[0].rows == [4, 5, 6] and back.carried.writes[0].columns["ids"].flat.tolist() == list(range(6))
+    share = m.ClaimedHere(m.Applied([m.Moved(3, [1])]), m.Claimed(3, [4], {}, ["ids"], {0: [4]}, {}), 0, {"ids": p})
+    got = m.decode(pickle.loads(pickle.dumps(m.encode(share), protocol=5)))
+    assert got.applied == share.applied and got.claim == share.claim and got.share["ids"].shapes == [(2,)] * 3
+    assert m.decode([1, 2]) == [1, 2] and m.decode(None) is None          # plain answers pass as they are
+    with pytest.raises(DockError, match="unknown tag"):
+        m.decode((10_000, "x"))
+
+
+def test_the_removed_dock_transport_key_is_refused_by_name_except_the_transport_that_stayed():
+    """resources.dock_transport selected Ray actor calls or channels; the dock has one transport now.
+    `ray` is refused with the reason and the fix; `direct` (in every old run's config.yaml, so those
+    still resume) is what happens anyway and is dropped."""
+    from rlrecipes.recipe import RecipeError
+    from rlrecipes.recipe.loading import load_recipe
+    with pytest.raises(RecipeError, match="resources.dock_transport='ray': this key was removed; the TransferDock "
+                                          "has one transport, ZeroMQ channels"):
+        load_recipe("qwen25_7b", smoke=True, overrides=["resources.dock_transport=ray"])
+    r = load_recipe("qwen25_7b", smoke=True, overrides=["resources.dock_transport=direct"])
+    assert "dock_transport" not in r.resources.model_dump() and r.resources.dock_encryption

@@ -3,23 +3,47 @@ process, real client sockets; the semantics the dock relies on, with encryption 
 peer without the keys gets, and what the wire shows: ``test_dock_zmq.py``."""
 from __future__ import annotations
 
+from typing import Any
+
 import pickle
 import socket
 import subprocess
 import sys
 import threading
-import warnings
 
 import numpy as np
 import pytest
 
 from rlrecipes.core.dock import ChannelClosed, ChannelTimeout, DockError
-from rlrecipes.core.dock.channel import Channel, ChannelPool, ChannelServer, DockKeys, Reply
+from rlrecipes.core.dock.channel import Channel, ChannelPool, ChannelServer, DockKeys, Reply, _dumps, _send
+from rlrecipes.core.dock.messages import CurrentStep, NoneType, Request, message
+
+
+@message
+class Echo(Request):
+    ANSWER = (object,)
+    value: Any = None
+
+
+@message
+class Fail(Request):
+    ANSWER = ()
+    message: str
+
+
+@message
+class Block(Request):
+    ANSWER = (NoneType,)
+
+
+@message
+class Odd(Request):
+    ANSWER = (object,)
 
 
 class Handler:
-    """Echoes ``("echo", x)``, raises on ``("fail", msg)``, waits on ``("block", None)``, answers
-    what does not unpickle on ``("odd", None)``."""
+    """Echoes ``Echo(x)``, raises on ``Fail(msg)``, waits on ``Block()``, answers what does not
+    unpickle on ``Odd()``."""
 
     def __init__(self):
         self.calls = 0
@@ -28,15 +52,15 @@ class Handler:
 
     def __call__(self, request):
         self.calls += 1
-        kind, arg = request
-        if kind == "fail":
-            raise DockError(arg)
-        if kind == "odd":
+        if isinstance(request, Fail):
+            raise DockError(request.message)
+        if isinstance(request, Odd):
             return Unpicklable()
-        if kind == "block":
+        if isinstance(request, Block):
             self.blocked.set()
             self.release.wait(10)
-        return arg
+            return None
+        return request.value
 
 
 @pytest.fixture(params=[True, False], ids=["curve", "plain"])
@@ -53,21 +77,21 @@ def test_requests_pipeline_and_answer_in_order_with_large_arrays_intact(served):
     ch = Channel(srv.address, keys)
     big = np.arange(300_000, dtype=np.int64).reshape(1000, 300)        # 2.4 MB: an out-of-band frame
     small = {"ids": np.arange(5, dtype=np.int32), "b": b"\x00" * 10}
-    seqs = [ch.send(("echo", x)) for x in (big, small, [1, 2])]
+    seqs = [ch.send(Echo(x)) for x in (big, small, [1, 2])]
     assert ch.result(seqs[2]) == [1, 2]                                # later answer first: earlier kept
     got = ch.result(seqs[0])
     assert np.array_equal(got, big) and got.flags.writeable            # wraps the received frame
     assert np.array_equal(ch.result(seqs[1])["ids"], small["ids"])
     with pytest.raises(DockError, match="already taken"):
         ch.result(seqs[1])
-    assert Reply(ch, ch.send(("echo", 7))).result(5) == 7
+    assert Reply(ch, ch.send(Echo(7))).result(5) == 7
 
 
 def test_a_request_copies_its_buffers_so_the_caller_may_reuse_them_at_once(served):
     h, keys, srv = served
     ch = Channel(srv.address, keys)
     x = np.zeros(100_000, dtype=np.int64)                              # out of band
-    seq = ch.send(("echo", x))
+    seq = ch.send(Echo(x))
     x[:] = 7                                                           # as a caller's next step would
     assert not ch.result(seq, 10).any()
 
@@ -87,12 +111,12 @@ def test_a_message_that_does_not_unpickle_fails_only_its_own_call(served):
     h, keys, srv = served
     ch = Channel(srv.address, keys)
     # a request the server cannot unpickle: answered as an error, the channel stays in order
-    first, second = ch.send(("echo", Unpicklable())), ch.send(("echo", "A"))
+    first, second = ch.send(Echo(Unpicklable())), ch.send(Echo("A"))
     with pytest.raises(TypeError, match="cannot rebuild"):
         ch.result(first, 10)
     assert ch.result(second, 10) == "A"
     # an answer the caller cannot unpickle: that call raises, the next answers are still its own
-    bad, after, last = ch.send(("odd", None)), ch.send(("echo", "B")), ch.send(("echo", "C"))
+    bad, after, last = ch.send(Odd()), ch.send(Echo("B")), ch.send(Echo("C"))
     with pytest.raises(DockError, match=f"answer {bad} does not unpickle here: TypeError: cannot rebuild"):
         ch.result(bad, 10)
     assert ch.result(after, 10) == "B" and ch.result(last, 10) == "C"
@@ -102,10 +126,10 @@ def test_a_handler_error_is_raised_at_the_caller_with_the_server_traceback(serve
     h, keys, srv = served
     ch = Channel(srv.address, keys)
     with pytest.raises(DockError, match="rows \\[3\\] unknown") as e:
-        ch.result(ch.send(("fail", "rows [3] unknown")))
+        ch.result(ch.send(Fail("rows [3] unknown")))
     assert any("raised in the warehouse process" in n and "in __call__" in n
                for n in getattr(e.value, "__notes__", []))
-    assert ch.result(ch.send(("echo", "still open"))) == "still open"
+    assert ch.result(ch.send(Echo("still open"))) == "still open"
 
 
 def test_a_wrong_key_is_refused_before_any_request_is_read(served):
@@ -119,12 +143,12 @@ def test_a_timeout_closes_the_channel(served):
     h, keys, srv = served
     ch = Channel(srv.address, keys)
     with pytest.raises(ChannelTimeout, match="no answer in 0.2s"):
-        ch.result(ch.send(("block", None)), timeout=0.2)
+        ch.result(ch.send(Block()), timeout=0.2)
     with pytest.raises(ChannelClosed, match="is closed"):
-        ch.send(("echo", 1))
+        ch.send(Echo(1))
     h.release.set()
     fresh = Channel(srv.address, keys)                 # the server still serves new channels
-    assert fresh.result(fresh.send(("echo", 2)), 10) == 2
+    assert fresh.result(fresh.send(Echo(2)), 10) == 2
 
 
 _SERVER = """
@@ -143,13 +167,13 @@ def test_a_warehouse_process_that_dies_while_a_caller_waits_is_named(encrypted):
     try:
         address, keys = pickle.loads(bytes.fromhex(proc.stdout.readline().decode()))
         ch = Channel(address, keys, name="warehouse 1")
-        seq = ch.send(("claim", None))
+        seq = ch.send(CurrentStep())
         proc.kill()                                   # the warehouse actor's process ends mid-call
         with pytest.raises(ChannelClosed, match="channel to warehouse 1 at .*: connection lost; the "
                                                 "warehouse actor died"):
             ch.result(seq, timeout=60)
         with pytest.raises(ChannelClosed, match="is closed"):
-            ch.send(("echo", 1))
+            ch.send(Echo(1))
     finally:
         proc.kill()
         proc.wait()
@@ -158,10 +182,10 @@ def test_a_warehouse_process_that_dies_while_a_caller_waits_is_named(encrypted):
 def test_a_closed_server_closes_its_channels(served):
     h, keys, srv = served
     ch = Channel(srv.address, keys)
-    assert ch.result(ch.send(("echo", 1)), 10) == 1
+    assert ch.result(ch.send(Echo(1)), 10) == 1
     srv.close()
     with pytest.raises(ChannelClosed, match="connection lost"):
-        ch.result(ch.send(("echo", 2)), timeout=60)
+        ch.result(ch.send(Echo(2)), timeout=60)
     with pytest.raises(ChannelClosed, match="handshake failed"):
         Channel(srv.address, keys, connect_timeout=2)
 
@@ -174,9 +198,9 @@ def test_a_refused_connection_fails_at_once_with_the_address():
         Channel(("127.0.0.1", dead), DockKeys().for_clients(), name="warehouse 3")
 
 
-def test_a_pool_gives_each_thread_its_own_channel_and_falls_back_with_one_warning(served):
+def test_a_pool_gives_each_thread_its_own_channel_and_names_what_to_open_when_none_opens(served):
     h, keys, srv = served
-    pool = ChannelPool(srv.address, keys, "the server", "its calls")
+    pool = ChannelPool(srv.address, keys, "the server", "a test client")
     mine = pool.get()
     assert pool.get() is mine
     other = []
@@ -184,14 +208,28 @@ def test_a_pool_gives_each_thread_its_own_channel_and_falls_back_with_one_warnin
     t.start()
     t.join()
     assert other[0] is not None and other[0] is not mine and pool.opened == 2
-    assert other[0].result(other[0].send(("echo", 3))) == 3 and mine.result(mine.send(("echo", 4))) == 4
-    refused = ChannelPool(srv.address, DockKeys(keys.encrypted), "the server", "its calls")   # wrong keys
-    with pytest.warns(RuntimeWarning, match="no direct channel to the server .*its calls go through Ray"):
-        assert refused.get() is None
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")                                     # no second warning, no retry
-        assert refused.get() is None
+    assert other[0].result(other[0].send(Echo(3))) == 3 and mine.result(mine.send(Echo(4))) == 4
+    refused = ChannelPool(srv.address, DockKeys(keys.encrypted), "the server", "a test client")   # wrong keys
+    with pytest.raises(ChannelClosed, match="a test client cannot open a channel to the server at 127.0.0.1:.*"
+                                            "handshake failed.*allow TCP between the cluster's nodes"):
+        refused.get()
+    with pytest.raises(ChannelClosed, match="cannot open a channel"):        # at once: no retry
+        refused.get()
     assert refused.failed and refused.opened == 0 and h.calls == 2
+
+
+def test_the_channel_carries_only_dock_requests(served):
+    h, keys, srv = served
+    ch = Channel(srv.address, keys)
+    with pytest.raises(DockError, match="takes only dock requests .* not tuple"):
+        ch.send(("echo", 1))                                            # refused before it is sent
+    for raw, why in ((("echo", 1), "a message with an unknown tag \\('echo',\\)"),     # peers that send anyway
+                     ({"method": "echo"}, "takes only dock requests .* not dict")):
+        _send(ch._sock, _dumps(raw))
+        ch._sent += 1
+        with pytest.raises(DockError, match=why):
+            ch.result(ch._sent, 10)
+    assert h.calls == 0 and ch.result(ch.send(Echo("next")), 10) == "next"
 
 
 def test_one_peers_waiting_request_does_not_hold_up_another_peers(served):
@@ -199,9 +237,9 @@ def test_one_peers_waiting_request_does_not_hold_up_another_peers(served):
     # answered meanwhile -- the write a waiting claim needs arrives that way.
     h, keys, srv = served
     a, b = Channel(srv.address, keys), Channel(srv.address, keys)
-    seq = a.send(("block", None))
+    seq = a.send(Block())
     assert h.blocked.wait(10)
-    assert b.result(b.send(("echo", "meanwhile")), 10) == "meanwhile"
+    assert b.result(b.send(Echo("meanwhile")), 10) == "meanwhile"
     h.release.set()
     assert a.result(seq, 10) is None
 

@@ -24,7 +24,9 @@ import zmq.utils.monitor
 from rlrecipes.core.dock import ChannelClosed
 from rlrecipes.core.dock.channel import Channel, ChannelServer, DockKeys
 from rlrecipes.core.dock.client import _put_meta
-from rlrecipes.core.dock.packing import columns_from_wire, wire_write
+from rlrecipes.core.dock import messages as m
+from rlrecipes.core.dock.messages import CachedOn
+from rlrecipes.core.dock.packing import write_part
 from rlrecipes.core.dock.warehouse import _Warehouse
 
 UNPICKLED: list[str] = []
@@ -127,8 +129,8 @@ def test_a_peer_without_the_keys_is_refused_before_anything_is_unpickled(server)
     for n, address in enumerate((tcp, srv.address), 1):
         ch = Channel(address, keys.for_clients())
         assert ch.local is (address == srv.address)
-        ch.result(ch.send(Tripwire("mine")), 30)
-        assert srv.received == 2 * n and calls == ["mine"] * n and UNPICKLED == ["mine"] * n  # socket request + call
+        ch.result(ch.send(CachedOn(Tripwire("mine"), [])), 30)                 # a dock request carrying it
+        assert srv.received == 2 * n and [c.column for c in calls] == ["mine"] * n and UNPICKLED == ["mine"] * n
         ch.close()
 
 
@@ -203,19 +205,20 @@ def test_sample_bytes_on_the_wire_only_when_encryption_is_off(encrypted, monkeyp
         return sock, f"tcp://127.0.0.1:{relays[-1].address[1]}"
     monkeypatch.setattr(ChannelServer, "_listen", relayed)
     wh = _Warehouse(0)
-    wh.clear(0)
-    _, rows, _ = wh.control("reset", 0, (1, 4))
+    wh.clear(m.Clear(0))
+    rows = wh.handle(m.Reset(0, (1, 4))).rows
     keys = DockKeys(encrypted=encrypted)
-    srv = ChannelServer(wh.call, keys, "127.0.0.1")
+    srv = ChannelServer(wh.handle, keys, "127.0.0.1")
     try:
         ch = Channel(srv.address[:2], keys.for_clients())  # from another machine: TCP
         big = _marker_tensor(BIG_MARKER, len(rows), 128 << 10)
         small = _marker_tensor(SMALL_MARKER, len(rows), 64)
         meta, packed = _put_meta({"big": big, "small": small}, rows, own=False)
-        assert ch.result(ch.send(("write", wire_write(rows, packed, meta, range(len(rows))))), 30) is None
-        res = ch.result(ch.send(("claim_read", ("c", ["big", "small"], None, 0, 1, False, 30.0, [], [], []))), 30)
-        assert res[0] == "ok" and sorted(res[1]) == rows
-        got = columns_from_wire(res[5])
+        assert ch.result(ch.send(write_part(rows, packed, meta, range(len(rows)))), 30) == m.Stored()
+        claim = m.Claim("c", ["big", "small"], None, 0, 1, False, 30.0)
+        res = ch.result(ch.send(m.ClaimRead(claim, m.Apply())), 30)
+        assert isinstance(res.claim, m.Claimed) and sorted(res.claim.rows) == rows
+        got = res.share
         assert np.array_equal(got["big"].flat, big.numpy().reshape(-1))
         assert np.array_equal(got["small"].flat, small.numpy().reshape(-1))
         ch.close()
@@ -249,19 +252,21 @@ def test_a_client_on_the_same_machine_uses_the_servers_socket_files(server, tmp_
     folder = door[len("ipc://"):].rsplit("/", 1)[0]
     assert os.stat(folder).st_mode & 0o777 == 0o700
     ch = Channel(srv.address, keys.for_clients())
-    assert ch.local and ch.result(ch.send("x"), 30) is None and calls == ["x"]
+    assert ch.local and ch.result(ch.send(m.AllConsumed("x")), 30) is None and calls == [m.AllConsumed("x")]
     ch.close()
     elsewhere = Channel((host, port, door, "another-marker"), keys.for_clients())  # TCP, with the keys
-    assert not elsewhere.local and elsewhere.result(elsewhere.send("y"), 30) is None and calls == ["x", "y"]
+    assert not elsewhere.local and elsewhere.result(elsewhere.send(m.AllConsumed("y")), 30) is None
+    assert calls == [m.AllConsumed("x"), m.AllConsumed("y")]
     elsewhere.close()
 
 
 _CLIENT = """
 import pickle, sys
 from rlrecipes.core.dock.channel import Channel
+from rlrecipes.core.dock.messages import AllConsumed
 address, keys = pickle.load(sys.stdin.buffer)
 ch = Channel(address, keys, connect_timeout=20)
-print("local" if ch.local else "tcp", ch.result(ch.send("from-the-other-view"), 30))
+print("local" if ch.local else "tcp", ch.result(ch.send(AllConsumed("from-the-other-view")), 30))
 ch.close()
 """
 
@@ -290,4 +295,4 @@ def test_a_client_that_cannot_see_the_socket_folder_uses_tcp(server):
                        env={**os.environ, "PYTHONPATH": here})
     assert p.returncode == 0, p.stderr.decode()[-2000:]
     assert p.stdout.decode().split() == ["tcp", "None"]
-    assert calls == ["from-the-other-view"]
+    assert [c.consumer for c in calls] == ["from-the-other-view"]

@@ -9,7 +9,8 @@ docs/transfer_dock.md.
 * ``TransferDock.ray()`` -- one warehouse actor per Ray node holding the tensors of its rows, the
   metadata-only controller (``metadata.py``, ``balance.py``) inside the first node's; clients
   (``ray_backend.py``) ask the controller which rows and where, and read and write the warehouses
-  directly: over ZeroMQ channels (``channel.py``) by default, else Ray actor calls. The driver
+  directly. Every dock call is a typed request (``messages.py``) over a ZeroMQ channel
+  (``channel.py``), the dock's one transport; Ray places, names and kills the actors. The driver
   never touches sample data.
 
 Tensors of a :class:`Batch` may be read-only views of a received buffer or of object-store memory:
@@ -67,16 +68,16 @@ class TransferDock:
     @staticmethod
     def ray(*, name: str | None = None, nodes: Sequence[str] | None = None,
             placement: str = "round_robin", equal_count: bool = True, concurrency: int = 256,
-            transport: str = "direct", encryption: bool = True, same_host_files: bool = True) -> RayDock:
+            encryption: bool = True, same_host_files: bool = True) -> RayDock:
         """Start the controller and one warehouse per alive Ray node (or per id in ``nodes``);
         needs ``ray.init`` first; ``shutdown()`` on the returned client stops the actors.
 
         ``placement``: ``round_robin`` (prompt groups to warehouses in turn) or ``writer_node`` (on
         the warehouse of the node that calls ``add_groups``). ``name``: a prefix of the actors'
-        names. ``concurrency``: threads per warehouse; a get blocks one of its node warehouse's (and
-        of the head's) until its rows are ready, so it must exceed the clients that read at once.
-        ``transport``: ``direct`` (ZeroMQ channels, with Ray calls wherever a channel cannot open)
-        or ``ray`` (Ray actor calls only). ``encryption``: CURVE between machines (only this
+        names. ``concurrency``: the warehouse actors' threads for Ray's own calls (starting and
+        connecting them). Every dock call goes over ZeroMQ channels (``channel.py``), each served
+        by a thread of its own, each warehouse listening on an ephemeral port of its node (and on
+        socket files for clients on its machine). ``encryption``: CURVE between machines (only this
         dock's clients are admitted); False: in clear, admitted by a token (a trusted network
         only). ``same_host_files``: a client on a warehouse's machine uses its socket files (a
         token, not encrypted: nothing leaves the machine); False: TCP, as from another node. The
@@ -89,7 +90,6 @@ class TransferDock:
             raise DockError("TransferDock.ray(): Ray is not initialised; call ray.init() (or "
                             "rlrecipes.cluster) first, or use TransferDock.local()")
         _check_choice("placement", placement, ("round_robin", "writer_node"))
-        _check_choice("transport", transport, ("direct", "ray"))
         if nodes is None:
             nodes = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
         nodes = list(nodes)
@@ -105,16 +105,14 @@ class TransferDock:
             head = warehouses[0] if warehouses else None
             warehouses.append(ray.remote(_Warehouse).options(**w_opts, max_concurrency=concurrency).remote(
                 i, head, len(nodes), equal_count))
-        ray.get([w.set_peers.remote(warehouses) for w in warehouses])
         got = ray.get([w.node_id.remote() for w in warehouses])
         if got != nodes:  # NodeAffinity with soft=False guarantees this; check anyway
             raise DockError(f"warehouses landed on {got}, expected {nodes}")
-        channels = keys = None
-        if transport == "direct":
-            keys = DockKeys(encrypted=encryption, same_host_files=same_host_files)
-            channels = ray.get([w.open_channel.remote(keys) for w in warehouses])
-            keys = keys.for_clients()
-            ray.get([w.connect_head.remote(channels[0], keys) for w in warehouses[1:]])
+        keys = DockKeys(encrypted=encryption, same_host_files=same_host_files)
+        channels = ray.get([w.open_channel.remote(keys) for w in warehouses])
+        keys = keys.for_clients()
+        if len(warehouses) > 1:   # each reaches the others (the head's controller, forwarded writes)
+            ray.get([w.connect.remote(channels, keys) for w in warehouses])
         dock = RayDock(warehouses, nodes, placement, channels, keys)
         dock._owner = True
         dock.reset(0)

@@ -1,8 +1,10 @@
 """Direct channels from dock clients to warehouses over ZeroMQ (``pyzmq``): a DEALER socket per
 (client thread, warehouse) (:class:`ChannelPool`), connected to a socket of its own in the
-warehouse's process that a thread of its own serves (:class:`ChannelServer`), carrying the calls of
-``_Warehouse.call`` (the Ray path's requests and answers). Keys, cost, failure semantics:
-docs/transfer_dock.md ("Direct channels").
+warehouse's process that a thread of its own serves (:class:`ChannelServer`). The dock's one
+transport: it carries only the typed requests of ``messages.py`` (checked as they are sent and as
+they arrive) to ``_Warehouse.handle`` and its typed answers back; a handler's exception comes back
+as ``messages.Failed`` and is raised at the caller. Keys, cost, failure semantics:
+docs/transfer_dock.md ("Channels").
 
 Security (:class:`DockKeys`, made per dock): between machines CURVE -- encrypted, the client checks
 the warehouse's key and the warehouse's ZAP handler admits only the run's client key; ZeroMQ
@@ -10,7 +12,8 @@ finishes that handshake before it delivers a message, so nothing from an unknown
 ``pickle``. ``encrypted=False``: PLAIN, the run's random token, in clear. On one machine: the
 warehouse's socket files (a 0700 folder), PLAIN with a second token; that traffic never leaves it.
 
-Wire: a multipart message per request or answer: ``pickle`` protocol 5, then each out-of-band
+Wire: a multipart message per request or answer: the message as ``messages.encode`` gives it (nested
+tuples of plain values), pickled with protocol 5, then each out-of-band
 buffer (numpy array) as a frame the receiver's array wraps. Requests copy their buffers as they are
 sent (the caller may reuse its tensors at once); answers send the store's arrays, never written in
 place, without a copy.
@@ -27,13 +30,13 @@ import threading
 import time
 import traceback
 import types
-import warnings
 
 import zmq
 import zmq.utils.monitor
 from zmq.auth.thread import ThreadAuthenticator
 
 from .errors import DockError
+from .messages import Failed, Request, checked_request, decode, encode
 
 
 _SLICE_MS = 1000      # a caller waiting for an answer checks for a lost connection this often
@@ -201,13 +204,14 @@ class ChannelServer:
             while (frames := _recv(sock))[0]:                # empty: the client closed its channel
                 self.received += 1
                 try:
-                    answer = _dumps(("ok", self._handle(pickle.loads(frames[0], buffers=frames[1]))))
+                    request = checked_request(decode(pickle.loads(frames[0], buffers=frames[1])))
+                    answer = _dumps(encode(self._handle(request)))
                 except BaseException as e:   # noqa: BLE001 -- every failure goes back to the caller
                     tb = "".join(traceback.format_exception(e))
                     try:
-                        answer = _dumps(("err", e, tb))
+                        answer = _dumps(encode(Failed(e, tb)))
                     except Exception:   # noqa: BLE001 -- an exception that does not pickle
-                        answer = _dumps(("err", DockError(f"{type(e).__name__}: {e}"), tb))
+                        answer = _dumps(encode(Failed(DockError(f"{type(e).__name__}: {e}"), tb)))
                 try:
                     _send(sock, answer, zmq.NOBLOCK, copy=False)
                 except zmq.Again:                     # the client is gone (it timed out)
@@ -271,8 +275,8 @@ class Channel:
     def _where(self) -> str:
         return f"{self.name} at {self.address[0]}:{self.address[1]}"
 
-    def send(self, request) -> int:
-        frames = _dumps(request)
+    def send(self, request: Request) -> int:
+        frames = _dumps(encode(checked_request(request)))
         with self._lock:
             if self._sock is None:
                 raise ChannelClosed(f"channel to {self._where} is closed")
@@ -306,17 +310,17 @@ class Channel:
                     continue
                 self._read += 1
                 try:
-                    self._answers[self._read] = pickle.loads(head, buffers=bufs)
+                    self._answers[self._read] = decode(pickle.loads(head, buffers=bufs))
                 except Exception as e:   # noqa: BLE001 -- this answer only: the next ones stay in order
-                    self._answers[self._read] = ("err", DockError(
+                    self._answers[self._read] = Failed(DockError(
                         f"channel to {self._where}: answer {self._read} does not unpickle here: "
-                        f"{type(e).__name__}: {e}"), "")
+                        f"{type(e).__name__}: {e}"))
             answer = self._answers.pop(seq)
-        if answer[0] == "err":
-            if answer[2]:
-                answer[1].add_note(f"raised in the warehouse process:\n{answer[2]}")
-            raise answer[1]
-        return answer[1]
+        if isinstance(answer, Failed):
+            if answer.traceback:
+                answer.error.add_note(f"raised in the warehouse process:\n{answer.traceback}")
+            raise answer.error
+        return answer
 
     def _lost(self) -> bool:
         lost = False
@@ -357,38 +361,41 @@ class ChannelPool:
     :meth:`get`. Per thread because a peer's requests are answered in order: a claim waiting on one
     thread's channel must not hold up the write another thread sends to the same warehouse, which
     may be the write that claim waits for. Where a channel cannot be opened (a firewall between
-    nodes, a wrong key), ``get`` answers None from then on, for every thread, after one
-    RuntimeWarning, and the caller makes Ray calls. ``to`` names the far end and ``then`` the calls
-    that fall back, for the warning."""
+    nodes, a wrong key), ``get`` raises :class:`ChannelClosed` naming the far end (``to``), the
+    caller (``by``) and what to open, and so does every later ``get`` of any thread (no retry
+    that would wait for a connect timeout at each call)."""
 
-    def __init__(self, address: tuple, keys: DockKeys, to: str, then: str):
+    def __init__(self, address: tuple, keys: DockKeys, to: str, by: str):
         self.address = tuple(address)
-        self._keys, self._to, self._then = keys, to, then
+        self._keys, self._to, self._by = keys, to, by
         self._tls = threading.local()
         self._lock = threading.Lock()
         self.opened = 0        # channels opened so far (threads that called get)
-        self.failed = False    # a channel could not be opened: Ray calls from now on
+        self.failed: ChannelClosed | None = None    # why a channel could not be opened
 
-    def get(self) -> Channel | None:
+    def get(self) -> Channel:
         ch = getattr(self._tls, "channel", None)
-        if ch is not None or self.failed:
+        if ch is not None:
             return ch
+        if self.failed is not None:
+            raise self.failed
         try:
             ch = self._tls.channel = Channel(self.address, self._keys, name=self._to)
         except (ChannelClosed, zmq.ZMQError) as e:
             with self._lock:
-                first, self.failed = not self.failed, True
-            if first:
-                warnings.warn(f"TransferDock: no direct channel to {self._to} at {self.address} ({e}); "
-                              f"{self._then} go through Ray actor calls", RuntimeWarning, stacklevel=4)
-            return None
+                self.failed = ChannelClosed(
+                    f"TransferDock: {self._by} cannot open a channel to {self._to} at {self.address[0]}:"
+                    f"{self.address[1]} ({e}). The dock's clients and warehouses talk over ZeroMQ "
+                    "connections to an ephemeral TCP port of each warehouse's node (or, on one machine, "
+                    "its socket files): allow TCP between the cluster's nodes, as Ray's own workers need")
+            raise self.failed from None
         with self._lock:
             self.opened += 1
         return ch
 
 
 class Reply:
-    """The pending answer of one channel request (what a Ray ``ObjectRef`` is on the Ray path)."""
+    """The pending answer of one channel request."""
 
     __slots__ = ("channel", "seq")
 

@@ -155,9 +155,10 @@ def _cached_meta(columns, rows) -> dict:
     return {c: ("", False, [1] * len(rows)) for c in columns}
 
 
-def _empty_batch(stored: dict, cached: dict) -> Batch:
+def _empty_batch(claim) -> Batch:
+    """The Batch of a claim (``messages.Claimed``) that took no rows."""
     cols = {}
-    for c in stored["columns"]:
-        dtype, stacked = stored["kinds"][c]
+    for c in claim.columns:
+        dtype, stacked = claim.kinds[c]
         cols[c] = torch.empty(0, dtype=getattr(torch, dtype)) if stacked else []
-    return Batch([], cols, {c: [] for c in cached}, stored["partition"], stored["partition_holders"])
+    return Batch([], cols, {c: [] for c in claim.cached}, claim.partition, claim.partition_holders)

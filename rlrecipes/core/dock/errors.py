@@ -7,12 +7,6 @@ from typing import Sequence
 DEFAULT_TIMEOUT_S = 600.0
 
 
-def first_error(answers) -> tuple | None:
-    """The first ``("error", message)`` among write answers (each None, ``("moved", ...)`` or an
-    error), or None."""
-    return next((a for a in answers if a is not None and a[0] == "error"), None)
-
-
 class DockError(RuntimeError):
     """Bad use of the dock (unknown rows, mismatched column kinds, ...)."""
 

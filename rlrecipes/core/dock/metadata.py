@@ -9,6 +9,7 @@ import numpy as np
 
 from .errors import DockError
 from .balance import partition_claim
+from .messages import Claimed
 
 
 @dataclass
@@ -256,8 +257,9 @@ class _Meta:
             "ready_all": int((self._ready_all(columns) & ~cs.taken).sum()),
         }
 
-    def where(self, columns: Sequence[str], rows: Sequence[int]) -> tuple[dict, dict]:
-        """(cached: col -> holder rank per row, stored: warehouse -> rows) for a claimed batch."""
+    def where(self, columns: Sequence[str], rows: Sequence[int]) -> Claimed:
+        """A claimed batch's answer: where its rows are (cached: col -> holder rank per row; stored
+        columns: warehouse -> rows) and this round's partition."""
         r = np.asarray(list(rows), np.int64)
         cached, stored_cols = {}, []
         for c in columns:
@@ -271,8 +273,8 @@ class _Meta:
             else:
                 cached[c] = h.tolist()
         kinds = {c: self.kinds.get(c, ("float32", True)) for c in stored_cols}
-        return cached, {"columns": stored_cols, "by_warehouse": self._by_warehouse(r), "kinds": kinds,
-                        "partition": self.last_partition, "partition_holders": self.last_holders}
+        return Claimed(self.step, rows, cached, stored_cols, self._by_warehouse(r), kinds,
+                       self.last_partition, self.last_holders)
 
     def cached_on(self, column: str, rows: Sequence[int]) -> list[int | None]:
         r = self._check_rows(rows, "cached_on")

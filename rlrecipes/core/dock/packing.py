@@ -64,40 +64,60 @@ class Packed:
         return int(self.flat.nbytes)
 
 
-# On the wire: plain tuples, bytes and lists, which Ray's msgpack path serializes in C (a dataclass
-# or a small array costs about 0.1 ms more a Ray call at each end). Arrays above WIRE_BYTES_MAX stay
-# arrays: out of band (pickle5), mapped from the object store or wrapping a channel's frame.
+# On the wire a Packed pickles as ``(buffer, numpy dtype, shapes, dtype, stacked)`` (``to_wire``):
+# buffers up to WIRE_BYTES_MAX as bytes inside the pickle, larger ones as arrays, which a channel
+# sends out of band (pickle protocol 5) and the receiver's array wraps in the frame it arrived in.
 
 WIRE_BYTES_MAX = 1 << 16
 
 
 def to_wire(p: Packed) -> tuple:
     """``p`` as ``(buffer, numpy dtype, shapes, dtype, stacked)``; equal row shapes travel once, as
-    ``(rows, shape)``."""
+    ``(rows, shape)``. A small array that wraps a whole bytes object (one received, or made by
+    :func:`detached`) sends that object, without another copy."""
     flat = p.flat
-    buf = flat.tobytes() if flat.nbytes <= WIRE_BYTES_MAX else flat
-    first = p.shapes[0] if p.shapes else ()
-    shapes = (len(p.shapes), first) if all(s == first for s in p.shapes) else p.shapes
+    if flat.nbytes > WIRE_BYTES_MAX:
+        buf = flat
+    elif isinstance(flat.base, bytes) and len(flat.base) == flat.nbytes:
+        buf = flat.base
+    else:
+        buf = flat.tobytes()
+    n = len(p.shapes)
+    first = p.shapes[0] if n else ()
+    shapes = (n, first) if p.shapes.count(first) == n else p.shapes
     return (buf, flat.dtype.str, shapes, p.dtype, p.stacked)
 
 
 def from_wire(w: tuple) -> Packed:
-    buf, np_dtype, shapes, dtype, stacked = w
+    return _from_wire(*w)
+
+
+def _from_wire(buf, np_dtype: str, shapes, dtype: str, stacked: bool) -> Packed:
     flat = np.frombuffer(buf, np.dtype(np_dtype)) if isinstance(buf, bytes) else buf
     if isinstance(shapes, tuple):
         shapes = [tuple(shapes[1])] * shapes[0]
     return Packed(flat, shapes, dtype, stacked)
 
 
-def columns_to_wire(packed: dict) -> dict:
-    return {c: to_wire(p) for c, p in packed.items()}
+Packed.__reduce__ = lambda self: (_from_wire, to_wire(self))
 
 
-def wire_write(rows: Sequence[int], packed: dict, meta: dict, pos: Sequence[int]) -> tuple:
+def detached(p: Packed) -> Packed:
+    """``p`` as it travels: a small buffer copied now (bytes), a large one still the caller's array
+    (a channel copies it as it sends). A put's rows so no longer depend on the caller's tensors
+    once it returns, except large ones until the call that carries them is sent."""
+    flat = p.flat
+    if flat.nbytes > WIRE_BYTES_MAX or (isinstance(flat.base, bytes) and len(flat.base) == flat.nbytes):
+        return p
+    return Packed(np.frombuffer(flat.tobytes(), flat.dtype), p.shapes, p.dtype, p.stacked)
+
+
+def write_part(rows: Sequence[int], packed: dict, meta: dict, pos: Sequence[int], hops: int = 0):
     """The write of positions ``pos`` of a put (``rows``, ``{col: Packed}``, ``{col: (dtype, stacked,
-    per-row lengths)}``) as one warehouse takes it: ``(rows, wire columns, meta)``."""
-    return ([rows[i] for i in pos], columns_to_wire({c: slice_packed(p, pos) for c, p in packed.items()}),
-            {c: (d, st, [ls[i] for i in pos]) for c, (d, st, ls) in meta.items()})
+    per-row lengths)}``) as one warehouse takes it: a :class:`~.messages.Write`."""
+    from .messages import Write
+    return Write([rows[i] for i in pos], {c: detached(slice_packed(p, pos)) for c, p in packed.items()},
+                 {c: (d, st, [ls[i] for i in pos]) for c, (d, st, ls) in meta.items()}, hops)
 
 
 def positions_by(keys: Sequence[int]) -> dict[int, list[int]]:
@@ -106,10 +126,6 @@ def positions_by(keys: Sequence[int]) -> dict[int, list[int]]:
     for i, k in enumerate(keys):
         out.setdefault(int(k), []).append(i)
     return out
-
-
-def columns_from_wire(wire: dict) -> dict:
-    return {c: from_wire(w) for c, w in wire.items()}
 
 
 def pack_column(name: str, value: Any, n_rows: int, own: bool = False) -> Packed:
