@@ -40,17 +40,18 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from rlrecipes import device as rdevice  # noqa: E402
-from rlrecipes.core.resharder import STRATEGIES, Layout, Resharder, plan_reshard, shard_for  # noqa: E402
+from rlrecipes.core.parallel import ParallelLayout  # noqa: E402
+from rlrecipes.core.resharder import STRATEGIES, Resharder, plan_reshard, shard_for  # noqa: E402
 from rlrecipes.models import ModelDims  # noqa: E402
 from rlrecipes.models.sharding import param_specs, split_layers  # noqa: E402
 
 # Layout pairs mirroring the recipes (8 ranks): qwen25_7b TP2 PP2 -> TP1 style, TP up, qwen3_moe EP2 -> EP8.
 PAIRS = {
-    "tp4pp2-tp1": ("qwen2", lambda w: (Layout(4, pp=2, dp=w // 8), Layout(1, dp=w))),
-    "tp2-tp4": ("qwen2", lambda w: (Layout(2, dp=w // 2), Layout(4, dp=w // 4))),
-    "ep2-ep8": ("qwen3_moe", lambda w: (Layout(4, dp=w // 4, ep=2), Layout(1, dp=w, ep=8))),
+    "tp4pp2-tp1": ("qwen2", lambda w: (ParallelLayout.of(4, pp=2, dp=w // 8), ParallelLayout.of(1, dp=w))),
+    "tp2-tp4": ("qwen2", lambda w: (ParallelLayout.of(2, dp=w // 2), ParallelLayout.of(4, dp=w // 4))),
+    "ep2-ep8": ("qwen3_moe", lambda w: (ParallelLayout.of(4, dp=w // 4, ep=2), ParallelLayout.of(1, dp=w, ep=8))),
     # disaggregated: train TP2 on ranks [0, w/2), rollout TP1 on [w/2, w) (every rollout rank gets the whole model)
-    "x-tp2-tp1": ("qwen2", lambda w: (Layout(2, dp=w // 4), Layout(1, dp=w // 2))),
+    "x-tp2-tp1": ("qwen2", lambda w: (ParallelLayout.of(2, dp=w // 4), ParallelLayout.of(1, dp=w // 2))),
 }
 DISAGG = {"x-tp2-tp1"}
 

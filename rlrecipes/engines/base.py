@@ -48,6 +48,7 @@ from typing import Any, Callable, ClassVar, Iterable, Mapping, Optional, Sequenc
 import torch
 
 from .capabilities import Capabilities  # noqa: F401 (part of this interface: engines and plan import it here)
+from ..core.parallel import ParallelLayout  # noqa: F401 (EngineSpec.layout; part of this interface)
 
 LossFn = Callable[[torch.Tensor, Optional[torch.Tensor], Mapping[str, Any]], "tuple[torch.Tensor, dict]"]
 
@@ -169,12 +170,9 @@ class EngineSpec:
     """``ModelDims`` (smoke: built from config, seeded) or a local HF folder path."""
     role: str
     """``actor``, ``ref``, ``critic`` (train engines) or ``rollout``."""
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1
-    sp: int = 1
-    """Sequence-parallel size (train roles): devices that split each sequence (``layout.sp``)."""
-    pp_layers: Optional[list[int]] = None
+    layout: ParallelLayout = field(default_factory=lambda: ParallelLayout(world=0))
+    """The role's parallel layout (``rlrecipes.recipe.roles.role_layout``: TP, PP, EP, SP, the layer
+    split); the engine takes its world (and so DP) from its process group (``ParallelLayout.on``)."""
     device: Optional[torch.device] = None
     dtype: str = "auto"
     seed: int = 0

@@ -16,8 +16,12 @@ class Capabilities:
     """Train layouts with PP > 1 (uneven layer splits included)."""
     expert_parallel: bool = False
     """EP > 1 for MoE models."""
-    ep_within_tp: bool = False
-    """EP groups must sit inside the TP group (EP divides TP), as in the native engine."""
+    ep_groups: str = "stage"
+    """Where the engine lays its expert-parallel groups (``rlrecipes.core.parallel.EP_GROUPS``, the one
+    statement of the EP rule): ``"stage"`` anywhere among a pipeline stage's ranks (EP divides
+    DP x SP x TP); ``"within_tp"`` inside each TP group (EP divides TP too: the native engine);
+    ``"across_dp"`` over data-parallel ranks, every expert split over TP as well (EP x TP divides the
+    stage: megatron's expert-TP)."""
     expert_tensor_parallel: bool = False
     """Experts are split over TP as well: megatron's expert-TP in training; a rollout engine whose
     MoE layers split every expert over the TP ranks at EP 1 (vLLM). The planner's memory model uses it."""

@@ -98,18 +98,18 @@ def problems(name: str, role: str, device: str | None = None, *, installed: bool
     return out
 
 
-def layout_problems(name: str, *, role: str, dims, tp: int, pp: int, ep: int, etp: int | None, world: int,
-                    device: str, installed: bool = False, recipe=None) -> list[str]:
+def layout_problems(name: str, *, layout, dims, etp: int | None = None, device: str, installed: bool = False,
+                    recipe=None) -> list[str]:
     """The engine's own rules for one role's layout (``Capabilities.layout_rules``); empty when it
-    declares none. ``world``: the devices of the role's group; ``installed``: whether to judge with
-    what is installed here (``plan`` for another machine passes False); ``recipe``: the recipe, for
-    the role's other settings an engine's rules read (offload, inference settings)."""
+    declares none. ``layout``: the role's :class:`~rlrecipes.core.parallel.ParallelLayout` (its sizes,
+    layer split and the devices of its group); ``installed``: whether to judge with what is installed
+    here (``plan`` for another machine passes False); ``recipe``: the recipe, for the role's other
+    settings an engine's rules read (offload, inference settings)."""
     rules = capabilities(name).layout_rules
     if not rules:
         return []
-    return list(_hook(rules)(
-        role=role, dims=dims, tp=int(tp), pp=int(pp), ep=int(ep), etp=int(etp) if etp else None, world=int(world),
-        device=device, installed=installed, recipe=recipe))
+    return list(_hook(rules)(layout=layout, dims=dims, etp=int(etp) if etp else None, device=device,
+                             installed=installed, recipe=recipe))
 
 
 def inference_settings(name: str, *, inference, dims) -> tuple[Optional[dict], list[str]]:

@@ -226,11 +226,12 @@ def reshard_bytes_summary(train, rollout, dims: ModelDims, pp_layers: Sequence[i
 
     ``placement="disaggregated"``: train and rollout on disjoint ranks (train first), see
     :func:`rlrecipes.core.resharder.reshard_bytes_summary`."""
-    from rlrecipes.core.resharder import Layout
+    import dataclasses
+
     from rlrecipes.core.resharder import reshard_bytes_summary as summary
 
     if pp_layers is None and train.pp > 1:
         pp_layers = train.pp_layers or split_layers(dims.num_layers, train.pp)
     if pp_layers is not None and train.pp_layers is None and train.pp > 1:
-        train = Layout(train.tp, train.pp, train.ep, train.dp, tuple(pp_layers))
+        train = dataclasses.replace(train, pp_layers=tuple(pp_layers))
     return summary(train, rollout, param_specs(dims, pp_layers if train.pp > 1 else None), dtype_bytes, placement)

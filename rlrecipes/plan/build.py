@@ -24,8 +24,8 @@ from typing import Optional
 
 from ..engines.registry import BACKENDS, capabilities
 from ..recipe import Recipe
-from .checks import (NODE_INDEPENDENT_RULES, PlanError, RoleLayout, Violation, capability_checks, dp_of,
-                     engine_checks, engine_layout_violations, layout_violations, model_checks, ranks_text,
+from ..core.parallel import ParallelLayout
+from .checks import (NODE_INDEPENDENT_RULES, PlanError, Violation, capability_checks, engine_checks, engine_layout_violations, layout_violations, model_checks, ranks_text,
                      role_layouts, rollout_devices_that_fit, rollout_inference, sequence_checks, where)
 from .long_context import kv_check, sequence_summary
 from .memory import DTYPE_BYTES, GiB, Memory, node_independent_bytes, ref_memory, rollout_memory, train_memory
@@ -51,7 +51,7 @@ class Plan:
     world: int
     device: str
     device_memory_gb: float
-    roles: dict[str, RoleLayout]
+    roles: dict[str, ParallelLayout]
     global_batch: int
     mini_batch: int
     n_samples: int
@@ -184,7 +184,7 @@ class Plan:
         out = {
             "recipe": self.recipe, "ok": self.ok, "nodes": self.nodes, "devices_per_node": self.devices_per_node,
             "world": self.world, "device": self.device, "model_params": self.model_params,
-            "roles": {k: asdict(v) for k, v in self.roles.items()},
+            "roles": {k: v.to_json() for k, v in self.roles.items()},
             "global_batch": self.global_batch, "mini_batch": self.mini_batch, "n_samples": self.n_samples,
             "memory_gib": {"train": self.train_memory.gib(), "rollout": self.rollout_memory.gib(),
                            "device": self.device_memory_gb},
@@ -255,7 +255,6 @@ def build_plan(recipe: Recipe, nodes: Optional[int] = None, devices_per_node: Op
             violations.extend(layout_violations(role, dims, caps[role.role],
                                                 where(role, world, fits, dpn) if disagg else None))
             violations.extend(engine_layout_violations(role, dims, caps[role.role], recipe))
-        role.dp = dp_of(role)
 
     # batch scaling
     gb, mb = recipe.trainer.global_batch, recipe.trainer.mini_batch

@@ -16,11 +16,12 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+from ..core.parallel import EP_ACROSS_DP_RULE, EP_WITHIN_TP_RULE, LayoutProblem, ParallelLayout
 from ..engines.base import Capabilities
 from ..engines.registry import BACKENDS, capabilities, engines_that, inference_settings, layout_problems, problems
 from ..models import ModelDims
 from ..recipe import Recipe
-from ..recipe.roles import roles_of
+from ..recipe.roles import role_layout, roles_of
 
 # disaggregated placement: a layout that cannot fill its device group whatever the node count (the
 # rollout group's size is fixed; the train group's is n x devices_per_node - rollout_devices)
@@ -42,34 +43,6 @@ NODE_INDEPENDENT_RULES = {INFERENCE_RULE, "rollout PP = 1",
                           "reshard strategy fits the placement", ROLLOUT_SPLIT_RULE, TRAIN_SPLIT_RULE,
                           "multi-turn rollout has what it needs", "LoRA has what it needs",
                           SP_ENGINE_RULE, SP_LAYOUT_RULE, SP_HEADS_RULE, CONTEXT_RULE, KV_LONGEST_RULE}
-
-
-@dataclass
-class RoleLayout:
-    """One role's layout and the devices it spans (``world``); ``dp`` is set once TP x PP x SP divides
-    them. ``sp`` (``layout.sp``, train roles): devices that split each sequence and see the same
-    samples, carved out of DP: ``world = tp * pp * sp * dp``."""
-
-    role: str
-    tp: int
-    pp: int
-    ep: int
-    dp: Optional[int]
-    world: int
-    pp_layers: Optional[list[int]] = None
-    sp: int = 1
-
-    @property
-    def model_parallel(self) -> int:
-        """Devices of one data-parallel replica: TP x PP x SP."""
-        return self.tp * self.pp * self.sp
-
-    def describe(self) -> str:
-        dp = "?" if self.dp is None else self.dp
-        s = f"TP{self.tp} PP{self.pp} EP{self.ep}" + (f" SP{self.sp}" if self.sp > 1 else "") + f" DP{dp}"
-        if self.pp_layers and self.pp > 1:
-            s += f" layers {','.join(map(str, self.pp_layers))}"
-        return s
 
 
 @dataclass
@@ -101,64 +74,29 @@ def _engine_list(names: list[str], key: str, sep: str = ": ") -> str:
 # ---------------------------------------------------------------------------------------------
 # one role's layout
 # ---------------------------------------------------------------------------------------------
-def _sizes(role: RoleLayout) -> str:
-    """``"TP4 x PP2"`` (``" x SP2"`` added when the role splits sequences)."""
-    return f"TP{role.tp} x PP{role.pp}" + (f" x SP{role.sp}" if role.sp > 1 else "")
+def _violations(found: list[LayoutProblem]) -> list[Violation]:
+    return [Violation(p.rule, p.detail) for p in found]
 
 
-def divisibility_violations(role: RoleLayout, where: Optional[tuple[str, str]] = None) -> list[Violation]:
+def divisibility_violations(role: ParallelLayout, where: Optional[tuple[str, str]] = None) -> list[Violation]:
     """TP x PP (x SP) divides the role's devices, and EP divides DP x SP x TP (the experts are carved
-    out of every rank of a pipeline stage, SP ranks included). ``where`` = (rule, the role's device set
-    and the fix) under disaggregated placement (:func:`where`); the default names the role's device
-    count. Shared by :func:`layout_violations` and ``placement_groups``."""
-    k = role.model_parallel
-    if role.world % k:
-        rule = "TP*PP divides the world" if role.sp == 1 else "TP*PP*SP divides the world"
-        fix = ""
-        if role.sp > 1 and not where and role.world % (role.tp * role.pp) == 0 and role.world > role.tp * role.pp:
-            fix = f"; use an sp that divides {role.world // (role.tp * role.pp)}"
-        return [Violation(where[0] if where else rule,
-                          f"{role.role}: {_sizes(role)} = {k} does not divide "
-                          f"{where[1] if where else f'{role.world} devices'}{fix}")]
-    dp = role.world // k
-    if (dp * role.sp * role.tp) % role.ep:
-        sp = f" x SP{role.sp}" if role.sp > 1 else ""
-        return [Violation("EP divides DP*TP",
-                          f"{role.role}: EP{role.ep} does not divide DP{dp}{sp} x TP{role.tp} = "
-                          f"{dp * role.sp * role.tp}")]
-    return []
+    out of every rank of a pipeline stage, SP ranks included): :meth:`ParallelLayout.problems`.
+    ``where`` = (rule, the role's device set and the fix) under disaggregated placement
+    (:func:`where`); the default names the role's device count. Shared by :func:`layout_violations`
+    and ``placement_groups``."""
+    return _violations(role.problems(where=where))
 
 
-def dp_of(role: RoleLayout) -> Optional[int]:
-    """The role's DP size when TP x PP x SP divides its devices, else None."""
-    k = role.model_parallel
-    return role.world // k if role.world % k == 0 else None
-
-
-def layout_violations(role: RoleLayout, dims: ModelDims, caps: Capabilities,
+def layout_violations(role: ParallelLayout, dims: ModelDims, caps: Capabilities,
                       where: Optional[tuple[str, str]] = None) -> list[Violation]:
-    """Every generic rule for one role: the divisions, the model's heads / experts / layers, and
-    what the engine's capabilities allow (PP, EP, EP inside TP, expert-TP)."""
-    v = divisibility_violations(role, where)
-    name, dp = role.role, dp_of(role)
-    if dims.num_heads % role.tp:
-        v.append(Violation("attention heads divide by TP", f"{name}: {dims.num_heads} heads, TP{role.tp}"))
-    if not dims.is_mla and dims.num_kv_heads % role.tp:
-        v.append(Violation("KV heads divide by TP", f"{name}: {dims.num_kv_heads} KV heads, TP{role.tp}"))
-    if dims.is_moe and dims.num_experts % role.ep:
-        v.append(Violation("experts divide by EP", f"{name}: {dims.num_experts} experts, EP{role.ep}"))
-    if not dims.is_moe and role.ep != 1:
-        v.append(Violation("EP needs an MoE model", f"{name}: EP{role.ep} on dense family {dims.family}; set ep: 1"))
-    if role.pp_layers is not None:
-        if len(role.pp_layers) != role.pp:
-            v.append(Violation("layer split has one entry per PP stage",
-                               f"{name}: pp_layers has {len(role.pp_layers)} entries for PP{role.pp}"))
-        if sum(role.pp_layers) != dims.num_layers:
-            v.append(Violation("layer split sums to the layer count",
-                               f"{name}: pp_layers {role.pp_layers} sums to {sum(role.pp_layers)}, model has "
-                               f"{dims.num_layers} layers"))
-    elif role.pp > dims.num_layers:
-        v.append(Violation("PP at most the layer count", f"{name}: PP{role.pp} > {dims.num_layers} layers"))
+    """Every generic rule for one role: the divisions and the EP rule as the engine places its EP
+    groups (``Capabilities.ep_groups``; megatron's expert-TP is TP), the model's heads / experts /
+    layers, and what the engine's capabilities allow (PP, EP)."""
+    name = role.role
+    ep_groups = caps.ep_groups if caps.ep_groups != "across_dp" or name != "rollout" else "stage"
+    found = role.problems(ep_groups, etp=role.tp if ep_groups == "across_dp" else 1, where=where, engine=caps.name)
+    engine_ep = [p for p in found if p.rule in (EP_ACROSS_DP_RULE, EP_WITHIN_TP_RULE)]
+    v = _violations([p for p in found if p not in engine_ep] + role.model_problems(dims))
     if not caps.pipeline_parallel and name != "rollout" and role.pp != 1:
         with_pp = engines_that(lambda c: c.pipeline_parallel and "train" in c.roles)
         v.append(Violation("engine has pipeline parallelism",
@@ -166,28 +104,18 @@ def layout_violations(role: RoleLayout, dims: ModelDims, caps: Capabilities,
                            f"with pipeline parallelism ({_engine_list(with_pp, 'actor.engine')})"))
     if not caps.expert_parallel and role.ep != 1:
         v.append(Violation("engine has expert parallelism", f"{name}: EP{role.ep} with engine {caps.name}; use ep: 1"))
-    if caps.expert_tensor_parallel and name != "rollout" and role.ep > 1 and dp is not None and \
-            (dp * role.sp) % role.ep:
-        ranks = f"DP{dp} x SP{role.sp} = {dp * role.sp}" if role.sp > 1 else f"DP{dp}"
-        v.append(Violation("engine places EP groups across DP",
-                           f"{name}: EP{role.ep} does not divide {ranks} (engine {caps.name} splits experts over "
-                           f"TP as well, so the EP groups span data-parallel ranks); use an ep that divides "
-                           f"{dp * role.sp}"))
-    if caps.ep_within_tp and role.ep > 1 and role.tp % role.ep:
-        v.append(Violation("engine keeps EP inside the TP group",
-                           f"{name}: EP{role.ep} does not divide TP{role.tp} (engine {caps.name}); "
-                           "use ep <= tp with tp % ep == 0"))
-    return v
+    return v + _violations(engine_ep)
 
 
-def engine_layout_violations(role: RoleLayout, dims: ModelDims, caps: Capabilities, recipe: Recipe) -> list[Violation]:
+def engine_layout_violations(role: ParallelLayout, dims: ModelDims, caps: Capabilities,
+                             recipe: Recipe) -> list[Violation]:
     """The engine's own layout rules (``Capabilities.layout_rules``), the same function the engine
     runs when it is built: a layout ``plan`` passes is one the engine accepts."""
     device = recipe.resources.device
-    if dp_of(role) is None or (device != "auto" and device not in caps.devices):
+    if role.dp is None or (device != "auto" and device not in caps.devices):
         return []  # reported by the generic rules / engine_checks (the engine does not run there)
-    found = layout_problems(caps.name, role=role.role, dims=dims, tp=role.tp, pp=role.pp, ep=role.ep, etp=None,
-                            world=role.world, device=device, installed=False, recipe=recipe)
+    found = layout_problems(caps.name, layout=role, dims=dims, etp=None, device=device, installed=False,
+                            recipe=recipe)
     return [Violation(f"engine {caps.name} accepts the {role.role} layout", p) for p in found]
 
 
@@ -246,7 +174,7 @@ def engine_checks(recipe: Recipe, engines: dict[str, str]) -> tuple[list[Violati
     return violations, missing
 
 
-def capability_checks(recipe: Recipe, dims: ModelDims, roles: dict[str, RoleLayout],
+def capability_checks(recipe: Recipe, dims: ModelDims, roles: dict[str, ParallelLayout],
                       caps: dict[str, Capabilities]) -> list[Violation]:
     """What the recipe asks of its engines beyond layouts: routing replay, a critic, a reference
     or critic layout other than the actor's, a rollout without pipeline stages."""
@@ -312,7 +240,7 @@ def response_key(recipe: Recipe) -> str:
         "rollout.sampling.max_new_tokens"
 
 
-def sequence_checks(recipe: Recipe, dims: ModelDims, roles: dict[str, RoleLayout],
+def sequence_checks(recipe: Recipe, dims: ModelDims, roles: dict[str, ParallelLayout],
                     caps: dict[str, Capabilities]) -> list[Violation]:
     """Long sequences: the longest sample against the model's context, and what ``layout.sp`` asks
     of the train engine (``Capabilities.sequence_parallel``). ``"ulysses"`` gives every SP rank whole
@@ -400,32 +328,26 @@ def split_devices(recipe: Recipe, world: int) -> tuple[int, int, list[Violation]
     return world - R, R, []
 
 
-def role_layouts(recipe: Recipe, world: int) -> tuple[dict[str, RoleLayout], int, int, list[Violation]]:
-    """Every role's layout with the device count it spans (DP not yet set), the two device counts,
-    and the placement's own violations. The roles are :func:`~rlrecipes.recipe.roles.roles_of`'s."""
+def role_layouts(recipe: Recipe, world: int) -> tuple[dict[str, ParallelLayout], int, int, list[Violation]]:
+    """Every role's layout over the devices of its group (:func:`~rlrecipes.recipe.roles.role_layout`),
+    the two device counts, and the placement's own violations. The roles are
+    :func:`~rlrecipes.recipe.roles.roles_of`'s."""
     T, R, violations = split_devices(recipe, world)
-    a = recipe.actor.layout
-    roles = {"actor": RoleLayout("actor", a.tp, a.pp, a.ep, None, T, a.pp_layers, a.sp)}
     built = roles_of(recipe, strict=False)  # the workers build exactly these
-    if built.ref:
-        r = recipe.ref.layout or a
-        roles["ref"] = RoleLayout("ref", r.tp, r.pp, r.ep, None, T, r.pp_layers, r.sp)
-    if built.critic:
-        c = recipe.critic.layout or a
-        roles["critic"] = RoleLayout("critic", c.tp, c.pp, c.ep, None, T, c.pp_layers, c.sp)
-    ro = recipe.rollout.layout
-    roles["rollout"] = RoleLayout("rollout", ro.tp, ro.pp, ro.ep, None, R)
+    names = ["actor"] + (["ref"] if built.ref else []) + (["critic"] if built.critic else [])
+    roles = {name: role_layout(recipe, name, T) for name in names}
+    roles["rollout"] = role_layout(recipe, "rollout", R)
     return roles, T, R, violations
 
 
-def rollout_devices_that_fit(world: int, roles: dict[str, RoleLayout]) -> list[int]:
+def rollout_devices_that_fit(world: int, roles: dict[str, ParallelLayout]) -> list[int]:
     """Values of resources.rollout_devices in [1, world) with which every role's TP x PP (x SP) divides its group."""
     train = [r.model_parallel for r in roles.values() if r.role != "rollout"]
     roll = roles["rollout"].tp * roles["rollout"].pp
     return [R for R in range(1, world) if R % roll == 0 and all((world - R) % k == 0 for k in train)]
 
 
-def where(role: RoleLayout, world: int, fits: list[int], devices_per_node: int) -> tuple[str, str]:
+def where(role: ParallelLayout, world: int, fits: list[int], devices_per_node: int) -> tuple[str, str]:
     """(rule, the device set of a disaggregated role and the fix) for the TP*PP rule. The rule is
     node-independent when no node count can fix it (the nearest-node search is then skipped)."""
     k = role.model_parallel
@@ -456,7 +378,7 @@ def one_rank_sessions(r: Recipe, what: str) -> Optional[str]:
 
 
 __all__ = ["CONTEXT_RULE", "INFERENCE_RULE", "KV_LONGEST_RULE", "NODE_INDEPENDENT_RULES", "PlanError",
-           "ROLLOUT_SPLIT_RULE", "RoleLayout", "SP_ENGINE_RULE", "SP_HEADS_RULE", "SP_LAYOUT_RULE", "TRAIN_SPLIT_RULE",
-           "Violation", "capability_checks", "divisibility_violations", "dp_of", "engine_checks",
+           "ROLLOUT_SPLIT_RULE", "SP_ENGINE_RULE", "SP_HEADS_RULE", "SP_LAYOUT_RULE", "TRAIN_SPLIT_RULE",
+           "Violation", "capability_checks", "divisibility_violations", "engine_checks",
            "engine_layout_violations", "layout_violations", "model_checks", "one_rank_sessions", "ranks_text", "role_layouts",
            "rollout_devices_that_fit", "rollout_inference", "sequence_checks", "split_devices", "where"]

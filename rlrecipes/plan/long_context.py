@@ -36,7 +36,8 @@ from typing import Optional
 
 from ..models import ModelDims
 from ..recipe import Recipe
-from .checks import KV_LONGEST_RULE, RoleLayout, Violation, longest_sample, response_key
+from ..core.parallel import ParallelLayout
+from .checks import KV_LONGEST_RULE, Violation, longest_sample, response_key
 
 GiB = 1024 ** 3
 KV_BYTES = 2  # the rollout's KV cache in bf16
@@ -110,7 +111,7 @@ def kv_token_bytes(dims: ModelDims, tp: int) -> float:
     return float(per) if dims.is_mla else per / min(tp, max(1, dims.num_kv_heads))
 
 
-def rollout_ranks(rollout: RoleLayout) -> int:
+def rollout_ranks(rollout: ParallelLayout) -> int:
     """Rollout ranks that schedule their own rows: one per attention-TP group (an instance, or a
     data-parallel attention rank of an expert-parallel instance)."""
     return max(1, rollout.world // rollout.tp)
@@ -137,7 +138,7 @@ class KvCheck:
         return int(self.left // self.one) if self.one else 0
 
 
-def kv_check(dims: ModelDims, rollout: RoleLayout, recipe: Recipe, rows: int, left: float,
+def kv_check(dims: ModelDims, rollout: ParallelLayout, recipe: Recipe, rows: int, left: float,
              device_bytes: float) -> tuple[KvCheck, list[Violation], Optional[str]]:
     """The KV cache a rollout device needs at the recipe's longest sample, the violations, and a note
     when it holds fewer longest sequences than a rollout rank runs at once.
@@ -188,7 +189,7 @@ def kv_check(dims: ModelDims, rollout: RoleLayout, recipe: Recipe, rows: int, le
     return k, v, note
 
 
-def sequence_summary(recipe: Recipe, roles: dict[str, RoleLayout], memory_model: str) -> dict:
+def sequence_summary(recipe: Recipe, roles: dict[str, ParallelLayout], memory_model: str) -> dict:
     """What the plan prints about long sequences: the longest sample, each train role's SP and the
     tokens of a row one of its ranks holds (megatron: after padding to its chunk multiple)."""
     longest = longest_sample(recipe)

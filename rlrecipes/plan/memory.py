@@ -39,7 +39,7 @@ from ..models import ModelDims
 from ..models.lora_shapes import lora_shapes
 from ..models.sharding import layer_of
 from ..recipe import Recipe
-from .checks import RoleLayout
+from ..core.parallel import ParallelLayout
 from .long_context import (kv_token_bytes, layer_bytes, local_attention_bytes, logits_bytes, longest_sample,
                            mask_bytes, packed_tokens, padded_row, rank_tokens)
 
@@ -167,7 +167,7 @@ def pipeline_logits_per_element(c: int, sp: int, response_share: float) -> float
     return cast + 8 if sp > 1 else cast + 8 + 8 * response_share
 
 
-def pipeline_train_memory(dims: ModelDims, role: RoleLayout, recipe: Recipe, dp: int, caps: Capabilities) -> Memory:
+def pipeline_train_memory(dims: ModelDims, role: ParallelLayout, recipe: Recipe, dp: int, caps: Capabilities) -> Memory:
     """The worst pipeline stage of a megatron-style engine: compute-dtype weights, an fp32 DDP
     gradient buffer, fp32 master + Adam over DP x CP (distributed optimizer), and activations.
 
@@ -227,7 +227,7 @@ def pipeline_train_memory(dims: ModelDims, role: RoleLayout, recipe: Recipe, dp:
     return worst
 
 
-def fsdp_train_memory(dims: ModelDims, role: RoleLayout, recipe: Recipe, dp: int, caps: Capabilities) -> Memory:
+def fsdp_train_memory(dims: ModelDims, role: ParallelLayout, recipe: Recipe, dp: int, caps: Capabilities) -> Memory:
     """Per-device memory of an FSDP2 engine (HF model, DTensor TP/EP, FSDP2 over DP), steady state.
 
     FSDP2 keeps fp32 master weights, fp32 gradients and Adam's two moments sharded over DP (experts
@@ -338,7 +338,7 @@ def fsdp_train_memory(dims: ModelDims, role: RoleLayout, recipe: Recipe, dp: int
     return m
 
 
-def ref_memory(dims: ModelDims, role: RoleLayout, recipe: Recipe, dp: int, caps: Capabilities) -> Memory:
+def ref_memory(dims: ModelDims, role: ParallelLayout, recipe: Recipe, dp: int, caps: Capabilities) -> Memory:
     """The reference model's weights on a train device, resident beside the actor (colocated or in
     the train group). ``Memory()`` with LoRA: the reference policy is the actor's base with the
     adapters off, no model of its own. Its forward pass runs outside the train step, so only the
@@ -364,14 +364,14 @@ def ref_memory(dims: ModelDims, role: RoleLayout, recipe: Recipe, dp: int, caps:
     return Memory(weights=c * ((ne / shard + e / max(1, shard * role.tp // role.ep)) if sharded else ne + e))
 
 
-TRAIN_MEMORY_MODELS: dict[str, Callable[[ModelDims, RoleLayout, Recipe, int, Capabilities], Memory]] = {
+TRAIN_MEMORY_MODELS: dict[str, Callable[[ModelDims, ParallelLayout, Recipe, int, Capabilities], Memory]] = {
     "fsdp": fsdp_train_memory,
     "pipeline": pipeline_train_memory,
 }
 """``Capabilities.memory_model`` -> the model of a train device of that engine."""
 
 
-def train_memory(dims: ModelDims, role: RoleLayout, recipe: Recipe, dp: int, caps: Capabilities) -> Memory:
+def train_memory(dims: ModelDims, role: ParallelLayout, recipe: Recipe, dp: int, caps: Capabilities) -> Memory:
     """A train device's memory under the model its engine declares (``caps.memory_model``)."""
     model = TRAIN_MEMORY_MODELS.get(caps.memory_model)
     if model is None:
@@ -390,7 +390,7 @@ def node_independent_bytes(train: Memory, ref: Memory, caps: Capabilities) -> fl
     return train.activations
 
 
-def rollout_params_per_device(dims: ModelDims, role: RoleLayout, expert_tp: bool = False) -> float:
+def rollout_params_per_device(dims: ModelDims, role: ParallelLayout, expert_tp: bool = False) -> float:
     """Parameters one rollout device holds: the dense part over TP, the experts over EP; at EP 1,
     over TP too where the engine splits them so (``Capabilities.expert_tensor_parallel``: vLLM's
     fused-MoE layers split every expert's width over the TP ranks; the resharder, and the native
@@ -400,7 +400,7 @@ def rollout_params_per_device(dims: ModelDims, role: RoleLayout, expert_tp: bool
     return (dims.total_params() - experts) / role.tp + experts / over
 
 
-def rollout_memory(dims: ModelDims, role: RoleLayout, recipe: Recipe, device_bytes: float,
+def rollout_memory(dims: ModelDims, role: ParallelLayout, recipe: Recipe, device_bytes: float,
                    expert_tp: bool = False) -> Memory:
     """A rollout device's weights (TP / EP shards) and the KV cache its memory budget leaves."""
     m = Memory()
@@ -410,7 +410,7 @@ def rollout_memory(dims: ModelDims, role: RoleLayout, recipe: Recipe, device_byt
     return m
 
 
-def kv_needed(dims: ModelDims, role: RoleLayout, recipe: Recipe, rows_per_instance: float) -> float:
+def kv_needed(dims: ModelDims, role: ParallelLayout, recipe: Recipe, rows_per_instance: float) -> float:
     """KV cache bytes a device of one rollout rank (an attention-TP group scheduling its own rows)
     needs for its share of a step's rows at the longest sample (at most max_num_seqs at once)."""
     seqs = min(recipe.rollout.inference.max_num_seqs, max(1.0, rows_per_instance))

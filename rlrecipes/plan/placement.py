@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..recipe import Recipe
-from .checks import PlanError, divisibility_violations, dp_of, role_layouts, rollout_devices_that_fit, where
+from .checks import PlanError, divisibility_violations, role_layouts, rollout_devices_that_fit, where
 
 
 @dataclass(frozen=True)
@@ -25,8 +25,9 @@ class PlacementGroups:
         train_ranks: global ranks of the train group (actor, ref, critic); ``range(0, T)``.
         rollout_ranks: global ranks of the rollout; ``range(T, world)`` when disaggregated,
             the same ``range(0, world)`` as ``train_ranks`` when colocated.
-        roles: ``actor``, [``ref``], [``critic``], ``rollout`` -> :class:`~.checks.RoleLayout` with
-            ``dp`` and ``world`` (the size of the role's group) filled in. A train role's rank ``i``
+        roles: ``actor``, [``ref``], [``critic``], ``rollout`` -> the role's
+            :class:`~rlrecipes.core.parallel.ParallelLayout` over its group (``world``; DP inferred). A
+            train role's rank ``i``
             in its layout is global rank ``i``; the rollout's layout rank ``j`` is global rank
             ``rollout_ranks[j]``.
     """
@@ -50,13 +51,8 @@ class PlacementGroups:
         return "train" if rank in self.train_ranks else "rollout"
 
     def reshard_layouts(self):
-        """The resharder's (train, rollout) :class:`~rlrecipes.core.resharder.Layout` pair (actor -> rollout)."""
-        from ..core.resharder import Layout
-
-        a, r = self.roles["actor"], self.roles["rollout"]
-        # SP ranks hold the same weight shards as their DP group: to the resharder they are more DP replicas
-        return (Layout(a.tp, a.pp, a.ep, a.dp * a.sp, tuple(a.pp_layers) if a.pp_layers else None),
-                Layout(r.tp, 1, r.ep, r.dp))
+        """The resharder's (train, rollout) layouts: the actor's and the rollout's ``ParallelLayout``."""
+        return self.roles["actor"], self.roles["rollout"]
 
     def reshard_plan(self, specs, dtype_bytes: int = 2):
         """The resharder's plan for these groups (``placement`` passed through): hand it to
@@ -85,10 +81,7 @@ def placement_groups(recipe: Recipe, world: Optional[int] = None) -> PlacementGr
     for role in roles.values():
         if role.world < 1:
             continue
-        found = divisibility_violations(role, where(role, world, fits, res.devices_per_node) if disagg else None)
-        violations += found
-        if not found:
-            role.dp = dp_of(role)
+        violations += divisibility_violations(role, where(role, world, fits, res.devices_per_node) if disagg else None)
     if violations:
         raise PlanError(f"{recipe.name} on {world} devices ({res.placement}): "
                         + "; ".join(str(v) for v in violations))

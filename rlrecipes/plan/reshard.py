@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..models import ModelDims
-from .checks import RoleLayout
+from ..core.parallel import ParallelLayout
 from .memory import DTYPE_BYTES, rollout_params_per_device
 
 
@@ -29,7 +29,7 @@ class ReshardVolume:
     method: str = "estimate"
 
 
-def reshard_bytes(dims: ModelDims, train: RoleLayout, rollout: RoleLayout, placement: str = "colocated") -> float:
+def reshard_bytes(dims: ModelDims, train: ParallelLayout, rollout: ParallelLayout, placement: str = "colocated") -> float:
     """Bytes one device receives per step: its rollout shard minus what its train shard already holds
     (disaggregated: the whole rollout shard, the rollout device holds no train shard).
 
@@ -44,21 +44,12 @@ def reshard_bytes(dims: ModelDims, train: RoleLayout, rollout: RoleLayout, place
     return max(0.0, need - held) * DTYPE_BYTES
 
 
-def _layouts(train: RoleLayout, rollout: RoleLayout):
-    from ..core.resharder import Layout
-
-    # SP ranks hold the same weight shards as their DP group: to the resharder they are more DP replicas
-    return (Layout(train.tp, train.pp, train.ep, train.dp * train.sp,
-                   tuple(train.pp_layers) if train.pp_layers else None),
-            Layout(rollout.tp, 1, rollout.ep, rollout.dp))
-
-
 def _volume(s: dict) -> ReshardVolume:
     return ReshardVolume(float(s["max_min_recv_bytes"]), float(s.get("max_send_bytes", 0.0)),
                          float(s["max_rollout_shard_bytes"]), "resharder plan")
 
 
-def full_reshard(dims: ModelDims, train: RoleLayout, rollout: RoleLayout,
+def full_reshard(dims: ModelDims, train: ParallelLayout, rollout: ParallelLayout,
                  placement: str = "colocated") -> ReshardVolume:
     """A full-weight sync: the resharder's own plan over every parameter (aggregated by parameter
     class); the analytic estimate of :func:`reshard_bytes` when the resharder rejects the pair."""
@@ -66,8 +57,7 @@ def full_reshard(dims: ModelDims, train: RoleLayout, rollout: RoleLayout,
     from ..models.sharding import reshard_bytes_summary
 
     try:
-        t, r = _layouts(train, rollout)
-        return _volume(reshard_bytes_summary(t, r, dims, train.pp_layers, dtype_bytes=DTYPE_BYTES,
+        return _volume(reshard_bytes_summary(train, rollout, dims, train.pp_layers, dtype_bytes=DTYPE_BYTES,
                                              placement=placement))
     except ReshardError:
         recv = reshard_bytes(dims, train, rollout, placement)
@@ -76,7 +66,7 @@ def full_reshard(dims: ModelDims, train: RoleLayout, rollout: RoleLayout,
                              loaded, "estimate")
 
 
-def exact_reshard_bytes(dims: ModelDims, train: RoleLayout, rollout: RoleLayout,
+def exact_reshard_bytes(dims: ModelDims, train: ParallelLayout, rollout: ParallelLayout,
                         placement: str = "colocated") -> tuple[float, str, float]:
     """Max bytes any device receives, from the resharder's own plan (aggregated by parameter class),
     the method, and (disaggregated) the most bytes a train device sends. Falls back to
@@ -103,7 +93,7 @@ def _lora_specs(dims: ModelDims, rank: int, targets: tuple[str, ...], dropout: b
     return tuple(param_specs(dict(lora_shapes(dims, lora))))
 
 
-def lora_reshard(dims: ModelDims, lora: Any, train: RoleLayout, rollout: RoleLayout,
+def lora_reshard(dims: ModelDims, lora: Any, train: ParallelLayout, rollout: ParallelLayout,
                  placement: str = "colocated") -> ReshardVolume:
     """The per-step sync of a LoRA actor: the resharder's plan over the adapters' specs only (the
     engines sync exactly these: the train engine's ``local_shards()`` keeps the adapter tensors, and
@@ -113,8 +103,7 @@ def lora_reshard(dims: ModelDims, lora: Any, train: RoleLayout, rollout: RoleLay
 
     specs = lora_specs(dims, lora)
     try:
-        t, r = _layouts(train, rollout)
-        return _volume(summary(t, r, specs, DTYPE_BYTES, placement))
+        return _volume(summary(train, rollout, specs, DTYPE_BYTES, placement))
     except ReshardError:  # replicated tensors: every rollout device loads them whole
         whole = sum(s.numel for s in specs) * DTYPE_BYTES
         cross = placement == "disaggregated"

@@ -38,7 +38,7 @@ from ..engines.registry import capabilities
 from ..hardware import Hardware, get_hardware
 from ..recipe import Recipe
 from ..recipe.roles import roles_of
-from .checks import RoleLayout
+from ..core.parallel import ParallelLayout
 from .memory import DTYPE_BYTES
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
@@ -298,7 +298,7 @@ def _eager(c: _Ctx, kind: str, layers: float, passes: float, engine: str = "") -
     return passes * (layers * per.value + fixed)
 
 
-def _train_pass(c: _Ctx, name: str, role: RoleLayout, engine: str, fwd_units: float, eager_kind: str,
+def _train_pass(c: _Ctx, name: str, role: ParallelLayout, engine: str, fwd_units: float, eager_kind: str,
                 passes_per_step: int = 1, comm_units: float = 1, flushes: int = 1) -> StagePrediction:
     """A forward (``fwd_units`` = 1) or a training pass (3 forward-equivalents of FLOPs, 2 with
     LoRA's frozen base, +1 with recompute) over every sample. ``comm_units``: how many times the
@@ -347,7 +347,7 @@ def _train_pass(c: _Ctx, name: str, role: RoleLayout, engine: str, fwd_units: fl
     return StagePrediction(name, seconds, bound, detail)
 
 
-def _grad_sync(c: _Ctx, role: RoleLayout, engine: str, mini_batches: int) -> float:
+def _grad_sync(c: _Ctx, role: ParallelLayout, engine: str, mini_batches: int) -> float:
     """Data-parallel gradient reduce-scatter + parameter all-gather (a distributed optimizer), once
     per optimizer step. None for an ``fsdp`` engine (its per-micro-batch gathers and scatters are
     in the pass) or LoRA (the adapters' are negligible)."""
@@ -363,7 +363,7 @@ def _grad_sync(c: _Ctx, role: RoleLayout, engine: str, mini_batches: int) -> flo
     return mini_batches * moved / c.link(role.world)
 
 
-def _rollout(c: _Ctx, role: RoleLayout, engine: str, weights_per_device: float, kv_budget: float) -> StagePrediction:
+def _rollout(c: _Ctx, role: ParallelLayout, engine: str, weights_per_device: float, kv_budget: float) -> StagePrediction:
     r, dims, hw = c.recipe, c.dims, c.hw
     groups = max(1, role.dp or 1)  # attention groups (TP x PP devices each) that schedule their own rows
     rows = c.samples / groups

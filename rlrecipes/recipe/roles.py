@@ -1,11 +1,13 @@
-"""Which models and passes a recipe builds: the one rule ``plan``, its memory model and the workers
-all call, so ``plan`` never shows a role that does not run (nor hides one that does)."""
+"""Which models and passes a recipe builds, and each role's parallel layout: the rules ``plan``, its
+memory model and the workers all call, so ``plan`` never shows a role that does not run (nor hides
+one that does), and what it checks is the layout the engines and the resharder build from."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from ..algos import mini_batches_per_rollout, resolve_skip_old_log_prob
 from ..algos.spec import get_algorithm
+from ..core.parallel import ParallelLayout
 from .schema import Recipe
 
 
@@ -38,3 +40,17 @@ def roles_of(recipe: Recipe, *, strict: bool = True) -> Roles:
         n_mini, old_pass = 1, True
     return Roles(ref=bool(recipe.ref.enabled and (alg.use_kl_loss or alg.use_kl_in_reward)),
                  critic=get_algorithm(alg.name).needs_critic(alg), old_pass=old_pass, mini_batches=n_mini)
+
+
+def role_layout(recipe: Recipe, role: str, world: int) -> ParallelLayout:
+    """The one place a recipe's layout sections become a :class:`~rlrecipes.core.parallel.ParallelLayout`:
+    ``role``'s sizes over the ``world`` devices of its group (DP inferred from them). ``ref`` and
+    ``critic`` with ``layout: null`` run on the actor's layout (their problems name ``actor.layout``);
+    the rollout has no sequence parallelism and no layer split."""
+    if role == "rollout":
+        ro = recipe.rollout.layout
+        return ParallelLayout(role=role, tp=ro.tp, pp=ro.pp, ep=ro.ep, world=world, key="rollout.layout")
+    own = recipe.actor.layout if role == "actor" else getattr(recipe, role).layout
+    lay, key = (own, f"{role}.layout") if own is not None else (recipe.actor.layout, "actor.layout")
+    return ParallelLayout(role=role, tp=lay.tp, pp=lay.pp, ep=lay.ep, world=world, pp_layers=lay.pp_layers,
+                          sp=lay.sp, key=key)

@@ -30,13 +30,14 @@ from ..algos import make_kl_controller
 from ..algos.kl import KLController
 from ..algos.spec import Stage, get_algorithm, pooled_rollout
 from ..core.dock import TransferDock
-from ..core.resharder import Layout, Resharder, ReshardPlan, plan_reshard
+from ..core.parallel import ParallelLayout
+from ..core.resharder import Resharder, ReshardPlan, plan_reshard
 from ..core.tensor_cache import TensorCache
 from ..engines.base import EngineSpec, RolloutEngine, TrainEngine
 from ..engines.registry import build_rollout_engine, build_train_engine
 from ..metrics import StageTimer
 from ..recipe import Recipe
-from ..recipe.roles import Roles, roles_of
+from ..recipe.roles import Roles, role_layout, roles_of
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -207,7 +208,7 @@ def build_context(rank: int, world: int, role: Role, recipe: Recipe, run_dir: Pa
     """Everything a worker holds, built once after its process group is up."""
     data = load_data(recipe, run_dir)
     engines = build_engines(recipe, role, device, data.pad_id)
-    reshard_plan, resharder = build_resharder(recipe, role, device, engines, bridge_group, groups)
+    reshard_plan, resharder = build_resharder(recipe, role, device, engines, bridge_group, groups, world=world)
     alg = recipe.algorithm
     stages = select_stages(recipe, role, use_ref=engines.roles.ref, skip_old=not engines.roles.old_pass)
     ctx = Context(rank, world, role, recipe, run_dir, device, data, engines, tuple(stages),
@@ -216,11 +217,11 @@ def build_context(rank: int, world: int, role: Role, recipe: Recipe, run_dir: Pa
     if engines.rollout is not None and data.tools is not None:
         ctx.agent = build_agent(recipe, data.tokenizer, data.tools)
     if recipe.actor.lora.enabled and engines.rollout is not None:
-        ctx.full_sync_bytes = full_sync_bytes(recipe, role, engines, groups)
+        ctx.full_sync_bytes = full_sync_bytes(recipe, role, engines, groups, world)
     return ctx
 
 
-def full_sync_bytes(r: Recipe, role: Role, engines: WorkerEngines, groups) -> int:
+def full_sync_bytes(r: Recipe, role: Role, engines: WorkerEngines, groups, world: int) -> int:
     """The most bytes a full-weight sync would hand a rollout engine: the resharder's plan over
     the whole model's specs (with LoRA only the adapters move; this is what they are compared with)."""
     from ..models import param_specs
@@ -228,7 +229,7 @@ def full_sync_bytes(r: Recipe, role: Role, engines: WorkerEngines, groups) -> in
     specs = param_specs(r.model.dims(), pp_layers=_pp_layers(r))
     dtype_bytes = torch.finfo(engines.rollout.weight_dtype).bits // 8
     if role == Role.BOTH:
-        plan = plan_reshard(*_colocated_layouts(r, engines), specs, dtype_bytes=dtype_bytes)
+        plan = plan_reshard(*_colocated_layouts(r, world), specs, dtype_bytes=dtype_bytes)
     else:
         plan = groups.reshard_plan(specs, dtype_bytes=dtype_bytes)
     return max(int(plan.rollout_bytes(i)) for i in range(plan.world))  # the largest rollout shard
@@ -238,12 +239,10 @@ def _pp_layers(r: Recipe):
     return tuple(r.actor.layout.pp_layers) if r.actor.layout.pp_layers else None
 
 
-def _colocated_layouts(r: Recipe, engines: WorkerEngines) -> tuple[Layout, Layout]:
-    """The resharder's train and rollout layouts on shared devices. SP ranks hold the same weight
-    shards as their DP group: to the resharder they are more DP replicas."""
-    a, ro = r.actor.layout, r.rollout.layout
-    return (Layout(a.tp, a.pp, a.ep, engines.actor.dp_size * a.sp, _pp_layers(r)),
-            Layout(ro.tp, 1, ro.ep, engines.rollout.dp_size))
+def _colocated_layouts(r: Recipe, world: int) -> tuple[ParallelLayout, ParallelLayout]:
+    """The resharder's train and rollout layouts on the ``world`` shared devices: the actor's and
+    the rollout's layouts, as ``plan`` checked them."""
+    return role_layout(r, "actor", world), role_layout(r, "rollout", world)
 
 
 def build_agent(r: Recipe, tokenizer, tools: "ToolRegistry") -> "AgentLoop":
@@ -297,12 +296,11 @@ def load_data(r: Recipe, run_dir: Path) -> WorkerData:
                       else eos, skipped, tools)
 
 
-def _spec(r: Recipe, device: torch.device, pad_id: int, role: str, layout, **kw) -> EngineSpec:
-    """The :class:`EngineSpec` of one role from the resolved recipe; ``kw`` sets the role's own fields."""
+def _spec(r: Recipe, device: torch.device, pad_id: int, role: str, **kw) -> EngineSpec:
+    """The :class:`EngineSpec` of one role from the resolved recipe; ``kw`` sets the role's own fields.
+    The layout's world (0 here) is the engine's process group, set by the engine (``ParallelLayout.on``)."""
     # a folder wins over smoke dimensions: `--smoke model.path=<folder>` runs the smoke task on those weights
-    return EngineSpec(model=r.model.path or r.model.dims(), role=role,
-                      tp=layout.tp, pp=layout.pp, ep=layout.ep, sp=getattr(layout, "sp", 1),
-                      pp_layers=getattr(layout, "pp_layers", None),
+    return EngineSpec(model=r.model.path or r.model.dims(), role=role, layout=role_layout(r, role, 0),
                       device=device, dtype=r.model.dtype, seed=r.trainer.seed,
                       micro_batch_size=r.trainer.micro_batch,
                       max_tokens_per_micro_batch=r.trainer.max_tokens_per_micro_batch,
@@ -321,43 +319,43 @@ def select_stages(recipe: Recipe, role: str, *, use_ref: bool, skip_old: bool) -
 def build_engines(r: Recipe, role: Role, device: torch.device, pad_id: int) -> WorkerEngines:
     """The engines of ``role``: the rollout engine unless a train worker, the train roles unless a
     rollout worker (which models exist: ``roles_of``, the rule plan uses)."""
-    alg, a = r.algorithm, r.actor.layout
+    alg = r.algorithm
     built = roles_of(r)
 
     lora = r.actor.lora if r.actor.lora.enabled else None
 
-    def spec(name: str, layout, **kw) -> EngineSpec:
-        return _spec(r, device, pad_id, name, layout, lora=lora if name in ("actor", "rollout") else None, **kw)
+    def spec(name: str, **kw) -> EngineSpec:
+        return _spec(r, device, pad_id, name, lora=lora if name in ("actor", "rollout") else None, **kw)
 
     rollout = None
     if role != Role.TRAIN:
         rollout = build_rollout_engine(r.rollout.engine, spec(
-            "rollout", r.rollout.layout, inference=r.rollout.inference, routing_replay=alg.routing_replay,
+            "rollout", inference=r.rollout.inference, routing_replay=alg.routing_replay,
             max_model_len=r.data.max_prompt_length + r.rollout.max_response_len))
     if role == Role.ROLLOUT:
         return WorkerEngines(Roles(ref=False, critic=False, old_pass=False, mini_batches=built.mini_batches), rollout)
     actor = build_train_engine(r.actor.engine, spec(
-        "actor", a, lr=r.trainer.lr, weight_decay=r.actor.weight_decay, grad_clip=r.actor.grad_clip,
+        "actor", lr=r.trainer.lr, weight_decay=r.actor.weight_decay, grad_clip=r.actor.grad_clip,
         recompute=r.actor.recompute, offload_optimizer=r.actor.offload_optimizer, routing_replay=alg.routing_replay))
     if built.ref and lora is not None:  # LoRA: the reference policy is the actor's base, adapters off
         from ..engines.base import AdaptersOff
 
         ref = AdaptersOff(actor)
     else:
-        ref = build_train_engine(r.actor.engine, spec("ref", r.ref.layout or a)) if built.ref else None
-    critic = build_train_engine(r.actor.engine, spec("critic", r.critic.layout or a, lr=r.critic.lr,
+        ref = build_train_engine(r.actor.engine, spec("ref")) if built.ref else None
+    critic = build_train_engine(r.actor.engine, spec("critic", lr=r.critic.lr,
                                                      grad_clip=r.actor.grad_clip)) if built.critic else None
     return WorkerEngines(built, rollout, actor, ref, critic)
 
 
 def build_resharder(r: Recipe, role: Role, device: torch.device, engines: WorkerEngines, bridge_group=None,
-                    groups=None) -> tuple[ReshardPlan, Resharder]:
+                    groups=None, *, world: int) -> tuple[ReshardPlan, Resharder]:
     """Plan the train -> rollout weight flow from the train engine's own ParamSpecs (colocated), or
     across the bridge between the two worlds (disaggregated, ``groups`` = ``plan.placement_groups``:
     both sides plan from the model's specs)."""
     if role == Role.BOTH:
         actor, roll = engines.actor, engines.rollout
-        plan = plan_reshard(*_colocated_layouts(r, engines), actor.param_specs(),
+        plan = plan_reshard(*_colocated_layouts(r, world), actor.param_specs(),
                             dtype_bytes=torch.finfo(roll.weight_dtype).bits // 8)
         return plan, Resharder(plan, r.resharding.strategy, bucket_mb=r.resharding.bucket_mb,
                                group=actor.reshard_group())

@@ -93,11 +93,12 @@ def case_fsdp(rank):
 
     from rlrecipes.engines.native.head import unsupported
 
+    from rlrecipes.core.parallel import ParallelLayout
     from rlrecipes.engines.native import parallel as par
     from rlrecipes.engines.native.loader import build_model
     from rlrecipes.models import smoke_dims
 
-    mesh = par.build_mesh("cpu", 1, 1)
+    mesh = ParallelLayout(world=dist.get_world_size()).build_mesh("cpu")
     assert mesh.dp == WORLD
     for fam, tied in (("qwen2", False), ("qwen2", True), ("qwen3_moe", False)):
         dims = smoke_dims(fam, tie_embeddings=tied)
@@ -159,11 +160,14 @@ def case_fsdp_bf16_held(rank):
     """FSDP2 bf16 mixed precision (fp32 masters), units left gathered between forward and backward
     (the engine's small-model mode) or not: the chunked head equals the plain head on the same
     sharded model (bf16 logits either way; gradients to bf16 rounding)."""
+    import torch.distributed as dist
+
+    from rlrecipes.core.parallel import ParallelLayout
     from rlrecipes.engines.native import parallel as par
     from rlrecipes.engines.native.loader import build_model
     from rlrecipes.models import smoke_dims
 
-    mesh = par.build_mesh("cpu", 1, 1)
+    mesh = ParallelLayout(world=dist.get_world_size()).build_mesh("cpu")
     for tied in (False, True):
         dims = smoke_dims("qwen2", tie_embeddings=tied)
         ids, w_lp, w_ent = _data(dims.vocab_size, seed=20 + rank)
@@ -196,11 +200,12 @@ def case_tp(rank):
 
     from rlrecipes.engines.native.head import unsupported
 
+    from rlrecipes.core.parallel import ParallelLayout
     from rlrecipes.engines.native import parallel as par
     from rlrecipes.engines.native.loader import build_model
     from rlrecipes.models import smoke_dims
 
-    mesh = par.build_mesh("cpu", 2, 1)
+    mesh = ParallelLayout(tp=2, world=dist.get_world_size()).build_mesh("cpu")
     assert mesh.tp == WORLD
     for fam, tied in (("qwen2", False), ("qwen2", True)):
         dims = smoke_dims(fam, tie_embeddings=tied)

@@ -13,7 +13,8 @@ import torch.distributed as dist
 
 from dist_harness import free_port, run_ranks
 
-from rlrecipes.core.resharder import Layout, Resharder, ReshardError, local_shape, plan_reshard, shard_for
+from rlrecipes.core.parallel import ParallelLayout
+from rlrecipes.core.resharder import Resharder, ReshardError, local_shape, plan_reshard, shard_for
 from rlrecipes.models import SMOKE
 from rlrecipes.models.sharding import param_specs, split_layers
 
@@ -22,18 +23,18 @@ pytestmark = pytest.mark.dist
 # (family, train, rollout) per world size T + R
 PAIRS = {
     2: [
-        ("qwen2", Layout(1), Layout(1)),                                   # DP1 rank 0 -> rank 1
-        ("qwen3_moe", Layout(1), Layout(1)),
+        ("qwen2", ParallelLayout.of(1), ParallelLayout.of(1)),                                   # DP1 rank 0 -> rank 1
+        ("qwen3_moe", ParallelLayout.of(1), ParallelLayout.of(1)),
     ],
     3: [
-        ("qwen2", Layout(2), Layout(1)),                                   # TP2 on 0-1 -> TP1 on 2
-        ("qwen2", Layout(1, dp=2), Layout(1)),                             # two replicas share the sends
-        ("deepseek_v3", Layout(2, ep=2), Layout(1)),                       # MLA + experts, TP/EP down
+        ("qwen2", ParallelLayout.of(2), ParallelLayout.of(1)),                                   # TP2 on 0-1 -> TP1 on 2
+        ("qwen2", ParallelLayout.of(1, dp=2), ParallelLayout.of(1)),                             # two replicas share the sends
+        ("deepseek_v3", ParallelLayout.of(2, ep=2), ParallelLayout.of(1)),                       # MLA + experts, TP/EP down
     ],
     4: [
-        ("qwen2", Layout(1, pp=2), Layout(2)),                             # PP2 on 0-1 -> TP2 on 2-3
-        ("qwen3_moe", Layout(2, ep=2), Layout(1, dp=2, ep=2)),             # experts owner -> owner
-        ("qwen2", Layout(2), Layout(1, dp=2)),                             # TP down, rollout DP2
+        ("qwen2", ParallelLayout.of(1, pp=2), ParallelLayout.of(2)),                             # PP2 on 0-1 -> TP2 on 2-3
+        ("qwen3_moe", ParallelLayout.of(2, ep=2), ParallelLayout.of(1, dp=2, ep=2)),             # experts owner -> owner
+        ("qwen2", ParallelLayout.of(2), ParallelLayout.of(1, dp=2)),                             # TP down, rollout DP2
     ],
 }
 
@@ -128,8 +129,8 @@ def test_disaggregated_resharder_exact(world):
 
 def test_strategy_and_placement_must_agree():
     specs = param_specs(SMOKE["qwen2"])
-    cross = plan_reshard(Layout(2), Layout(1), specs, placement="disaggregated")
+    cross = plan_reshard(ParallelLayout.of(2), ParallelLayout.of(1), specs, placement="disaggregated")
     with pytest.raises(ReshardError, match="plan is disaggregated .* use 'auto' or 'cross_alltoallv'"):
         Resharder(cross, "allgather_swap")
     with pytest.raises(ReshardError, match="plan is colocated"):
-        Resharder(plan_reshard(Layout(2), Layout(1, dp=2), specs), "cross_alltoallv")
+        Resharder(plan_reshard(ParallelLayout.of(2), ParallelLayout.of(1, dp=2), specs), "cross_alltoallv")

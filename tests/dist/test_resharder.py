@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from rlrecipes.core.resharder import (STRATEGIES, Layout, Resharder, ReshardError, local_shape, plan_reshard,
+from rlrecipes.core.parallel import ParallelLayout
+from rlrecipes.core.resharder import (STRATEGIES, Resharder, ReshardError, local_shape, plan_reshard,
                                       reshard_to_dict, shard_for)
 from rlrecipes.models import SMOKE
 from rlrecipes.models.sharding import param_specs, split_layers
@@ -24,25 +25,25 @@ pytestmark = pytest.mark.dist
 # (family, train, rollout) per world size: TP up/down, EP up/down, PP>1 -> PP=1, over the three families
 PAIRS = {
     2: [
-        ("qwen2", Layout(2), Layout(1, dp=2)),                                   # TP down
-        ("qwen2", Layout(1, dp=2), Layout(2)),                                   # TP up
-        ("qwen2", Layout(1, pp=2), Layout(2)),                                   # PP down
-        ("qwen3_moe", Layout(1, dp=2, ep=2), Layout(2, ep=1)),                   # EP down, TP up
-        ("deepseek_v3", Layout(2, ep=2), Layout(1, dp=2, ep=1)),                 # MLA, TP down, EP down
-        ("qwen2", Layout(1, dp=2), Layout(1, dp=2)),                             # identity: DP only
-        ("qwen3_moe", Layout(2, ep=2), Layout(2, ep=2)),                         # identity: TP + EP
+        ("qwen2", ParallelLayout.of(2), ParallelLayout.of(1, dp=2)),                                   # TP down
+        ("qwen2", ParallelLayout.of(1, dp=2), ParallelLayout.of(2)),                                   # TP up
+        ("qwen2", ParallelLayout.of(1, pp=2), ParallelLayout.of(2)),                                   # PP down
+        ("qwen3_moe", ParallelLayout.of(1, dp=2, ep=2), ParallelLayout.of(2, ep=1)),                   # EP down, TP up
+        ("deepseek_v3", ParallelLayout.of(2, ep=2), ParallelLayout.of(1, dp=2, ep=1)),                 # MLA, TP down, EP down
+        ("qwen2", ParallelLayout.of(1, dp=2), ParallelLayout.of(1, dp=2)),                             # identity: DP only
+        ("qwen3_moe", ParallelLayout.of(2, ep=2), ParallelLayout.of(2, ep=2)),                         # identity: TP + EP
     ],
     4: [
-        ("qwen2", Layout(2, pp=2), Layout(1, dp=4)),                             # TP + PP down
-        ("qwen3_moe", Layout(2, dp=2, ep=2), Layout(1, dp=4, ep=4)),             # EP up, TP down
-        ("qwen3_moe", Layout(1, dp=4, ep=4), Layout(2, dp=2, ep=2)),             # EP down, TP up
-        ("deepseek_v3", Layout(2, pp=2, ep=2), Layout(2, dp=2, ep=4)),           # PP down, EP up
+        ("qwen2", ParallelLayout.of(2, pp=2), ParallelLayout.of(1, dp=4)),                             # TP + PP down
+        ("qwen3_moe", ParallelLayout.of(2, dp=2, ep=2), ParallelLayout.of(1, dp=4, ep=4)),             # EP up, TP down
+        ("qwen3_moe", ParallelLayout.of(1, dp=4, ep=4), ParallelLayout.of(2, dp=2, ep=2)),             # EP down, TP up
+        ("deepseek_v3", ParallelLayout.of(2, pp=2, ep=2), ParallelLayout.of(2, dp=2, ep=4)),           # PP down, EP up
     ],
     8: [
-        ("qwen2", Layout(2, pp=2, dp=2), Layout(2, dp=4)),                       # PP down
-        ("qwen3_moe", Layout(2, pp=2, dp=2, ep=4), Layout(1, dp=8, ep=8)),       # PP + TP down, EP up
-        ("deepseek_v3", Layout(4, dp=2, ep=2), Layout(2, dp=4, ep=8)),           # TP down, EP up
-        ("deepseek_v3", Layout(2, pp=2, dp=2, ep=4), Layout(1, dp=8, ep=2)),     # PP, TP, EP down
+        ("qwen2", ParallelLayout.of(2, pp=2, dp=2), ParallelLayout.of(2, dp=4)),                       # PP down
+        ("qwen3_moe", ParallelLayout.of(2, pp=2, dp=2, ep=4), ParallelLayout.of(1, dp=8, ep=8)),       # PP + TP down, EP up
+        ("deepseek_v3", ParallelLayout.of(4, dp=2, ep=2), ParallelLayout.of(2, dp=4, ep=8)),           # TP down, EP up
+        ("deepseek_v3", ParallelLayout.of(2, pp=2, dp=2, ep=4), ParallelLayout.of(1, dp=8, ep=2)),     # PP, TP, EP down
     ],
 }
 ALL = STRATEGIES + ("auto",)
@@ -120,7 +121,7 @@ def _worker(rank, world, port, errq):
                     assert rs.stats.recv_bytes >= plan.min_bytes(rank), tag
         # a pure all-to-all-v run on an expert-only plan receives exactly the plan minimum
         specs, full, plan, local = _case("qwen3_moe", *PAIRS[world][-1][1:], rank) if world == 8 else \
-            _case("qwen3_moe", Layout(1, dp=world, ep=world), Layout(2, dp=world // 2, ep=1), rank)
+            _case("qwen3_moe", ParallelLayout.of(1, dp=world, ep=world), ParallelLayout.of(2, dp=world // 2, ep=1), rank)
         ex = [s for s in specs if s.kind == "expert"]
         eplan = plan_reshard(plan.train, plan.rollout, ex, dtype_bytes=4)
         rs = Resharder(eplan, "alltoallv_experts", bucket_mb=1)
@@ -182,6 +183,6 @@ def test_impossible_pair_raises_before_communication():
     assert not dist.is_initialized()
     specs = param_specs(SMOKE["qwen2"])
     with pytest.raises(ReshardError, match="heads .* rollout tp=4"):
-        Resharder(plan_reshard(Layout(1, dp=4), Layout(4), specs), "auto")
+        Resharder(plan_reshard(ParallelLayout.of(1, dp=4), ParallelLayout.of(4), specs), "auto")
     with pytest.raises(ReshardError, match="unknown reshard strategy"):
-        Resharder(plan_reshard(Layout(2), Layout(2), specs), "broadcast")
+        Resharder(plan_reshard(ParallelLayout.of(2), ParallelLayout.of(2), specs), "broadcast")

@@ -248,7 +248,7 @@ def _check_engine_with_cp(rank, world, tp, cp, tmp_eng):
     from megatron.core.pipeline_parallel.schedules import backward_step, forward_step
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    from rlrecipes.core.resharder import Layout
+    from rlrecipes.core.parallel import ParallelLayout
     from rlrecipes.core.resharder.layout import shard_for
     from rlrecipes.engines.megatron import shard
     from rlrecipes.engines.megatron.layout import right_align
@@ -331,7 +331,7 @@ def _check_engine_with_cp(rank, world, tp, cp, tmp_eng):
         grads[name] = g
     mine = shard.hf_from_shard(grads, dims, r_model)
     ref = {k: p.grad for k, p in hf_model.named_parameters() if p.grad is not None}
-    layout = Layout(tp, 1, 1, world // tp)  # the resharder's DP counts the CP ranks
+    layout = ParallelLayout.of(tp, 1, 1, world // tp)  # the resharder's DP counts the CP ranks
     for s in param_specs(dims):
         want = shard_for(s, ref[s.name], layout, rank)
         if s.kind == "vocab" or s.name == "lm_head.weight":

@@ -135,7 +135,7 @@ def test_shards_export_checkpoint_and_offload_round_trip(cuda_model_parallel, tm
     """local_shards are the ParamSpecs' slices (one rank: whole tensors) of the weights; export_hf
     writes the source model back exactly; save -> step -> load restores weights and optimizer state
     (the next step is the same as from the saved point); offload frees the buffers, onload restores."""
-    from rlrecipes.core.resharder import Layout
+    from rlrecipes.core.parallel import ParallelLayout
     from rlrecipes.core.resharder.layout import shard_for
     from rlrecipes.engines.megatron.train import MegatronTrainEngine
     from rlrecipes.engines.native.loader import build_model
@@ -148,7 +148,7 @@ def test_shards_export_checkpoint_and_offload_round_trip(cuda_model_parallel, tm
     hf = src.state_dict()
     shards = eng.local_shards()
     for s in eng.param_specs():
-        assert torch.equal(shards[s.name].cpu(), shard_for(s, hf[s.name], Layout(1), 0)), s.name
+        assert torch.equal(shards[s.name].cpu(), shard_for(s, hf[s.name], ParallelLayout.of(1), 0)), s.name
     eng.export_hf(tmp_path / "out")
     back, _ = build_model(str(tmp_path / "out"), seed=0)
     assert all(torch.equal(v, hf[k]) for k, v in back.state_dict().items())

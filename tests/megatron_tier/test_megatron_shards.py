@@ -106,7 +106,7 @@ def _worker(rank, port, case, tmp):
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     from megatron.core import parallel_state as ps
 
-    from rlrecipes.core.resharder import Layout
+    from rlrecipes.core.parallel import ParallelLayout
     from rlrecipes.core.resharder.layout import shard_for
     from rlrecipes.engines.megatron import shard, state
     from rlrecipes.engines.megatron.model import build_gpt, load_megatron_state
@@ -148,7 +148,7 @@ def _worker(rank, port, case, tmp):
         assert max(float((a - b).abs().max()) for a, b in zip(ent, went)) < 1e-4, rank
 
     # local_shards, as the engine computes them, against the resharder's slices
-    layout = Layout(tp, pp, ep, WORLD // (tp * pp), pp_layers or None)
+    layout = ParallelLayout.of(tp, pp, ep, WORLD // (tp * pp), pp_layers or None)
     sd = {k: v for k, v in model.state_dict().items() if torch.is_tensor(v)}
     groups = shard.ExpertGroups(etp=ps.get_expert_tensor_parallel_group(), ep=ps.get_expert_model_parallel_group(),
                                 rank_in_stage=rank % layout.stage_size)

@@ -4,20 +4,21 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlrecipes.core.resharder import Layout, ReshardError, _interval, local_shape, plan_reshard, shard_for
+from rlrecipes.core.parallel import ParallelLayout
+from rlrecipes.core.resharder import ReshardError, _interval, local_shape, plan_reshard, shard_for
 from rlrecipes.core.resharder import reshard_bytes_summary as core_summary
 from rlrecipes.models import PRESETS, SMOKE
 from rlrecipes.models.sharding import param_specs, reshard_bytes_summary, split_layers
 
 PAIRS = [
-    ("qwen2", Layout(2), Layout(1)),                                   # TP2 -> one rollout rank
-    ("qwen2", Layout(1, dp=2), Layout(1)),                             # two replicas share the sends
-    ("qwen2", Layout(1, pp=2), Layout(2)),                             # PP2 -> TP2
-    ("qwen2", Layout(2, pp=2, dp=2), Layout(1, dp=4)),
-    ("qwen3_moe", Layout(2, dp=2, ep=2), Layout(1, dp=4, ep=4)),
-    ("qwen3_moe", Layout(1, dp=8, ep=8), Layout(2, dp=2, ep=2)),
-    ("deepseek_v3", Layout(2, pp=2, dp=2, ep=4), Layout(4, dp=2, ep=8)),
-    ("deepseek_v3", Layout(4, dp=2, ep=2), Layout(1)),
+    ("qwen2", ParallelLayout.of(2), ParallelLayout.of(1)),                                   # TP2 -> one rollout rank
+    ("qwen2", ParallelLayout.of(1, dp=2), ParallelLayout.of(1)),                             # two replicas share the sends
+    ("qwen2", ParallelLayout.of(1, pp=2), ParallelLayout.of(2)),                             # PP2 -> TP2
+    ("qwen2", ParallelLayout.of(2, pp=2, dp=2), ParallelLayout.of(1, dp=4)),
+    ("qwen3_moe", ParallelLayout.of(2, dp=2, ep=2), ParallelLayout.of(1, dp=4, ep=4)),
+    ("qwen3_moe", ParallelLayout.of(1, dp=8, ep=8), ParallelLayout.of(2, dp=2, ep=2)),
+    ("deepseek_v3", ParallelLayout.of(2, pp=2, dp=2, ep=4), ParallelLayout.of(4, dp=2, ep=8)),
+    ("deepseek_v3", ParallelLayout.of(4, dp=2, ep=2), ParallelLayout.of(1)),
 ]
 
 
@@ -94,34 +95,34 @@ def test_sources_balanced_over_replicas(family, train, rollout):
 
 def test_dp2_to_one_rollout_rank_splits_sends_evenly():
     specs = param_specs(SMOKE["qwen2"])
-    plan = plan_reshard(Layout(1, dp=2), Layout(1), specs, dtype_bytes=2, placement="disaggregated")
+    plan = plan_reshard(ParallelLayout.of(1, dp=2), ParallelLayout.of(1), specs, dtype_bytes=2, placement="disaggregated")
     total = sum(s.numel for s in specs) * 2
     assert plan.recv_bytes(2) == total and plan.send_bytes(0) + plan.send_bytes(1) == total
     biggest = max(s.numel for s in specs) * 2
     assert abs(plan.send_bytes(0) - plan.send_bytes(1)) <= biggest
     # colocated plans are unchanged: same ranks, world = train world
-    co = plan_reshard(Layout(2), Layout(1, dp=2), specs)
+    co = plan_reshard(ParallelLayout.of(2), ParallelLayout.of(1, dp=2), specs)
     assert co.world == 2 and co.train_ranks == co.rollout_ranks == range(2) and co.placement == "colocated"
 
 
 def test_disaggregated_errors():
     specs = param_specs(SMOKE["qwen2"])
     with pytest.raises(ReshardError, match="unknown placement"):
-        plan_reshard(Layout(2), Layout(1), specs, placement="split")
+        plan_reshard(ParallelLayout.of(2), ParallelLayout.of(1), specs, placement="split")
     with pytest.raises(ReshardError, match="world sizes differ.*disaggregated"):
-        plan_reshard(Layout(2), Layout(1), specs)
+        plan_reshard(ParallelLayout.of(2), ParallelLayout.of(1), specs)
     with pytest.raises(ReshardError, match="rollout tp=4"):
-        plan_reshard(Layout(2), Layout(4), specs, placement="disaggregated")
+        plan_reshard(ParallelLayout.of(2), ParallelLayout.of(4), specs, placement="disaggregated")
     with pytest.raises(ReshardError, match="pp=1"):
-        plan_reshard(Layout(2), Layout(1, pp=2), specs, placement="disaggregated")
+        plan_reshard(ParallelLayout.of(2), ParallelLayout.of(1, pp=2), specs, placement="disaggregated")
 
 
 def test_deepseek_671b_disaggregated_summary():
     """DeepSeek-V3 on 256 train ranks + 128 rollout ranks: every rollout rank receives its whole
     shard; the train ranks' sends spread evenly."""
     dims = PRESETS["deepseek-v3-671b"]
-    train = Layout(4, pp=8, ep=8, dp=8, pp_layers=(7, 7, 8, 8, 8, 8, 8, 7))
-    rollout = Layout(2, dp=64, ep=128)
+    train = ParallelLayout.of(4, pp=8, ep=8, dp=8, pp_layers=(7, 7, 8, 8, 8, 8, 8, 7))
+    rollout = ParallelLayout.of(2, dp=64, ep=128)
     s = core_summary(train, rollout, param_specs(dims, train.pp_layers), placement="disaggregated")
     assert s["world"] == 384 and s["rollout_ranks"] == [256, 384]
     assert s["min_recv_bytes_per_rank"][:256] == [0] * 256

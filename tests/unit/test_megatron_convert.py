@@ -103,7 +103,7 @@ def _dims(case, layers):
 def test_rank_shards_are_the_resharders_slices_and_convert_back(case, kw, layers):
     """Each rank's megatron tensors (TP / PP / EP slices, local expert numbering) come back under HF
     names as exactly the slice core.resharder expects that rank to hold in the train layout."""
-    from rlrecipes.core.resharder import Layout
+    from rlrecipes.core.parallel import ParallelLayout
     from rlrecipes.core.resharder.layout import shard_for
     from rlrecipes.engines.megatron.shard import full_reader, hf_from_shard, megatron_shard, resharder_shards
     from rlrecipes.models import param_specs
@@ -111,7 +111,7 @@ def test_rank_shards_are_the_resharders_slices_and_convert_back(case, kw, layers
     dims = dataclasses.replace(_dims(case, layers), num_heads=4, num_kv_heads=2, head_dim=16) \
         if case != "deepseek_v3" else _dims(case, layers)
     hf = build_model(dims, seed=3)[0].state_dict()
-    layout = Layout(**kw)
+    layout = ParallelLayout.of(**kw)
     specs = param_specs(dims, layout.pp_layers)
     for rank in range(layout.world):
         r = _megatron_ranks(layout, rank)

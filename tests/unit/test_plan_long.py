@@ -14,11 +14,10 @@ from rlrecipes.cli import app
 from rlrecipes.engines.megatron.layout import plan_rules
 from rlrecipes.plan import build_plan, format_violations, placement_groups
 from rlrecipes.plan.build import MEMORY_RULE
-from rlrecipes.plan.checks import (CONTEXT_RULE, KV_LONGEST_RULE, SP_ENGINE_RULE, SP_HEADS_RULE, SP_LAYOUT_RULE,
-                                   RoleLayout)
+from rlrecipes.core.parallel import ParallelLayout
+from rlrecipes.plan.checks import CONTEXT_RULE, KV_LONGEST_RULE, SP_ENGINE_RULE, SP_HEADS_RULE, SP_LAYOUT_RULE
 from rlrecipes.plan.long_context import kv_token_bytes, longest_sample, padded_row
 from rlrecipes.plan.memory import micro_batch_tokens
-from rlrecipes.plan.reshard import _layouts
 from rlrecipes.recipe import load_recipe
 
 GiB = 2 ** 30
@@ -48,8 +47,8 @@ def _rules(plan) -> set:
 # layouts: SP is carved out of DP
 # ---------------------------------------------------------------------------------------------
 def test_role_layout_sp_is_carved_out_of_dp_and_shown():
-    assert RoleLayout("actor", 4, 1, 2, 1, 16, sp=4).describe() == "TP4 PP1 EP2 SP4 DP1"
-    assert RoleLayout("actor", 4, 1, 2, 4, 16).describe() == "TP4 PP1 EP2 DP4"  # unchanged without SP
+    assert ParallelLayout("actor", 4, 1, 2, 16, sp=4).describe() == "TP4 PP1 EP2 SP4 DP1"
+    assert ParallelLayout("actor", 4, 1, 2, 16).describe() == "TP4 PP1 EP2 DP4"  # unchanged without SP
     p = build_plan(_long("qwen3_moe_30b", "actor.layout.sp=4"))
     a = p.roles["actor"]
     assert (a.sp, a.dp) == (4, 1) and a.tp * a.pp * a.sp * a.dp == p.world
@@ -57,8 +56,9 @@ def test_role_layout_sp_is_carved_out_of_dp_and_shown():
     assert json.loads(json.dumps(p.to_json()))["roles"]["actor"]["sp"] == 4
     groups = placement_groups(_long("qwen3_moe_30b", "actor.layout.sp=4"))
     assert groups.roles["actor"].dp == 1
-    # the resharder sees SP ranks as more DP replicas (they hold the same weight shards)
-    assert groups.reshard_layouts()[0].dp == 4 and _layouts(a, p.roles["rollout"])[0].dp == 4
+    # the resharder sees SP ranks as more weight replicas (they hold the same weight shards)
+    assert groups.reshard_layouts()[0] is groups.roles["actor"] and groups.reshard_layouts()[0].replicas == 4
+    assert a.replicas == 4 and a.stage_size == 16
 
 
 def test_world_must_divide_by_tp_pp_sp():
@@ -127,8 +127,8 @@ def test_megatron_cp_needs_fused_attention_on_the_target():
     assert "TransformerEngine" in format_violations(cuda)
     assert "TransformerEngine" not in format_violations(build_plan(_long("qwen3_moe_30b", "actor.layout.sp=4")))
     r = _long("qwen3_moe_30b", "actor.layout.sp=4")
-    here = plan_rules(role="actor", dims=r.model.dims(), tp=4, pp=1, ep=2, etp=None, world=16, device="npu",
-                      installed=True, recipe=r)
+    here = plan_rules(layout=ParallelLayout("actor", tp=4, ep=2, world=16, sp=4), dims=r.model.dims(), etp=None,
+                      device="npu", installed=True, recipe=r)
     assert any("MindSpeed" in p for p in here)  # not installed on this machine
 
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from rlrecipes.models.sharding import reshard_bytes_summary
-from rlrecipes.core.resharder import (Layout, ReshardError, local_shape, plan_reshard,
+from rlrecipes.core.parallel import ParallelLayout
+from rlrecipes.core.resharder import (ReshardError, local_shape, plan_reshard,
                                       shard_for)
 from rlrecipes.models import PRESETS, SMOKE, hf_config, smoke_dims
 from rlrecipes.models.sharding import (fused_expert_key, is_expert, kind_of, param_specs, split_layers, stage_of,
@@ -107,13 +108,13 @@ def _put(dst, s, off, n, src, soff):
 
 
 PAIRS = [
-    ("qwen2", Layout(2, dp=2), Layout(1, dp=4)),                       # TP down
-    ("qwen2", Layout(1, dp=4), Layout(2, dp=2)),                       # TP up
-    ("qwen2", Layout(2, pp=2, dp=2), Layout(2, dp=4)),                 # PP down
-    ("qwen3_moe", Layout(2, dp=2, ep=2), Layout(1, dp=4, ep=4)),       # EP up
-    ("qwen3_moe", Layout(1, dp=8, ep=8), Layout(2, dp=4, ep=2)),       # EP down + TP up
-    ("deepseek_v3", Layout(2, pp=2, dp=2, ep=4), Layout(4, dp=2, ep=8)),
-    ("deepseek_v3", Layout(4, dp=2, ep=2), Layout(1, dp=8, ep=1)),
+    ("qwen2", ParallelLayout.of(2, dp=2), ParallelLayout.of(1, dp=4)),                       # TP down
+    ("qwen2", ParallelLayout.of(1, dp=4), ParallelLayout.of(2, dp=2)),                       # TP up
+    ("qwen2", ParallelLayout.of(2, pp=2, dp=2), ParallelLayout.of(2, dp=4)),                 # PP down
+    ("qwen3_moe", ParallelLayout.of(2, dp=2, ep=2), ParallelLayout.of(1, dp=4, ep=4)),       # EP up
+    ("qwen3_moe", ParallelLayout.of(1, dp=8, ep=8), ParallelLayout.of(2, dp=4, ep=2)),       # EP down + TP up
+    ("deepseek_v3", ParallelLayout.of(2, pp=2, dp=2, ep=4), ParallelLayout.of(4, dp=2, ep=8)),
+    ("deepseek_v3", ParallelLayout.of(4, dp=2, ep=2), ParallelLayout.of(1, dp=8, ep=1)),
 ]
 
 
@@ -138,19 +139,19 @@ def test_plan_moves_exactly_the_missing_slices(family, train, rollout):
 def test_tp_down_bytes():
     dims = SMOKE["qwen2"]
     specs = param_specs(dims)
-    plan = plan_reshard(Layout(2), Layout(1, dp=2), specs, dtype_bytes=2)
+    plan = plan_reshard(ParallelLayout.of(2), ParallelLayout.of(1, dp=2), specs, dtype_bytes=2)
     split = sum(s.numel for s in specs if s.tp_dim is not None)
     assert plan.min_bytes(0) == plan.min_bytes(1) == split // 2 * 2
-    same = plan_reshard(Layout(2), Layout(2), specs)
+    same = plan_reshard(ParallelLayout.of(2), ParallelLayout.of(2), specs)
     assert same.min_bytes(0) == 0 and not same.recv[0]
 
 
 @pytest.mark.parametrize("train,rollout,family,match", [
-    (Layout(2, dp=2), Layout(2, dp=1), "qwen2", "world sizes differ"),
-    (Layout(1, dp=4), Layout(4, dp=1), "qwen2", "2 (kv )?heads .* rollout tp=4"),
-    (Layout(2, pp=2), Layout(2, pp=2), "qwen2", "rollout layout must have pp=1"),
-    (Layout(1, dp=4, ep=4), Layout(4, dp=1), "qwen3_moe", "heads .* rollout tp=4"),
-    (Layout(2, pp=2), Layout(1, dp=4), "qwen2", "only reach stage 0"),
+    (ParallelLayout.of(2, dp=2), ParallelLayout.of(2, dp=1), "qwen2", "world sizes differ"),
+    (ParallelLayout.of(1, dp=4), ParallelLayout.of(4, dp=1), "qwen2", "2 (kv )?heads .* rollout tp=4"),
+    (ParallelLayout.of(2, pp=2), ParallelLayout.of(2, pp=2), "qwen2", "rollout layout must have pp=1"),
+    (ParallelLayout.of(1, dp=4, ep=4), ParallelLayout.of(4, dp=1), "qwen3_moe", "heads .* rollout tp=4"),
+    (ParallelLayout.of(2, pp=2), ParallelLayout.of(1, dp=4), "qwen2", "only reach stage 0"),
 ])
 def test_impossible_pairs(train, rollout, family, match):
     with pytest.raises(ReshardError, match=match):
@@ -160,17 +161,18 @@ def test_impossible_pairs(train, rollout, family, match):
 def test_impossible_experts_and_ep():
     specs = param_specs(smoke_dims("qwen3_moe", num_experts=6, experts_per_token=2))
     with pytest.raises(ReshardError, match="6 experts .* rollout ep=4"):
-        plan_reshard(Layout(2, dp=2, ep=2), Layout(1, dp=4, ep=4), specs)
-    with pytest.raises(ReshardError, match="ep=3 must divide dp\\*tp=4"):
-        Layout(2, dp=2, ep=3)
-    with pytest.raises(ReshardError, match="pp_layers"):
-        Layout(1, pp=2, pp_layers=(1, 1, 1))
+        plan_reshard(ParallelLayout.of(2, dp=2, ep=2), ParallelLayout.of(1, dp=4, ep=4), specs)
+    with pytest.raises(ReshardError, match="train layout: EP divides DP\\*TP: layout: EP3 does not divide DP2 x TP2 = 4; "
+                                           "set layout.ep to one of 1, 2, 4"):
+        plan_reshard(ParallelLayout.of(2, dp=2, ep=3), ParallelLayout.of(1, dp=4, ep=4), specs)
+    with pytest.raises(ReshardError, match="pp_layers has 3 entries for PP2"):
+        plan_reshard(ParallelLayout.of(1, pp=2, pp_layers=(1, 1, 1)), ParallelLayout.of(1, dp=2), specs)
 
 
 def test_deepseek_671b_summary_on_256_ranks_is_fast():
     dims = PRESETS["deepseek-v3-671b"]
-    train = Layout(4, pp=8, ep=8, dp=8, pp_layers=(7, 7, 8, 8, 8, 8, 8, 7))
-    rollout = Layout(2, dp=128, ep=128)
+    train = ParallelLayout.of(4, pp=8, ep=8, dp=8, pp_layers=(7, 7, 8, 8, 8, 8, 8, 7))
+    rollout = ParallelLayout.of(2, dp=128, ep=128)
     t0 = time.perf_counter()
     s = reshard_bytes_summary(train, rollout, dims)
     assert time.perf_counter() - t0 < 10
@@ -182,7 +184,7 @@ def test_deepseek_671b_summary_on_256_ranks_is_fast():
     expert_bytes = dims.expert_params() * 2
     assert s["max_rollout_shard_bytes"] >= expert_bytes // 128
     with pytest.raises(ReshardError, match="256 experts .* rollout ep=512|world sizes differ"):
-        reshard_bytes_summary(train, Layout(1, dp=512, ep=512), dims)
+        reshard_bytes_summary(train, ParallelLayout.of(1, dp=512, ep=512), dims)
 
 
 def test_one_rank_reshard_hands_the_train_shards_over_without_copies(tmp_path):
@@ -194,7 +196,7 @@ def test_one_rank_reshard_hands_the_train_shards_over_without_copies(tmp_path):
 
     dims = SMOKE["qwen2"]
     specs = param_specs(dims)
-    plan = plan_reshard(Layout(1, 1, 1, 1), Layout(1, 1, 1, 1), specs)
+    plan = plan_reshard(ParallelLayout.of(1, 1, 1, 1), ParallelLayout.of(1, 1, 1, 1), specs)
     shards = {s.name: torch.randn(s.shape) for s in specs}
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:
@@ -215,12 +217,12 @@ def test_one_rank_reshard_hands_the_train_shards_over_without_copies(tmp_path):
 
 
 @pytest.mark.parametrize("family,train,rollout,identity", [
-    ("qwen2", Layout(1, dp=4), Layout(1, dp=4), True),            # DP only: each rank already holds it all
-    ("qwen3_moe", Layout(2, dp=2, ep=2), Layout(2, dp=2, ep=2), True),
-    ("qwen2", Layout(1, dp=4), Layout(2, dp=2), False),           # TP up: a rank keeps half of what it holds
-    ("qwen2", Layout(2, dp=2), Layout(1, dp=4), False),           # TP down: a rank receives
-    ("qwen2", Layout(1, pp=2, dp=2), Layout(1, dp=4), False),     # PP: other stages' weights arrive
-    ("qwen3_moe", Layout(2, dp=2, ep=2), Layout(2, dp=2, ep=1), False),
+    ("qwen2", ParallelLayout.of(1, dp=4), ParallelLayout.of(1, dp=4), True),            # DP only: each rank already holds it all
+    ("qwen3_moe", ParallelLayout.of(2, dp=2, ep=2), ParallelLayout.of(2, dp=2, ep=2), True),
+    ("qwen2", ParallelLayout.of(1, dp=4), ParallelLayout.of(2, dp=2), False),           # TP up: a rank keeps half of what it holds
+    ("qwen2", ParallelLayout.of(2, dp=2), ParallelLayout.of(1, dp=4), False),           # TP down: a rank receives
+    ("qwen2", ParallelLayout.of(1, pp=2, dp=2), ParallelLayout.of(1, dp=4), False),     # PP: other stages' weights arrive
+    ("qwen3_moe", ParallelLayout.of(2, dp=2, ep=2), ParallelLayout.of(2, dp=2, ep=1), False),
 ])
 def test_identity_plan_moves_nothing_and_keeps_the_shard_size(family, train, rollout, identity):
     dims = SMOKE[family]
@@ -229,5 +231,5 @@ def test_identity_plan_moves_nothing_and_keeps_the_shard_size(family, train, rol
     assert plan.identity is identity
     if identity:
         assert all(plan.min_bytes(r) == 0 for r in range(plan.world))
-    assert plan_reshard(train, Layout(rollout.tp, dp=rollout.dp, ep=rollout.ep), specs,
+    assert plan_reshard(train, ParallelLayout.of(rollout.tp, dp=rollout.dp, ep=rollout.ep), specs,
                         placement="disaggregated").identity is False

@@ -40,9 +40,11 @@ def test_unservable_layouts_name_reason_and_nearest():
 
 
 def test_layout_rules_hook():
+    from rlrecipes.core.parallel import ParallelLayout
+
     dims = get_family("qwen3_moe").presets["qwen3-30b-a3b"]
-    assert layout_rules(role="rollout", dims=dims, tp=4, pp=1, ep=8, etp=None, world=16, device="npu") == []
-    [msg] = layout_rules(role="rollout", dims=dims, tp=4, pp=1, ep=2, etp=None, world=16, device="npu")
+    assert layout_rules(layout=ParallelLayout("rollout", tp=4, ep=8, world=16), dims=dims, etp=None, device="npu") == []
+    [msg] = layout_rules(layout=ParallelLayout("rollout", tp=4, ep=2, world=16), dims=dims, etp=None, device="npu")
     assert msg.startswith("vllm rollout:") and "nearest servable" in msg
 
 

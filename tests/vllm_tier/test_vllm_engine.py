@@ -258,12 +258,14 @@ import torch.distributed as dist
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 dist.init_process_group("gloo", rank=rank, world_size=world)
 exec(SHIMS)
-from rlrecipes.core.resharder import Layout, shard_for
+from rlrecipes.core.parallel import ParallelLayout
+from rlrecipes.core.resharder import shard_for
 from rlrecipes.models.sharding import param_specs
 tp, ep = 1, 2
-eng = build_rollout_engine("vllm", EngineSpec(model=dims, role="rollout", tp=tp, ep=ep, dtype="fp32", seed=0,
+eng = build_rollout_engine("vllm", EngineSpec(model=dims, role="rollout", layout=ParallelLayout("rollout", tp=tp, ep=ep),
+                                              dtype="fp32", seed=0,
                                               max_model_len=64))
-layout = Layout(tp=tp, ep=ep, dp=world // tp)  # the resharder's ROLLOUT layout
+layout = ParallelLayout("rollout", tp=tp, ep=ep, world=world)  # the ROLLOUT layout the resharder plans
 mine = [(s.name, shard_for(s, sd[s.name], layout, rank).clone()) for s in param_specs(sd)]
 if os.environ.get("NO_EXPERT_OFFSET"):  # negative control: feed local experts under local ids
     type(eng)._expert_base = lambda self, name, t: 0

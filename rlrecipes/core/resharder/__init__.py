@@ -4,8 +4,9 @@ Three layers, each usable alone (modules: ``layout.py``, ``plan.py``, ``transfer
 the strategies in ``strategies_allgather.py``, ``strategies_pp.py``, ``strategies_experts.py``,
 ``strategies_cross.py``, mixins of :class:`Resharder`):
 
-1. :class:`Layout` and :func:`plan_reshard` -- a *pure* plan. From the train layout
-   ``(tp, pp, ep, dp)``, the rollout layout ``(tp, ep, dp)`` (pp = 1) and the parameter specs
+1. :func:`plan_reshard` -- a *pure* plan. From the train and rollout layouts (each a
+   :class:`rlrecipes.core.parallel.ParallelLayout`, the role's layout plan checked; the rollout's
+   pp = 1; SP ranks count as more weight replicas) and the parameter specs
    (:mod:`rlrecipes.models.sharding`) it computes, for every rank, which slices it keeps locally,
    receives (from whom) and sends (to whom), with bytes. Every impossible pair raises
    :class:`ReshardError` here, before any process communicates. :func:`reshard_bytes_summary`
@@ -26,17 +27,17 @@ the strategies in ``strategies_allgather.py``, ``strategies_pp.py``, ``strategie
    bit-exactly before the next update.
 
 Rank order and sharding follow ``docs/conventions.md``:
-``rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank``, ``ep_rank = (dp_rank * tp + tp_rank) % ep``,
+``rank = pp_rank * (dp * sp * tp) + replica * tp + tp_rank``, ``ep_rank = (replica * tp + tp_rank) % ep``,
 TP shards are equal contiguous chunks along ``tp_dim``, experts are chunks of dim 0 over EP.
 """
 from __future__ import annotations
 
-from .layout import (AUTO, CROSS_STRATEGIES, PLACEMENTS, Layout, Piece, ReshardError, STRATEGIES, _interval,  # noqa: F401
+from .layout import (AUTO, CROSS_STRATEGIES, PLACEMENTS, Piece, ReshardError, STRATEGIES, _interval,  # noqa: F401
                      local_shape, shard_for)
 from .plan import ReshardPlan, plan_reshard, reshard_bytes_summary  # noqa: F401
 from .transfer import HostSwap, ReshardStats  # noqa: F401
 from .executor import Resharder, reshard_to_dict  # noqa: F401
 
-__all__ = ["AUTO", "CROSS_STRATEGIES", "HostSwap", "Layout", "PLACEMENTS", "Piece", "ReshardError", "ReshardPlan",
+__all__ = ["AUTO", "CROSS_STRATEGIES", "HostSwap", "PLACEMENTS", "Piece", "ReshardError", "ReshardPlan",
            "ReshardStats", "Resharder", "STRATEGIES", "_interval", "local_shape", "plan_reshard", "reshard_bytes_summary",
            "reshard_to_dict", "shard_for"]

@@ -11,7 +11,7 @@ import torch
 
 from rlrecipes.core.param_spec import ParamSpec
 
-from .layout import AUTO, CROSS_STRATEGIES, Layout, Piece, ReshardError, STRATEGIES, local_shape, shard_for
+from .layout import AUTO, CROSS_STRATEGIES, Piece, ReshardError, STRATEGIES, local_shape, shard_for
 from .plan import ReshardPlan, plan_reshard, reshard_bytes_summary
 from .strategies_allgather import AllgatherStrategies
 from .strategies_cross import CrossStrategies
@@ -276,5 +276,5 @@ def reshard_to_dict(resharder: Resharder, local_shards: Mapping[str, torch.Tenso
     return out
 
 
-__all__ = ["AUTO", "CROSS_STRATEGIES", "HostSwap", "Layout", "Piece", "ReshardError", "ReshardPlan", "ReshardStats", "Resharder",
+__all__ = ["AUTO", "CROSS_STRATEGIES", "HostSwap", "Piece", "ReshardError", "ReshardPlan", "ReshardStats", "Resharder",
            "STRATEGIES", "local_shape", "plan_reshard", "reshard_bytes_summary", "reshard_to_dict", "shard_for"]

@@ -1,14 +1,14 @@
-"""Train and rollout layouts, what slice of a parameter each rank holds, and the checks that refuse an
-impossible pair before any process communicates."""
+"""What slice of a parameter each rank of a layout (:class:`~rlrecipes.core.parallel.ParallelLayout`)
+holds, and the checks that refuse an impossible train/rollout pair before any process communicates."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
-from rlrecipes.core.param_spec import ParamSpec, stage_of_spec
+from rlrecipes.core.param_spec import ParamSpec
+from rlrecipes.core.parallel import LayoutError, ParallelLayout
 
 
 STRATEGIES = ("allgather_naive", "allgather_swap", "alltoallv_experts", "tp_allgather_pp_alltoall")
@@ -22,87 +22,6 @@ class ReshardError(ValueError):
     """A train/rollout layout pair (or its inputs) that cannot be resharded."""
 
 
-# =============================================================================================
-# layouts
-@dataclass(frozen=True)
-class Layout:
-    """A parallel layout over ``world = tp * pp * dp`` ranks (EP carved out of ``dp * tp``).
-
-    Attributes:
-        tp: tensor-parallel size.
-        pp: pipeline-parallel size (rollout layouts use 1).
-        ep: expert-parallel size; divides ``dp * tp``.
-        dp: data-parallel size.
-        pp_layers: layers per pipeline stage; None = the specs' own ``pp_stage`` is used.
-    """
-
-    tp: int
-    pp: int = 1
-    ep: int = 1
-    dp: int = 1
-    pp_layers: tuple[int, ...] | None = None
-
-    def __post_init__(self):
-        for k in ("tp", "pp", "ep", "dp"):
-            v = getattr(self, k)
-            if not isinstance(v, int) or v < 1:
-                raise ReshardError(f"layout {k}={v!r}: must be a positive integer")
-        if self.pp_layers is not None:
-            object.__setattr__(self, "pp_layers", tuple(int(n) for n in self.pp_layers))
-            if len(self.pp_layers) != self.pp:
-                raise ReshardError(f"layout pp={self.pp} but pp_layers {list(self.pp_layers)} has "
-                                   f"{len(self.pp_layers)} stages")
-        if (self.dp * self.tp) % self.ep:
-            raise ReshardError(f"layout {self}: ep={self.ep} must divide dp*tp={self.dp * self.tp}")
-
-    @property
-    def world(self) -> int:
-        return self.tp * self.pp * self.dp
-
-    @property
-    def stage_size(self) -> int:
-        """Ranks per pipeline stage (dp * tp)."""
-        return self.dp * self.tp
-
-    def coords(self, rank: int) -> dict[str, int]:
-        """{'pp', 'dp', 'tp', 'ep'} coordinates of a rank (Megatron order: TP fastest, then DP, then PP)."""
-        if not 0 <= rank < self.world:
-            raise ReshardError(f"rank {rank} outside layout world {self.world}")
-        loc = rank % self.stage_size
-        return {"pp": rank // self.stage_size, "dp": loc // self.tp, "tp": loc % self.tp, "ep": loc % self.ep}
-
-    def rank(self, pp: int = 0, dp: int = 0, tp: int = 0) -> int:
-        return pp * self.stage_size + dp * self.tp + tp
-
-    def stage_of(self, spec: ParamSpec) -> int:
-        """Pipeline stage of a parameter in this layout."""
-        if self.pp == 1:
-            return 0
-        if self.pp_layers is not None:
-            return stage_of_spec(spec, self.pp_layers)
-        return spec.pp_stage
-
-    def chunks(self, spec: ParamSpec) -> int:
-        """Number of chunks this layout cuts ``spec`` into along ``spec.split_dim``."""
-        if spec.kind == "expert":
-            return self.ep
-        return self.tp if spec.tp_dim is not None else 1
-
-    def chunk_index(self, spec: ParamSpec, rank: int) -> int:
-        c = self.coords(rank)
-        if spec.kind == "expert":
-            return c["ep"]
-        return c["tp"] if spec.tp_dim is not None else 0
-
-    def describe(self) -> str:
-        s = f"TP{self.tp}"
-        if self.pp > 1:
-            s += f" PP{self.pp}"
-        if self.ep > 1:
-            s += f" EP{self.ep}"
-        return s + f" DP{self.dp}"
-
-
 def _split_len(spec: ParamSpec) -> int:
     return spec.shape[spec.split_dim] if spec.split_dim is not None else spec.shape[0] if spec.shape else 1
 
@@ -113,7 +32,7 @@ def _row_numel(spec: ParamSpec) -> int:
     return spec.numel // L if L else 0
 
 
-def _interval(spec: ParamSpec, layout: Layout, rank: int) -> tuple[int, int]:
+def _interval(spec: ParamSpec, layout: ParallelLayout, rank: int) -> tuple[int, int]:
     """[start, stop) along the split dim that ``rank`` holds (the whole tensor when not split)."""
     L, k = _split_len(spec), layout.chunks(spec)
     c = layout.chunk_index(spec, rank)
@@ -121,7 +40,7 @@ def _interval(spec: ParamSpec, layout: Layout, rank: int) -> tuple[int, int]:
     return c * n, (c + 1) * n
 
 
-def shard_for(spec: ParamSpec, full: torch.Tensor, layout: Layout, rank: int) -> torch.Tensor | None:
+def shard_for(spec: ParamSpec, full: torch.Tensor, layout: ParallelLayout, rank: int) -> torch.Tensor | None:
     """The slice of the full tensor that ``rank`` holds in ``layout`` (None: not on its pipeline stage).
 
     A view of ``full``; clone it if the full tensor is going away.
@@ -136,7 +55,7 @@ def shard_for(spec: ParamSpec, full: torch.Tensor, layout: Layout, rank: int) ->
     return full.narrow(spec.split_dim, a, b - a)
 
 
-def local_shape(spec: ParamSpec, layout: Layout) -> tuple[int, ...]:
+def local_shape(spec: ParamSpec, layout: ParallelLayout) -> tuple[int, ...]:
     shape = list(spec.shape)
     if spec.split_dim is not None:
         shape[spec.split_dim] //= layout.chunks(spec)
@@ -156,9 +75,14 @@ class Piece(NamedTuple):
     numel: int
 
 
-def _validate(train: Layout, rollout: Layout, specs: Sequence[ParamSpec], placement: str = "colocated") -> None:
+def _validate(train: ParallelLayout, rollout: ParallelLayout, specs: Sequence[ParamSpec], placement: str = "colocated") -> None:
     if placement not in PLACEMENTS:
         raise ReshardError(f"unknown placement {placement!r}; choose one of {', '.join(PLACEMENTS)}")
+    for which, lay in (("train", train), ("rollout", rollout)):
+        try:
+            lay.check()  # the layout rules (core/parallel.py): DP whole, EP divides a stage, the layer split
+        except LayoutError as e:
+            raise ReshardError(f"{which} layout: {e}") from None
     if rollout.pp != 1:
         raise ReshardError(f"rollout layout must have pp=1, got pp={rollout.pp}")
     if placement == "colocated" and train.world != rollout.world:
@@ -191,4 +115,4 @@ def _validate(train: Layout, rollout: Layout, specs: Sequence[ParamSpec], placem
                                    f"cannot be split over {which} {par}={k}")
     if train.pp > 1 and max_stage != train.pp - 1:
         raise ReshardError(f"train pp={train.pp} but the specs only reach stage {max_stage}: build them with "
-                           f"param_specs(..., pp_layers=<{train.pp} stages>) or set Layout.pp_layers")
+                           f"param_specs(..., pp_layers=<{train.pp} stages>) or set the layout's pp_layers")

@@ -9,7 +9,8 @@ from typing import Any
 
 from rlrecipes.core.param_spec import ParamSpec
 
-from .layout import Layout, Piece, _interval, _row_numel, _split_len, _validate, local_shape
+from ..parallel import ParallelLayout
+from .layout import Piece, _interval, _row_numel, _split_len, _validate, local_shape
 
 
 class ReshardPlan:
@@ -37,7 +38,7 @@ class ReshardPlan:
         recv[r] / send[r]: lists of :class:`Piece` (``src`` / ``dst`` are global ranks).
     """
 
-    def __init__(self, train: Layout, rollout: Layout, specs: Sequence[ParamSpec], dtype_bytes: int = 2,
+    def __init__(self, train: ParallelLayout, rollout: ParallelLayout, specs: Sequence[ParamSpec], dtype_bytes: int = 2,
                  placement: str = "colocated"):
         _validate(train, rollout, specs, placement)
         self.train, self.rollout, self.specs, self.dtype_bytes = train, rollout, list(specs), dtype_bytes
@@ -185,7 +186,7 @@ class ReshardPlan:
                 "max_recv_bytes": max(recv), "max_send_bytes": max(send), "total_bytes": sum(recv)}
 
 
-def plan_reshard(train: Layout, rollout: Layout, specs: Sequence[ParamSpec], dtype_bytes: int = 2,
+def plan_reshard(train: ParallelLayout, rollout: ParallelLayout, specs: Sequence[ParamSpec], dtype_bytes: int = 2,
                  placement: str = "colocated") -> ReshardPlan:
     """Validate the pair and compute the per-rank keep / receive / send lists (pure).
 
@@ -194,7 +195,7 @@ def plan_reshard(train: Layout, rollout: Layout, specs: Sequence[ParamSpec], dty
     return ReshardPlan(train, rollout, specs, dtype_bytes, placement)
 
 
-def reshard_bytes_summary(train: Layout, rollout: Layout, specs: Sequence[ParamSpec],
+def reshard_bytes_summary(train: ParallelLayout, rollout: ParallelLayout, specs: Sequence[ParamSpec],
                           dtype_bytes: int = 2, placement: str = "colocated") -> dict[str, Any]:
     """Per-rank reshard volume for real model sizes without enumerating transfers.
 
@@ -236,7 +237,7 @@ def reshard_bytes_summary(train: Layout, rollout: Layout, specs: Sequence[ParamS
                 for c in range(a // nt, (b - 1) // nt + 1):
                     req[c] += min(b, (c + 1) * nt) - max(a, c * nt)
             S = train.stage_size
-            holders = S // train.ep if s.kind == "expert" else train.dp if s.tp_dim is not None else S
+            holders = S // train.ep if s.kind == "expert" else train.replicas if s.tp_dim is not None else S
             for loc in range(S):
                 t = stage * S + loc
                 send[t] += req[train.chunk_index(s, t)] * row * count / holders

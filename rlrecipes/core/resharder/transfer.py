@@ -10,7 +10,7 @@ import torch
 
 from rlrecipes.core.swap import SwappedStorages
 
-from .layout import Layout
+from ..parallel import ParallelLayout
 
 
 # process groups per (layout, group), created once per process (new_group is collective)
@@ -23,7 +23,7 @@ def _dist():
     return dist
 
 
-def _groups_for(train: Layout, group) -> dict[str, dict[int, Any]]:
+def _groups_for(train: ParallelLayout, group) -> dict[str, dict[int, Any]]:
     """{'tp': {rank: pg}, 'ep': {...}, 'pp': {...}} for the train layout, built once per world.
 
     Every rank of the default group calls ``new_group`` for every subgroup in one fixed order,
@@ -32,13 +32,13 @@ def _groups_for(train: Layout, group) -> dict[str, dict[int, Any]]:
     dist = _dist()
     W = train.world
     glob = [dist.get_global_rank(group, i) if group is not None else i for i in range(W)]
-    key = (id(dist.group.WORLD), train.tp, train.pp, train.ep, train.dp, tuple(glob))
+    key = (id(dist.group.WORLD), train.tp, train.pp, train.ep, train.replicas, tuple(glob))
     if key in _GROUPS:
         return _GROUPS[key]
     S = train.stage_size
     out: dict[str, dict[int, Any]] = {"tp": {}, "ep": {}, "pp": {}}
     families = {
-        "tp": [[s * S + d * train.tp + t for t in range(train.tp)] for s in range(train.pp) for d in range(train.dp)],
+        "tp": [[s * S + d * train.tp + t for t in range(train.tp)] for s in range(train.pp) for d in range(train.replicas)],
         "ep": [[s * S + b * train.ep + e for e in range(train.ep)] for s in range(train.pp)
                for b in range(S // train.ep)],
         "pp": [[s * S + loc for s in range(train.pp)] for loc in range(S)],

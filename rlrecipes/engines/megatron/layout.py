@@ -231,9 +231,10 @@ def layout_problems(dims: ModelDims, *, tp: int, pp: int, ep: int, etp: Optional
 STACK_MEGATRON_CORE = {"npu": "0.16.1"}
 
 
-def plan_rules(*, role: str, dims: ModelDims, tp: int, pp: int, ep: int, etp: Optional[int], world: int,
-               device: str, installed: bool, recipe=None) -> list[str]:
-    """``Capabilities.layout_rules``: :func:`layout_problems` for one train role of a recipe, judged
+def plan_rules(*, layout, dims: ModelDims, etp: Optional[int], device: str, installed: bool,
+               recipe=None) -> list[str]:
+    """``Capabilities.layout_rules``: :func:`layout_problems` for one train role's layout (a
+    ``ParallelLayout``: its sizes, layer split and ``sp``, megatron's context-parallel size), judged
     with what is installed here (``installed=True``: the engine's own inputs) or with the device's
     supported stack (``installed=False``, ``plan`` for another machine: on NPU MindSpeed and the
     ascend extra's megatron-core; TransformerEngine is never assumed, an unknown CUDA megatron-core
@@ -253,20 +254,16 @@ def plan_rules(*, role: str, dims: ModelDims, tp: int, pp: int, ep: int, etp: Op
             mcore = version("megatron-core")
         except PackageNotFoundError:
             pass
-    lay = getattr(recipe, role, None) if recipe is not None else None
-    lay = getattr(lay, "layout", None) or (recipe.actor.layout if recipe is not None else None)
-    pp_layers = getattr(lay, "pp_layers", None)
-    offload = bool(recipe.actor.offload_optimizer) if recipe is not None and role == "actor" else False
+    offload = bool(recipe.actor.offload_optimizer) if recipe is not None and layout.role == "actor" else False
     # context parallelism (layout.sp -> context_parallel_size): layout_problems refuses it without the
     # attention that runs it (TransformerEngine's on CUDA, never assumed for another machine; MindSpeed's
     # on Ascend, part of the supported stack). megatron-core cuts every row into 2 x CP load-balanced
     # chunks (seq_length % (2 * cp) == 0, Megatron-LM's argument check): the engine pads rows to it
     # (cp.padded_length), so no recipe length is refused; plan counts the padding in its memory model
-    sp = int(getattr(lay, "sp", 1) or 1)
-    return layout_problems(dims, tp=tp, pp=pp, ep=ep, etp=etp, device=device,
+    return layout_problems(dims, tp=layout.tp, pp=layout.pp, ep=layout.ep, etp=etp, device=device,
                            have_te=have("transformer_engine") if installed else False,
-                           have_mindspeed=have("mindspeed") if installed else True, pp_layers=pp_layers,
-                           offload_optimizer=offload, megatron_core=mcore, sp=sp)
+                           have_mindspeed=have("mindspeed") if installed else True, pp_layers=layout.pp_layers,
+                           offload_optimizer=offload, megatron_core=mcore, sp=layout.sp)
 
 
 def _version(text: str) -> tuple[int, ...]:

@@ -31,7 +31,7 @@ from typing import Callable, Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from ...core.resharder import Layout
+from ...core.parallel import ParallelLayout
 from ...models import ModelDims
 from ...models.sharding import param_specs as hf_param_specs
 from .convert import hf_to_megatron, megatron_to_hf
@@ -225,7 +225,7 @@ def resharder_shards(hf: dict[str, torch.Tensor], dims: ModelDims, r: Ranks,
 
 
 # ------------------------------------------------------------------------------------- export
-def gather_full(specs: list, shards: Mapping[str, torch.Tensor], layout: Layout, rank: int,
+def gather_full(specs: list, shards: Mapping[str, torch.Tensor], layout: ParallelLayout, rank: int,
                 write: Optional[Callable[[str, torch.Tensor], None]], group=None) -> None:
     """Assemble every parameter from the resharder-layout ``shards`` of all ranks on global rank 0 of
     ``group`` (one parameter at a time: rank 0 holds one full tensor, never the model) and pass it to

@@ -20,6 +20,7 @@ MindSpeed's ``megatron_cp_algo`` on Ascend (``layout.core_attention`` / ``layout
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 import os
@@ -35,7 +36,8 @@ import torch.distributed as dist
 from ... import device as devmod
 from ...algos.logprobs import logprobs_and_entropy, vocab_parallel_logprobs_and_entropy
 from ...core.param_spec import split_layers
-from ...core.resharder import Layout
+from ...core.mesh import world_layout
+from ...core.parallel import LayoutError, ParallelLayout
 from ...models import ModelDims
 from .. import base
 from ..base import LossFn, SeqBatch
@@ -115,17 +117,20 @@ def _source(model):
 class MegatronTrainEngine(base.TrainEngine):
     """Actor / reference on megatron-core (see the module docstring for the layouts)."""
 
-    def __init__(self, model, *, role: str = "actor", layout=(1, 1), pp: int = 1, pp_layers=None,
+    def __init__(self, model, *, role: str = "actor", layout: ParallelLayout | tuple = (1, 1), pp: int = 1, pp_layers=None,
                  etp: Optional[int] = None, device=None, lr: float = 1e-6, weight_decay: float = 0.0,
                  grad_clip: float = 1.0, seed: int = 0, dtype: str = "auto", micro_batch_size: int = 4,
                  pad_token_id: int = 0, recompute: bool = False, offload_optimizer: bool = False, sp: int = 1):
-        tp, ep = (tuple(int(x) for x in layout) + (1,))[:2]
-        etp, sp = int(etp or tp), int(sp or 1)
+        lay = world_layout(layout, role=role, sp=sp, pp=pp, pp_layers=pp_layers)  # ParallelLayout, or (tp, ep)
+        tp, ep, pp, sp = lay.tp, lay.ep, lay.pp, lay.sp
+        etp = int(etp or tp)
         self.device = resolve_device(device)
         read, self.dims, self.hf_config, self._folder = _source(model)  # HF dims and slices: no megatron import
-        pp_layers = tuple(int(n) for n in pp_layers) if pp_layers else tuple(split_layers(self.dims.num_layers, pp))
-        if len(pp_layers) != pp:
-            raise ValueError(f"pp_layers {list(pp_layers)} has {len(pp_layers)} stages for PP{pp}")
+        if lay.pp_layers is None:
+            lay = dataclasses.replace(lay, pp_layers=tuple(split_layers(self.dims.num_layers, pp)))
+        pp_layers = lay.pp_layers
+        if lay.split_problems():
+            raise LayoutError(str(lay.split_problems()[0]))
         from importlib.metadata import PackageNotFoundError, version
 
         try:
@@ -144,10 +149,8 @@ class MegatronTrainEngine(base.TrainEngine):
         _mindspeed_repatch(mindspeed_args(self.dims, sp))  # MindSpeed's CP attention (Ascend, sp > 1)
         devmod.set_device(self.device)
         shard.check_layout(self.dims, shard.Ranks(tp=tp, pp_layers=pp_layers, ep=ep, etp=etp))
-        world = dist.get_world_size()
-        if world % (tp * pp * sp) or (world // pp) % (ep * etp):
-            raise ValueError(f"megatron layout TP{tp} PP{pp} CP{sp} EP{ep} ETP{etp} does not fit {world} ranks: "
-                             f"TP*PP*CP must divide the world and EP*ETP the {world // max(pp, 1)} ranks of a stage")
+        lay.check(ep_groups="across_dp", etp=etp, engine="megatron")  # TP*PP*CP divides the world, EP x ETP a stage
+        world = lay.world
         _init_parallel(tp, pp, ep, etp, seed, sp)
         from megatron.core import parallel_state as ps
 
@@ -157,9 +160,9 @@ class MegatronTrainEngine(base.TrainEngine):
                                  etp_rank=ps.get_expert_tensor_parallel_rank(), cp=sp,
                                  cp_rank=ps.get_context_parallel_rank() if sp > 1 else 0)
         self._data_peers = _data_group(world, tp, sp, pp) if sp > 1 else None
-        # the resharder's DP counts the CP ranks (megatron's order: TP fastest, then CP, then DP; CP
+        # the resharder's replicas count the CP ranks (megatron's order: TP fastest, then CP, then DP; CP
         # peers hold the same weights as DP peers do)
-        self.layout = Layout(tp, pp, ep, world // (tp * pp), pp_layers if pp > 1 else None)
+        self.layout = lay if pp > 1 else dataclasses.replace(lay, pp_layers=None)
         self.role, self.trainable = role, role != "ref"
         self.compute_dtype = devmod.train_dtype(self.device, dtype)
         self.model = build_gpt(self.dims, hf_config=self.hf_config, ranks=self.ranks, dtype=self.compute_dtype,
@@ -181,12 +184,11 @@ class MegatronTrainEngine(base.TrainEngine):
     def create(cls, spec: base.EngineSpec) -> "MegatronTrainEngine":
         if spec.role == "critic":
             raise ValueError("the megatron engine has no critic (value head) in this release; use the native engine")
-        return cls(spec.model, role=spec.role, layout=(spec.tp, spec.ep), pp=spec.pp, pp_layers=spec.pp_layers,
-                   etp=spec.expert_tensor_parallel, device=spec.device, lr=spec.lr,
+        return cls(spec.model, role=spec.role, layout=spec.layout, etp=spec.expert_tensor_parallel, device=spec.device, lr=spec.lr,
                    weight_decay=spec.weight_decay, grad_clip=spec.grad_clip, seed=spec.seed, dtype=spec.dtype,
                    micro_batch_size=spec.micro_batch_size, pad_token_id=spec.pad_token_id,
                    recompute=spec.recompute if spec.role != "ref" else False,
-                   offload_optimizer=spec.offload_optimizer, sp=getattr(spec, "sp", 1))
+                   offload_optimizer=spec.offload_optimizer)
 
     # ------------------------------------------------------------------ setup
     def _build_optimizer(self, lr, weight_decay, grad_clip, offload) -> None:
@@ -458,7 +460,7 @@ class MegatronTrainEngine(base.TrainEngine):
 
     def _layout_record(self) -> dict:
         r = self.ranks
-        return {"tp": r.tp, "pp_layers": list(r.pp_layers), "ep": r.ep, "etp": r.etp, "dp": self.layout.dp,
+        return {"tp": r.tp, "pp_layers": list(r.pp_layers), "ep": r.ep, "etp": r.etp, "dp": self.layout.replicas,
                 "family": self.dims.family, "num_layers": self.dims.num_layers, "hidden": self.dims.hidden_size,
                 "dtype": str(self.compute_dtype), "optimizer": self.optimizer is not None}
 

@@ -10,7 +10,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from rlrecipes.engines.native.parallel import MeshInfo, _local, tp_partial_grad
+from rlrecipes.core.mesh import MeshInfo
+from rlrecipes.engines.native.parallel import _local, tp_partial_grad
 
 
 def _replication(t: torch.Tensor, world: int) -> int:

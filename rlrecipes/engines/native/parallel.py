@@ -22,16 +22,14 @@ Everything here follows ``docs/conventions.md``:
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from rlrecipes import device as devmod
+from rlrecipes.core.mesh import MeshInfo
 from rlrecipes.models.sharding import kind_of, tp_dim_of
 
 # ---------------------------------------------------------------------------------------------
@@ -63,121 +61,6 @@ def is_expert(name: str) -> bool:
 def tp_partial_grad(name: str) -> bool:
     """Replicated params that act per-head on TP-local heads: their grad is a partial sum over TP."""
     return bool(re.search(r"\.self_attn\.(q_norm|k_norm)\.weight$", name))
-
-
-# ---------------------------------------------------------------------------------------------
-# Layout and meshes
-# ---------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class MeshInfo:
-    """One engine's device mesh over the whole world (see module docstring for the rank order)."""
-
-    root: DeviceMesh  # ("dp", "etp", "ep"); with sequence parallelism ("dp", "sp", "etp", "ep")
-    tp: int
-    ep: int
-    dp: int
-    sp: int = 1
-    """Ulysses sequence-parallel ranks per DP group (``layout.sp``): they hold the same samples."""
-
-    @property
-    def dp_mesh(self) -> DeviceMesh:
-        return self.root["dp"]
-
-    @property
-    def grad_mesh(self) -> DeviceMesh:
-        """The ranks whose gradients are averaged (FSDP2's shard mesh, replicated DP's all-reduce):
-        DP, and the SP ranks inside each DP group."""
-        return self.root["dpsp"] if self.sp > 1 else self.root["dp"]
-
-    @property
-    def grad_size(self) -> int:
-        return self.dp * self.sp
-
-    @property
-    def sp_group(self):
-        """The process group of this rank's SP peers (None at SP1)."""
-        return self.root["sp"].get_group() if self.sp > 1 else None
-
-    @property
-    def sp_rank(self) -> int:
-        r = self.__dict__.get("_sp_rank")
-        if r is None:
-            r = self.__dict__["_sp_rank"] = self.root["sp"].get_local_rank() if self.sp > 1 else 0
-        return r
-
-    @property
-    def mp_mesh(self) -> DeviceMesh:
-        """The ranks that hold the same samples: TP, and SP around it."""
-        return self.root["mp"] if self.sp > 1 else self.root["tp"]
-
-    @property
-    def mp_size(self) -> int:
-        return self.tp * self.sp
-
-    @property
-    def tp_mesh(self) -> DeviceMesh:
-        return self.root["tp"]
-
-    @property
-    def ep_mesh(self) -> DeviceMesh:
-        return self.root["ep"]
-
-    @property
-    def tp_rank(self) -> int:
-        r = self.__dict__.get("_tp_rank")  # fixed for the mesh's life; asked on every call
-        if r is None:
-            r = self.__dict__["_tp_rank"] = self.tp_mesh.get_local_rank()
-        return r
-
-    @property
-    def dp_rank(self) -> int:
-        r = self.__dict__.get("_dp_rank")  # fixed for the mesh's life; asked on every call
-        if r is None:
-            r = self.__dict__["_dp_rank"] = self.dp_mesh.get_local_rank()
-        return r
-
-    @property
-    def ep_rank(self) -> int:
-        r = self.__dict__.get("_ep_rank")  # fixed for the mesh's life; asked on every call
-        if r is None:
-            r = self.__dict__["_ep_rank"] = self.ep_mesh.get_local_rank()
-        return r
-
-    @property
-    def world(self) -> int:
-        return self.tp * self.dp * self.sp
-
-
-def build_mesh(device_type: str, tp: int = 1, ep: int = 1, sp: int = 1) -> MeshInfo:
-    """A (dp, tp) mesh with EP inside TP over the whole initialised world; with ``sp > 1`` a
-    (dp, sp, tp) mesh, SP ranks between DP and TP (Megatron's order for context parallelism).
-
-    Raises a clear error when the layout does not fit the world or ``ep`` does not divide ``tp``.
-    """
-    if not dist.is_initialized():
-        raise RuntimeError("torch.distributed is not initialised: call "
-                           "torch.distributed.init_process_group(device.comm_backend(), ...) first "
-                           "(a single process can use world_size=1)")
-    world = dist.get_world_size()
-    if tp < 1 or ep < 1:
-        raise ValueError(f"layout tp={tp}, ep={ep}: both must be >= 1")
-    if sp < 1:
-        raise ValueError(f"layout sp={sp}: must be >= 1")
-    if world % (tp * sp):
-        raise ValueError(f"layout tp={tp} x sp={sp} does not divide the world size {world}")
-    if tp % ep:
-        raise ValueError(f"native engines run EP inside the TP group, so ep must divide tp: got "
-                         f"tp={tp}, ep={ep}; use the megatron engine for EP across DP ranks")
-    dp = world // (tp * sp)
-    if sp == 1:
-        root = init_device_mesh(devmod.mesh_device_type(device_type), (dp, tp // ep, ep), mesh_dim_names=("dp", "etp", "ep"))
-        root["etp", "ep"]._flatten("tp")
-        return MeshInfo(root=root, tp=tp, ep=ep, dp=dp)
-    root = init_device_mesh(devmod.mesh_device_type(device_type), (dp, sp, tp // ep, ep), mesh_dim_names=("dp", "sp", "etp", "ep"))
-    root["etp", "ep"]._flatten("tp")
-    root["sp", "etp", "ep"]._flatten("mp")
-    root["dp", "sp"]._flatten("dpsp")
-    return MeshInfo(root=root, tp=tp, ep=ep, dp=dp, sp=sp)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -414,5 +297,5 @@ def _decoder_layers(model: nn.Module) -> list[nn.Module]:
     return list(layers)
 
 
-__all__ = ["EPExperts", "MeshInfo", "build_mesh", "is_expert", "param_rule", "parallelize", "tp_dim",
+__all__ = ["EPExperts", "is_expert", "param_rule", "parallelize", "tp_dim",
            "tp_partial_grad", "tp_plan"]

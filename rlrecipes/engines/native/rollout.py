@@ -44,6 +44,8 @@ from rlrecipes.engines.native import CAPABILITIES
 from rlrecipes.engines.native.batching import MeshRanks
 from rlrecipes.engines.native.decode import FastDecoder, supports_fast_decode
 from rlrecipes.engines.native.loader import ModelSource, build_model
+from rlrecipes.core.mesh import world_layout
+from rlrecipes.core.parallel import ParallelLayout
 from rlrecipes.core.swap import SwappedStorages
 from rlrecipes.engines.native.train import _resolve_dtype, resolve_device
 
@@ -106,7 +108,8 @@ class NativeRolloutEngine(MeshRanks, base.RolloutEngine):
 
     Args:
         model: ``ModelDims`` (smoke, built from config with ``seed``) or a local HF folder.
-        layout: ``(tp, ep)`` of the rollout; ``ep`` must divide ``tp`` in the native engine.
+        layout: the rollout's :class:`~rlrecipes.core.parallel.ParallelLayout` (its world is the process
+            group's), or ``(tp, ep)``; ``ep`` must divide ``tp`` in the native engine.
         device: ``torch.device``, a type name or None (auto, ``LOCAL_RANK``-indexed).
         seed: sampling seed; TP ranks of one rollout group share it, DP groups offset it.
         dtype: ``"auto"`` (bf16 on accelerators, fp32 on CPU), ``"bf16"``, ``"fp32"``... or a dtype.
@@ -129,7 +132,7 @@ class NativeRolloutEngine(MeshRanks, base.RolloutEngine):
 
     capabilities = CAPABILITIES
 
-    def __init__(self, model: ModelSource, *, layout: tuple[int, int] = (1, 1),
+    def __init__(self, model: ModelSource, *, layout: ParallelLayout | tuple[int, int] = (1, 1),
                  device: torch.device | str | None = None, seed: int = 0, dtype: str | torch.dtype = "auto",
                  cache: str = "static", attn_implementation: str = "sdpa", decode: str = "fast",
                  prefill: str = "fast", lora=None):
@@ -139,11 +142,11 @@ class NativeRolloutEngine(MeshRanks, base.RolloutEngine):
             raise ValueError(f"decode={decode!r}: expected 'fast', 'layers' or 'hf'")
         if prefill not in ("fast", "hf"):
             raise ValueError(f"prefill={prefill!r}: expected 'fast' or 'hf'")
-        layout = tuple(layout)
-        tp, ep = int(layout[0]), int(layout[1]) if len(layout) > 1 else 1
+        layout = world_layout(layout, role="rollout")  # a ParallelLayout, or (tp, ep)
+        tp, ep = layout.tp, layout.ep
         self.device = resolve_device(device)
         self.dtype = _resolve_dtype(self.device, dtype)
-        self.mesh = par.build_mesh(self.device.type, tp=tp, ep=ep)
+        self.mesh = layout.build_mesh(self.device.type)
         devmod.set_device(self.device)
         hf_model, self.dims = build_model(model, dtype=self.dtype, seed=seed, attn_implementation=attn_implementation)
         if lora is not None:  # the same adapters as the actor's; only they arrive each step
@@ -175,7 +178,7 @@ class NativeRolloutEngine(MeshRanks, base.RolloutEngine):
 
     @classmethod
     def create(cls, spec: base.EngineSpec) -> "NativeRolloutEngine":
-        eng = cls(spec.model, layout=(spec.tp, spec.ep), device=spec.device, seed=spec.seed, dtype=spec.dtype,
+        eng = cls(spec.model, layout=spec.layout, device=spec.device, seed=spec.seed, dtype=spec.dtype,
                   lora=spec.lora)
         if spec.routing_replay:
             eng.record_routing()

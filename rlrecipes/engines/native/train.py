@@ -35,6 +35,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from rlrecipes import device as devmod
+from rlrecipes.core.mesh import world_layout
+from rlrecipes.core.parallel import ParallelLayout
 from rlrecipes.core.swap import SwappedStorages
 from rlrecipes.engines import base
 from rlrecipes.engines.base import LossFn, SeqBatch
@@ -72,7 +74,8 @@ class NativeTrainEngine(TokenScores, EngineState, MeshRanks, base.TrainEngine):
             (config.json + safetensors).
         role: ``"actor"`` (trainable: AdamW, fp32 master weights) or ``"ref"`` (frozen, weights
             stored in the compute dtype, no optimizer).
-        layout: ``(tp, ep)``; ``dp = world // tp``; ``ep`` must divide ``tp``.
+        layout: the role's :class:`~rlrecipes.core.parallel.ParallelLayout` (its world is the process
+            group's), or ``(tp, ep)``; ``dp = world // (tp * sp)``; ``ep`` must divide ``tp``.
         device: ``torch.device``, a type name or None (auto, ``LOCAL_RANK``-indexed).
         lr, weight_decay, betas, eps: AdamW settings.
         grad_clip: max global L2 norm of the gradients (``<= 0``: no clipping, the norm is still
@@ -94,7 +97,8 @@ class NativeTrainEngine(TokenScores, EngineState, MeshRanks, base.TrainEngine):
             :meth:`train_micro_batches` call instead of being re-gathered per micro-batch and
             in backward, then reshards.
         lora: ``actor.lora`` (PEFT adapters trained, the base frozen; :mod:`.lora`), or None.
-        sp: Ulysses sequence-parallel ranks per DP group (``layout.sp``, :mod:`.ulysses`): they hold the
+        sp: with a ``(tp, ep)`` layout, Ulysses sequence-parallel ranks per DP group (``layout.sp``,
+            :mod:`.ulysses`): they hold the
             same samples, each runs its ``1 / sp`` of every row; ``dp = world // (tp * sp)``.
         head_chunk_tokens: tokens per chunk of the LM head (:mod:`.head`; 0: the HF head's logits).
     """
@@ -104,7 +108,8 @@ class NativeTrainEngine(TokenScores, EngineState, MeshRanks, base.TrainEngine):
     serves: tuple[str, ...] = ("actor", "ref")
     """The roles :meth:`create` builds with this class."""
 
-    def __init__(self, model: ModelSource, *, role: str = "actor", layout: tuple[int, int] = (1, 1),
+    def __init__(self, model: ModelSource, *, role: str = "actor",
+                 layout: ParallelLayout | tuple[int, int] = (1, 1),
                  device: torch.device | str | None = None, lr: float = 1e-6, weight_decay: float = 0.0,
                  grad_clip: float = 1.0, seed: int = 0, dtype: str | torch.dtype = "auto",
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, fsdp: bool | None = None,
@@ -115,8 +120,8 @@ class NativeTrainEngine(TokenScores, EngineState, MeshRanks, base.TrainEngine):
         if role not in self.serves:
             raise ValueError(f"role={role!r}: {type(self).__name__} builds {' or '.join(map(repr, self.serves))}"
                              + (" (the critic is NativeValueEngine)" if role == "critic" else ""))
-        layout = tuple(layout)
-        tp, ep = int(layout[0]), int(layout[1]) if len(layout) > 1 else 1
+        layout = world_layout(layout, role=role, sp=sp)  # a ParallelLayout, or (tp, ep) with sp
+        tp, ep, sp = layout.tp, layout.ep, layout.sp
         self.role, self.device, self.seed = role, resolve_device(device), seed
         self.trainable = role != "ref"
         self.compute_dtype = _resolve_dtype(self.device, dtype)
@@ -127,7 +132,7 @@ class NativeTrainEngine(TokenScores, EngineState, MeshRanks, base.TrainEngine):
             from . import ulysses
 
             attn_implementation = ulysses.register()  # attention over all-to-all head shards
-        self.mesh = par.build_mesh(self.device.type, tp=int(tp), ep=int(ep), sp=int(sp))
+        self.mesh = layout.build_mesh(self.device.type)
         devmod.set_device(self.device)
         torch.manual_seed(seed)
         param_dtype = torch.float32 if self.trainable else self.compute_dtype
@@ -215,20 +220,19 @@ class NativeTrainEngine(TokenScores, EngineState, MeshRanks, base.TrainEngine):
     def create(cls, spec: base.EngineSpec) -> "NativeTrainEngine":
         """The engine for ``spec.role``: this class builds the actor and the reference model,
         :class:`~rlrecipes.engines.native.value.NativeValueEngine` (the package's ``CRITIC``) the critic."""
-        if spec.pp != 1:
-            raise ValueError(f"{spec.role}: the native engine has no pipeline parallelism (PP{spec.pp})")
+        if spec.layout.pp != 1:
+            raise ValueError(f"{spec.role}: the native engine has no pipeline parallelism (PP{spec.layout.pp})")
         if spec.role not in cls.serves:
             raise ValueError(f"{cls.__name__} builds the {' / '.join(cls.serves)} role, not {spec.role!r} "
                              "(the registry builds each role from the class its package names)")
-        eng = cls(spec.model, role=spec.role, layout=(spec.tp, spec.ep), device=spec.device, lr=spec.lr,
+        eng = cls(spec.model, role=spec.role, layout=spec.layout, device=spec.device, lr=spec.lr,
                   weight_decay=spec.weight_decay, grad_clip=spec.grad_clip, seed=spec.seed, dtype=spec.dtype,
                   micro_batch_size=spec.micro_batch_size, pad_token_id=spec.pad_token_id,
                   max_tokens_per_micro_batch=spec.max_tokens_per_micro_batch,
                   recompute=spec.recompute if spec.role != "ref" else False,
-                  offload_optimizer=spec.offload_optimizer, lora=spec.lora if spec.role == "actor" else None,
-                  sp=spec.sp)
+                  offload_optimizer=spec.offload_optimizer, lora=spec.lora if spec.role == "actor" else None)
         if spec.routing_replay and spec.role == "actor":
-            if spec.sp > 1:
+            if spec.layout.sp > 1:
                 raise ValueError("routing replay with layout.sp > 1: the recorded experts are not split along the "
                                  "sequence in this release; set layout.sp: 1 or algorithm.routing_replay: false")
             eng.replay_routing()

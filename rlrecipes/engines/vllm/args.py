@@ -123,13 +123,14 @@ def layout_problem(tp: int, ep: int, world: int, *, moe: bool) -> Optional[str]:
     return f"{why}; nearest servable: TP{tp} EP{near}" + (f" (DP{near // tp} per instance)" if near > tp else "")
 
 
-def layout_rules(*, role: str, dims, tp: int, pp: int, ep: int, etp: Optional[int], world: int, device: str,
-                 installed: bool = False, recipe=None) -> list[str]:
+def layout_rules(*, layout, dims, etp: Optional[int], device: str, installed: bool = False,
+                 recipe=None) -> list[str]:
     """``Capabilities.layout_rules`` of the vLLM engine (``plan`` calls it for the rollout role): the
-    layout, and with the recipe the stack, the weight update and the sampling settings -- each the
-    same function :func:`engine_args` / the engine run."""
+    layout (a ``ParallelLayout`` over the rollout's devices), and with the recipe the stack, the
+    weight update and the sampling settings -- each the same function :func:`engine_args` / the
+    engine run."""
     moe = bool(getattr(dims, "is_moe", False))
-    found = [layout_problem(tp, ep, world, moe=moe)]
+    found = [layout_problem(layout.tp, layout.ep, layout.world, moe=moe)]
     platform = platform_of(device)
     if recipe is not None and platform is not None:
         inference, s = recipe.rollout.inference, recipe.rollout.sampling
