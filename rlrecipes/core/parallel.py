@@ -223,6 +223,10 @@ class ParallelLayout:
                 out.append(LayoutProblem("layer split sums to the layer count",
                                          f"{name}: pp_layers {list(self.pp_layers)} sums to {sum(self.pp_layers)}, "
                                          f"model has {dims.num_layers} layers"))
+            if self.pp_layers and min(self.pp_layers) < 1:
+                out.append(LayoutProblem("every pipeline stage has a layer",
+                                         f"{name}: pp_layers {list(self.pp_layers)} leaves a stage without layers; "
+                                         f"give every entry of {self._key('pp_layers')} at least 1"))
         elif self.pp > dims.num_layers:
             out.append(LayoutProblem("PP at most the layer count", f"{name}: PP{self.pp} > {dims.num_layers} layers"))
         return out

@@ -9,6 +9,8 @@ from .base import _Strict, registered_engine
 
 
 class RolloutLayout(_Strict):
+    """The rollout's layout keys (``recipe.roles.role_layout`` makes its ``ParallelLayout``)."""
+
     tp: int = Field(1, ge=1)
     """Tensor-parallel size of one rollout instance."""
     pp: int = Field(1, ge=1)

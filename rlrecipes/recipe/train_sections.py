@@ -14,6 +14,10 @@ from .base import _Strict, registered_engine
 # layouts and engines
 # ---------------------------------------------------------------------------------------------
 class TrainLayout(_Strict):
+    """A train role's layout keys; ``recipe.roles.role_layout`` makes the role's
+    ``rlrecipes.core.parallel.ParallelLayout`` of them (DP inferred from its devices), which ``plan``
+    checks and the engines and the resharder build from."""
+
     tp: int = Field(1, ge=1)
     """Tensor-parallel size."""
     pp: int = Field(1, ge=1)

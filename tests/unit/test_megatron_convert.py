@@ -147,12 +147,16 @@ def test_vocab_is_padded_to_a_multiple_of_tp_and_the_padding_dropped_on_the_way_
 def test_layouts_megatron_cannot_split_are_named():
     from rlrecipes.engines.megatron.shard import Ranks, check_layout
 
-    with pytest.raises(ValueError, match="2 query groups .* TP4"):
+    with pytest.raises(ValueError, match="KV heads divide by TP: layout: 2 KV heads, TP4"):
         check_layout(SMOKE["qwen2"], Ranks(tp=4))
-    with pytest.raises(ValueError, match="8 experts do not divide by EP3"):
+    with pytest.raises(ValueError, match="experts divide by EP: layout: 8 experts, EP3"):
         check_layout(SMOKE["qwen3_moe"], Ranks(ep=3))
-    with pytest.raises(ValueError, match=r"pp_layers \[1, 2\] do not split 2 layers"):
+    with pytest.raises(ValueError, match=r"pp_layers \[1, 2\] sums to 3, model has 2 layers"):
         check_layout(SMOKE["qwen2"], Ranks(pp_layers=(1, 2)))
+    with pytest.raises(ValueError, match=r"pp_layers \[2, 0\] leaves a stage without layers"):
+        check_layout(SMOKE["qwen2"], Ranks(pp_layers=(2, 0)))
+    with pytest.raises(ValueError, match="MLP size .* does not divide by TP3"):  # megatron's own rule
+        check_layout(dataclasses.replace(SMOKE["qwen2"], num_heads=6, num_kv_heads=3), Ranks(tp=3))
 
 
 def test_pipeline_layout_places_embedding_and_loss():
@@ -223,9 +227,10 @@ def test_layout_problems_name_the_reason_and_the_fix():
                for p in layout_problems(q2, **dict(ok, device="cpu")))
     assert any("needs MindSpeed" in p for p in layout_problems(q2, **dict(ok, device="npu")))
     assert layout_problems(q2, **dict(ok, device="npu", have_mindspeed=True)) == []
-    assert any("query groups" in p and "TP4" in p for p in layout_problems(q2, **dict(ok, tp=4)))
-    assert any("8 experts do not divide by EP3" in p for p in layout_problems(moe, **dict(ok, ep=3)))
-    assert any("more stages than" in p for p in layout_problems(q2, **dict(ok, pp=5)))
+    # heads, experts, stages: the layout rules every engine shares (ParallelLayout.model_problems), which
+    # plan reports once and the engine's check_layout raises; megatron's own: expert-TP, the MLP size
+    assert layout_problems(q2, **dict(ok, tp=4)) == [] and layout_problems(moe, **dict(ok, ep=3)) == []
+    assert any("expert size" in p and "expert-TP" in p for p in layout_problems(moe, **dict(ok, etp=5)))
     # MLA builds with megatron's local attention through the engine's adapter: no TE / MindSpeed needed
     assert layout_problems(SMOKE["deepseek_v3"], **ok) == []
     # the host optimizer on megatron-core < 0.19 without TE fails in OptimizerConfig (TE version check)

@@ -207,10 +207,10 @@ def layout_problems(dims: ModelDims, *, tp: int, pp: int, ep: int, etp: Optional
         out.append("megatron-core on Ascend needs MindSpeed (it adapts megatron to torch_npu); install it from "
                    "source (docs/ascend.md) or use actor.engine: native")
     r = Ranks(tp=int(tp), pp_layers=tuple(int(n) for n in pp_layers) if pp_layers else (), ep=int(ep), etp=etp)
+    # heads, KV heads, experts and the layer split are the layout rules every engine shares
+    # (ParallelLayout.model_problems: plan reports them once, the engine's check_layout raises them)
     out += [f"megatron layout TP{tp} PP{pp} EP{ep} ETP{etp}: {why}; choose sizes that divide it" for why in
             layout_errors(dims, r)]
-    if pp > dims.num_layers:
-        out.append(f"PP{pp} has more stages than the model's {dims.num_layers} layers; lower actor.layout.pp")
     why = cp_attention_problem(device, sp, have_te) if device in ("cuda", "npu") else None
     if why:
         out.append(why)

@@ -100,26 +100,22 @@ def local_dims(dims: ModelDims, r: Ranks):
 
 
 def layout_errors(dims: ModelDims, r: Ranks) -> list[str]:
-    """Why megatron cannot split the model over the layout's sizes (empty when it can)."""
+    """What megatron needs of the model beyond the layout rules every engine shares (heads, KV
+    heads, experts, the layer split: ``ParallelLayout.model_problems``, which ``plan`` reports once):
+    the expert size divides by expert-TP, the MLP size by TP. Empty when it can."""
     why = []
-    if not dims.is_mla and dims.num_kv_heads % r.tp:
-        why.append(f"{dims.num_kv_heads} query groups (KV heads) do not divide by TP{r.tp}")
-    if dims.num_heads % r.tp:
-        why.append(f"{dims.num_heads} attention heads do not divide by TP{r.tp}")
-    if dims.is_moe and dims.num_experts % r.ep:
-        why.append(f"{dims.num_experts} experts do not divide by EP{r.ep}")
     if dims.is_moe and dims.moe_intermediate_size % r.etp:
         why.append(f"expert size {dims.moe_intermediate_size} does not divide by expert-TP{r.etp}")
     if dims.intermediate_size % r.tp:
         why.append(f"MLP size {dims.intermediate_size} does not divide by TP{r.tp}")
-    if r.pp_layers and (sum(r.pp_layers) != dims.num_layers or min(r.pp_layers) < 1):
-        why.append(f"pp_layers {list(r.pp_layers)} do not split {dims.num_layers} layers")
     return why
 
 
 def check_layout(dims: ModelDims, r: Ranks) -> None:
-    """The layout's sizes divide the model as megatron needs (a clear error, before any build)."""
-    why = layout_errors(dims, r)
+    """The layout's sizes divide the model as megatron needs (a clear error, before any build): the
+    shared layout rules and megatron's own (:func:`layout_errors`)."""
+    shared = ParallelLayout(tp=r.tp, pp=r.pp, ep=r.ep, pp_layers=r.pp_layers or None).model_problems(dims)
+    why = [str(p) for p in shared] + layout_errors(dims, r)
     if why:
         raise ValueError("megatron layout: " + "; ".join(why))
 

@@ -3,7 +3,8 @@ the result: ``shards.py``; its gradients across the mesh: ``grads.py``).
 
 Everything here follows ``docs/conventions.md``:
 
-* rank order is Megatron's (TP fastest, then DP); the mesh of one engine is
+* rank order is Megatron's (TP fastest, then DP); the mesh of one engine is its layout's
+  (``ParallelLayout.build_mesh``, ``rlrecipes/core/mesh.py``):
   ``("dp", "etp", "ep")`` of shape ``(dp, tp // ep, ep)`` with ``"tp"`` the flattening of
   ``("etp", "ep")``; so ``tp_rank = etp_rank * ep + ep_rank`` and ``ep_rank = tp_rank % ep``,
   i.e. EP groups are contiguous blocks of ranks inside one TP group (native engines require
