@@ -236,7 +236,8 @@ def full_sync_bytes(r: Recipe, role: Role, engines: WorkerEngines, groups, world
 
 
 def _pp_layers(r: Recipe):
-    return tuple(r.actor.layout.pp_layers) if r.actor.layout.pp_layers else None
+    """The actor's layer split (None: an even one), as its layout holds it."""
+    return role_layout(r, "actor", 0).pp_layers or None
 
 
 def _colocated_layouts(r: Recipe, world: int) -> tuple[ParallelLayout, ParallelLayout]:
