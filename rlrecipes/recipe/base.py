@@ -28,3 +28,16 @@ def registered_engine(name: str, role: str, key: str) -> str:
     if role not in capabilities(name).roles:
         raise ValueError(f"{key}={name!r}: that engine does not serve the {role} role; one of: {', '.join(able)}")
     return name
+
+
+def registered_name(value: str, names, key: str, what: str) -> str:
+    """``value`` when ``names`` (a registry's list) holds it; else a ValueError naming ``key``, the
+    registered names and the nearest. The registry is the one list: the schema names none itself."""
+    import difflib
+
+    names = list(names)
+    if value not in names:
+        close = difflib.get_close_matches(str(value), names, n=1)
+        raise ValueError(f"{key}={value!r} is not a registered {what}; one of: {', '.join(names)}"
+                         + (f" (did you mean {close[0]!r}?)" if close else ""))
+    return value

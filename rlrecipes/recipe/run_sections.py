@@ -5,14 +5,22 @@ from typing import Literal, Optional
 
 from pydantic import Field, field_validator, model_validator
 
-from .base import _Strict
+from .base import _Strict, registered_name
 
 
 
 
 class ReshardConfig(_Strict):
-    strategy: Literal["auto", "allgather_naive", "allgather_swap", "alltoallv_experts", "tp_allgather_pp_alltoall"] = "auto"
-    """How trained weights reach the rollout layout each step."""
+    @field_validator("strategy")
+    @classmethod
+    def _registered_strategy(cls, v: str) -> str:
+        from ..core.resharder import AUTO, STRATEGIES  # the resharder's one list of strategies
+
+        return registered_name(v, (AUTO, *STRATEGIES), "resharding.strategy", "reshard strategy")
+
+    strategy: str = "auto"
+    """How trained weights reach the rollout layout each step: auto, or one of the resharder's
+    ``STRATEGIES`` (allgather_naive, allgather_swap, alltoallv_experts, tp_allgather_pp_alltoall)."""
     bucket_mb: int = Field(512, ge=1)
     """Bucket size of the bucketed strategies."""
     swap_grads: bool = False
@@ -125,7 +133,14 @@ class TrainerConfig(_Strict):
     and a TensorCache all-to-all). 0: re-balance unless the loads are already even."""
     dock_timeout_s: float = Field(600.0, gt=0)
     """A stage waiting longer than this on the TransferDock fails with a named error."""
-    loggers: list[Literal["jsonl", "tensorboard", "wandb"]] = Field(default_factory=lambda: ["jsonl"])
+    @field_validator("loggers")
+    @classmethod
+    def _registered_loggers(cls, v: list[str]) -> list[str]:
+        from ..loggers import NAMES  # the one list of metric sinks
+
+        return [registered_name(n, NAMES, "trainer.loggers", "logger") for n in v]
+
+    loggers: list[str] = Field(default_factory=lambda: ["jsonl"])
     """Where per-step metrics go: jsonl (<run>/metrics.jsonl, always on), tensorboard (<run>/tensorboard),
     wandb (online when logged in, else offline in <run>/wandb). tensorboard / wandb are extras."""
     fail_when_bad_share: float = Field(1.0, gt=0, le=1)

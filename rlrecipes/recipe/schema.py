@@ -15,7 +15,7 @@ from pydantic import Field, field_validator, model_validator
 
 from ..algos.registry import TABLES as _ALG_TABLES
 from ..models import PRESETS, ModelDims, smoke_dims
-from .base import RecipeError, _Strict
+from .base import RecipeError, _Strict, registered_name
 from .rollout_sections import (InferenceSettings, MultiTurnConfig, RolloutConfig, RolloutLayout,  # noqa: F401
                                SamplingConfig)
 from .run_sections import ReshardConfig, ResourcesConfig, TrainerConfig  # noqa: F401
@@ -43,8 +43,9 @@ class SmokeDims(_Strict):
 
 
 class ModelConfig(_Strict):
-    family: Literal["qwen2", "qwen3_moe", "deepseek_v3"]
-    """Architecture family: qwen2 (dense), qwen3_moe (MoE), deepseek_v3 (MLA + MoE)."""
+    family: str
+    """Architecture family, by its name in ``rlrecipes/models/families`` (``FAMILIES``): qwen2 (dense),
+    qwen3_moe (MoE), deepseek_v3 (MLA + MoE)."""
     preset: Optional[str] = None
     """Pinned real dimensions used by the planner (qwen2.5-7b, qwen2.5-32b, qwen3-30b-a3b, deepseek-v3-671b)."""
     path: Optional[str] = None
@@ -56,6 +57,13 @@ class ModelConfig(_Strict):
     """Local tokenizer folder; defaults to `path`, or the bundled character tokenizer for smoke runs."""
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
     """Training dtype. auto: bf16 on accelerators that support it, fp32 on CPU."""
+
+    @field_validator("family")
+    @classmethod
+    def _registered_family(cls, v: str) -> str:
+        from ..models import FAMILIES  # the one list of families: a new one needs no schema edit
+
+        return registered_name(v, FAMILIES, "model.family", "model family")
 
     @field_validator("preset")
     @classmethod
@@ -104,8 +112,9 @@ class ModelConfig(_Strict):
 class DataConfig(_Strict):
     train_files: list[str] = Field(default_factory=list)
     """JSONL or Parquet files of prompts, relative to the recipe folder or absolute."""
-    synthetic: Optional[Literal["copy", "reverse", "add", "longtail"]] = None
-    """Use the bundled deterministic synthetic digit task instead of files (smoke runs); `longtail`
+    synthetic: Optional[str] = None
+    """Use the bundled deterministic synthetic digit task instead of files (smoke runs), by its name in
+    ``rlrecipes/data/smoke.py`` (``SMOKE_TASKS``: copy, reverse, add, longtail); `longtail`
     has heavy-tailed answer lengths (most 2-4 digits, a tenth 40-60: set
     rollout.sampling.max_new_tokens=64)."""
     synthetic_digits: int = Field(3, ge=1)
@@ -128,6 +137,13 @@ class DataConfig(_Strict):
     """Shuffle deterministically by trainer.seed each epoch."""
     on_malformed: Literal["error", "skip"] = "error"
     """A malformed row either stops the run with its file:line, or is skipped and counted."""
+
+    @field_validator("synthetic")
+    @classmethod
+    def _registered_task(cls, v: Optional[str]) -> Optional[str]:
+        from ..data import SMOKE_TASKS  # the one list of synthetic tasks
+
+        return None if v is None else registered_name(v, SMOKE_TASKS, "data.synthetic", "synthetic task")
 
     @model_validator(mode="after")
     def _some_data(self) -> "DataConfig":
