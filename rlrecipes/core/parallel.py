@@ -167,6 +167,8 @@ class ParallelLayout:
             tp_pp = self.tp * self.pp
             if self.sp > 1 and not where and self.world % tp_pp == 0 and self.world > tp_pp:
                 fix = f"; use an sp that divides {self.world // tp_pp}"
+            elif not where and self.world >= 1:
+                fix = f"; set {self._key()} sizes whose product divides {self.world}, or change the node count"
             return [LayoutProblem(where[0] if where else rule,
                                   f"{name}: {sizes} = {k} does not divide "
                                   f"{where[1] if where else f'{self.world} devices'}{fix}")] + out + inside
@@ -205,30 +207,37 @@ class ParallelLayout:
 
     def model_problems(self, dims) -> list[LayoutProblem]:
         """The rules between these sizes and a model (``dims``: a ``ModelDims``): heads and KV heads
-        divide by TP, experts by EP, EP only on an MoE model, the layer split (one entry per stage) sums
-        to the layers, or PP is at most the layers."""
+        divide by TP, experts by EP, EP only on an MoE model, the layer split (one entry per stage,
+        none empty) sums to the layers, or PP is at most the layers. Each names the key and a fix."""
         name, out = self.role or "layout", []
         if dims.num_heads % self.tp:
-            out.append(LayoutProblem("attention heads divide by TP", f"{name}: {dims.num_heads} heads, TP{self.tp}"))
+            out.append(LayoutProblem("attention heads divide by TP", f"{name}: {dims.num_heads} heads, TP{self.tp}; "
+                                                                     f"set {self._key('tp')} to a divisor of "
+                                                                     f"{dims.num_heads}"))
         if not dims.is_mla and dims.num_kv_heads % self.tp:
-            out.append(LayoutProblem("KV heads divide by TP", f"{name}: {dims.num_kv_heads} KV heads, TP{self.tp}"))
+            out.append(LayoutProblem("KV heads divide by TP", f"{name}: {dims.num_kv_heads} KV heads, TP{self.tp}; set "
+                                                              f"{self._key('tp')} to a divisor of {dims.num_kv_heads}"))
         if dims.is_moe and dims.num_experts % self.ep:
-            out.append(LayoutProblem("experts divide by EP", f"{name}: {dims.num_experts} experts, EP{self.ep}"))
+            out.append(LayoutProblem("experts divide by EP", f"{name}: {dims.num_experts} experts, EP{self.ep}; set "
+                                                             f"{self._key('ep')} to a divisor of {dims.num_experts}"))
         if not dims.is_moe and self.ep != 1:
             out.append(LayoutProblem("EP needs an MoE model", f"{name}: EP{self.ep} on dense family {dims.family}; "
-                                                              f"set ep: 1"))
+                                                              f"set {self._key('ep')}=1"))
         if self.pp_layers is not None:
             out += self.split_problems()
             if sum(self.pp_layers) != dims.num_layers:
                 out.append(LayoutProblem("layer split sums to the layer count",
                                          f"{name}: pp_layers {list(self.pp_layers)} sums to {sum(self.pp_layers)}, "
-                                         f"model has {dims.num_layers} layers"))
+                                         f"model has {dims.num_layers} layers; make {self._key('pp_layers')} sum to "
+                                         f"{dims.num_layers}, or null for an even split"))
             if self.pp_layers and min(self.pp_layers) < 1:
                 out.append(LayoutProblem("every pipeline stage has a layer",
                                          f"{name}: pp_layers {list(self.pp_layers)} leaves a stage without layers; "
                                          f"give every entry of {self._key('pp_layers')} at least 1"))
         elif self.pp > dims.num_layers:
-            out.append(LayoutProblem("PP at most the layer count", f"{name}: PP{self.pp} > {dims.num_layers} layers"))
+            out.append(LayoutProblem("PP at most the layer count", f"{name}: PP{self.pp} > {dims.num_layers} layers; "
+                                                                   f"lower {self._key('pp')} to {dims.num_layers} "
+                                                                   f"or less"))
         return out
 
     # ------------------------------------------------------------------ ranks
