@@ -29,7 +29,8 @@ class ReshardVolume:
     method: str = "estimate"
 
 
-def reshard_bytes(dims: ModelDims, train: ParallelLayout, rollout: ParallelLayout, placement: str = "colocated") -> float:
+def reshard_bytes(dims: ModelDims, train: ParallelLayout, rollout: ParallelLayout,
+                  placement: str = "colocated") -> float:
     """Bytes one device receives per step: its rollout shard minus what its train shard already holds
     (disaggregated: the whole rollout shard, the rollout device holds no train shard).
 

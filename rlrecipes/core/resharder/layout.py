@@ -75,7 +75,8 @@ class Piece(NamedTuple):
     numel: int
 
 
-def _validate(train: ParallelLayout, rollout: ParallelLayout, specs: Sequence[ParamSpec], placement: str = "colocated") -> None:
+def _validate(train: ParallelLayout, rollout: ParallelLayout, specs: Sequence[ParamSpec],
+              placement: str = "colocated") -> None:
     if placement not in PLACEMENTS:
         raise ReshardError(f"unknown placement {placement!r}; choose one of {', '.join(PLACEMENTS)}")
     for which, lay in (("train", train), ("rollout", rollout)):

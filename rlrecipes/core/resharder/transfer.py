@@ -38,7 +38,8 @@ def _groups_for(train: ParallelLayout, group) -> dict[str, dict[int, Any]]:
     S = train.stage_size
     out: dict[str, dict[int, Any]] = {"tp": {}, "ep": {}, "pp": {}}
     families = {
-        "tp": [[s * S + d * train.tp + t for t in range(train.tp)] for s in range(train.pp) for d in range(train.replicas)],
+        "tp": [[s * S + d * train.tp + t for t in range(train.tp)] for s in range(train.pp)
+               for d in range(train.replicas)],
         "ep": [[s * S + b * train.ep + e for e in range(train.ep)] for s in range(train.pp)
                for b in range(S // train.ep)],
         "pp": [[s * S + loc for s in range(train.pp)] for loc in range(S)],

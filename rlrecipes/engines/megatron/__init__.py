@@ -17,7 +17,8 @@ from ..base import Capabilities
 
 CAPABILITIES = Capabilities(
     name="megatron", roles=frozenset({"train"}), pipeline_parallel=True, expert_parallel=True,
-    expert_tensor_parallel=True, ep_groups="across_dp", separate_ref_layout=False, critic=False, memory_model="pipeline",
+    expert_tensor_parallel=True, ep_groups="across_dp", separate_ref_layout=False, critic=False,
+    memory_model="pipeline",
     sequence_parallel="context_parallel",  # layout.sp -> context_parallel_size (TransformerEngine or MindSpeed)
     devices=("cuda", "npu"),
     dtypes=("auto", "bf16", "fp16", "fp32"), requires=("megatron.core",),

@@ -117,7 +117,8 @@ def _source(model):
 class MegatronTrainEngine(base.TrainEngine):
     """Actor / reference on megatron-core (see the module docstring for the layouts)."""
 
-    def __init__(self, model, *, role: str = "actor", layout: ParallelLayout | tuple = (1, 1), pp: int = 1, pp_layers=None,
+    def __init__(self, model, *, role: str = "actor", layout: ParallelLayout | tuple = (1, 1), pp: int = 1,
+                 pp_layers=None,
                  etp: Optional[int] = None, device=None, lr: float = 1e-6, weight_decay: float = 0.0,
                  grad_clip: float = 1.0, seed: int = 0, dtype: str = "auto", micro_batch_size: int = 4,
                  pad_token_id: int = 0, recompute: bool = False, offload_optimizer: bool = False, sp: int = 1):
@@ -184,7 +185,8 @@ class MegatronTrainEngine(base.TrainEngine):
     def create(cls, spec: base.EngineSpec) -> "MegatronTrainEngine":
         if spec.role == "critic":
             raise ValueError("the megatron engine has no critic (value head) in this release; use the native engine")
-        return cls(spec.model, role=spec.role, layout=spec.layout, etp=spec.expert_tensor_parallel, device=spec.device, lr=spec.lr,
+        return cls(spec.model, role=spec.role, layout=spec.layout, etp=spec.expert_tensor_parallel,
+                   device=spec.device, lr=spec.lr,
                    weight_decay=spec.weight_decay, grad_clip=spec.grad_clip, seed=spec.seed, dtype=spec.dtype,
                    micro_batch_size=spec.micro_batch_size, pad_token_id=spec.pad_token_id,
                    recompute=spec.recompute if spec.role != "ref" else False,

@@ -317,7 +317,8 @@ class VllmRolloutEngine(base.RolloutEngine):
 
     @classmethod
     def create(cls, spec: base.EngineSpec) -> "VllmRolloutEngine":
-        return cls(spec.model, tp=spec.layout.tp, ep=spec.layout.ep, device=spec.device, seed=spec.seed, dtype=spec.dtype,
+        return cls(spec.model, tp=spec.layout.tp, ep=spec.layout.ep, device=spec.device, seed=spec.seed,
+                   dtype=spec.dtype,
                    inference=spec.inference, max_model_len=spec.max_model_len, lora=spec.lora)
 
     # ------------------------------------------------------------------ layout
