@@ -23,10 +23,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 from ..engines.registry import BACKENDS, capabilities
-from ..recipe import Recipe
 from ..core.parallel import ParallelLayout
+from ..recipe import Recipe
 from .checks import (NODE_INDEPENDENT_RULES, PlanError, Violation, capability_checks, engine_checks,
-                     engine_layout_violations, layout_violations, model_checks, ranks_text, role_layouts, rollout_devices_that_fit, rollout_inference, sequence_checks, where)
+                     engine_layout_violations, layout_violations, model_checks, ranks_text, role_layouts,
+                     rollout_devices_that_fit, rollout_inference, sequence_checks, where)
 from .long_context import kv_check, sequence_summary
 from .memory import DTYPE_BYTES, GiB, Memory, node_independent_bytes, ref_memory, rollout_memory, train_memory
 from .agent import agent_checks
