@@ -218,9 +218,11 @@ class _Warehouse:
             return res
         if req.hops >= self.MAX_HOPS or not self._peers:
             return m.Refused(f"put: rows {list(rows)[:8]} kept moving between warehouses")
-        sent = [self._ask(w, write_part(rows, packed, req.meta, pos, req.hops + 1))
-                for w, pos in positions_by(res.warehouses).items()]
-        bad = m.first_refused([r.result() for r in sent])
+        parts = {w: write_part(rows, packed, req.meta, pos, req.hops + 1)
+                 for w, pos in positions_by(res.warehouses).items()}
+        sent = [self._ask(w, part) for w, part in parts.items() if w != self.index]
+        here = [self.write(parts[self.index])] if self.index in parts else []   # its rows that are this one's
+        bad = m.first_refused(here + [r.result() for r in sent])
         return bad or m.Moved(res.step, res.warehouses)
 
     def read(self, req: m.Read) -> dict:
