@@ -18,12 +18,12 @@ name and its function runs on the batch it reads. Nothing else changes.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from ..algos.columns import CACHED, PER_TOKEN
+from ..algos.columns import PER_TOKEN
 from ..algos.spec import Stage
 from ..core.collectives import all_gather_objects, broadcast_object
 from ..engines.base import SeqBatch
@@ -313,4 +313,4 @@ def share_of(stage: Stage) -> Share:
     return got
 
 
-__all__ = ["CACHED", "NewRows", "SHARES", "Share", "share", "share_of"]
+__all__ = ["NewRows", "SHARES", "Share", "share", "share_of"]
