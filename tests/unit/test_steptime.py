@@ -206,3 +206,31 @@ def test_a_backward_moves_the_forwards_tp_traffic_once_more_not_twice():
     _, _, p = _pred("qwen25_7b", "actor.layout.tp=4", "actor.layout.pp=1", "actor.recompute=false")
     traffic = [float(_stage(p, n).detail.split("TP/EP traffic ")[1].split(" s")[0]) for n in ("ref", "update")]
     assert traffic[1] == pytest.approx(2 * traffic[0], rel=0.02)
+
+
+def test_a_split_model_on_this_cpu_is_priced_from_its_own_layouts_measurement(tmp_path):
+    """qwen3_moe_30b's smoke actor runs TP2 EP2 over gloo: its passes take the layout's own
+    measured cost (collectives included, so no modelled collective latency is added), which a
+    newer layout_pass_cost file moves; its rollout at DP2 decodes alone and keeps the one-process
+    decode cost; with no layout measurement the pass falls back to the one-process cost."""
+    _, plan, pred = _pred("qwen3_moe_30b", smoke=True)
+    assert plan.roles["actor"].tp == 2 and plan.roles["actor"].ep == 2
+    update = _stage(pred, "update")
+    assert "TP/EP traffic" not in update.detail and update.bound == "host"
+    results = tmp_path / "results"
+    shutil.copytree(RESULTS, results)
+    newest = json.loads(max(results.glob("layout_pass_cost-cpu-*.json")).read_text())
+    slower = {**newest, "started": "2099-01-01T00:00:00",
+              "lines": [dict(ln, per_layer_s=ln["per_layer_s"] * 10, fixed_s=1.0) for ln in newest["lines"]]}
+    (results / "layout_pass_cost-cpu-20990101.json").write_text(json.dumps(slower))
+    f = load_factors.__wrapped__(results)
+    recipe = load_recipe("qwen3_moe_30b", smoke=True)
+    moved = predict(recipe, plan, f)
+    assert _stage(moved, "update").seconds > update.seconds + 1.0  # the fixed second, at least
+    assert _stage(moved, "rollout").seconds == pytest.approx(_stage(pred, "rollout").seconds)  # DP2: decodes alone
+    for p in results.glob("layout_pass_cost-*.json"):
+        p.unlink()
+    bare = load_factors.__wrapped__(results)
+    bare.eager_layer_s = {k: v for k, v in bare.eager_layer_s.items() if not k.endswith(("/tp2ep2", "/dp2", "/tp2"))}
+    fallback = _stage(predict(recipe, plan, bare), "update")
+    assert "TP/EP traffic" in fallback.detail  # one-process cost plus the modelled collectives
