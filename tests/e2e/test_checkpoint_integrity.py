@@ -13,20 +13,16 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from test_smoke_runs import cli as smoke_cli  # same folder (rootdir-relative imports)
 
 pytestmark = pytest.mark.e2e
 
 
 def cli(*args, check=True):
-    out = subprocess.run([sys.executable, "-m", "rlrecipes", *map(str, args)], capture_output=True, text=True,
-                         timeout=600, env=dict(os.environ, RAY_USAGE_STATS_ENABLED="0"))
-    if check and out.returncode != 0:
-        raise AssertionError(f"rlrecipes {' '.join(map(str, args))} exited {out.returncode}\n{out.stderr[-3000:]}")
-    return out
+    return smoke_cli(*map(str, args), check=check)
 
 
 def snapshot(run: Path) -> dict:

@@ -7,6 +7,7 @@ import sys
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from test_smoke_runs import cli  # same folder (rootdir-relative imports)
 
 from rlrecipes.data import smoke_task_dataset
 
@@ -31,10 +32,9 @@ def test_smoke_run_on_verl_parquet(tmp_path):
     assert pq.read_schema(data).field("prompt").type == pa.list_(pa.struct([("role", pa.string()),
                                                                             ("content", pa.string())]))
     run = tmp_path / "run"
-    out = subprocess.run([sys.executable, "-m", "rlrecipes", "run", "qwen25_7b", "--smoke", "--steps", "3", "--quiet",
-                          "--out", str(run), "data.synthetic=null", f"data.train_files=[{data}]",
-                          "data.prompt_key=prompt", "data.answer_key=reward_model.ground_truth"],
-                         capture_output=True, text=True, timeout=600, env=dict(os.environ, RAY_USAGE_STATS_ENABLED="0"))
+    out = cli("run", "qwen25_7b", "--smoke", "--steps", "3", "--quiet", "--out", str(run), "data.synthetic=null",
+              f"data.train_files=[{data}]", "data.prompt_key=prompt", "data.answer_key=reward_model.ground_truth",
+              check=False)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "chat messages but the tokenizer has no chat template" in " ".join(out.stderr.split())
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
