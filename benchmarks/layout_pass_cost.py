@@ -98,6 +98,7 @@ def measure(family: str, tag: str, layers: int, a) -> dict[str, float]:
     """Rank-0 seconds of each pass kind at this layout and layer count (every rank runs it)."""
     import torch.distributed as dist
 
+    from rlrecipes.core.parallel import ParallelLayout
     from rlrecipes.engines.base import EngineSpec, SamplingParams
     from rlrecipes.engines.registry import build_rollout_engine, build_train_engine
     from rlrecipes.models import SMOKE
@@ -109,15 +110,18 @@ def measure(family: str, tag: str, layers: int, a) -> dict[str, float]:
     seed = dist.get_rank() if tp == 1 else 0
     samples = a.batch // (dist.get_world_size() // tp)  # a rank's share: the batch over the DP ranks
     batches = _batches(dims.vocab_size, samples, a.prompt, a.new, seed, a.repeats + 1, a.shapes)
-    spec = dict(model=dims, tp=tp, ep=ep, dtype="fp32", seed=0, lr=1e-4, micro_batch_size=samples,
+    spec = dict(model=dims, dtype="fp32", seed=0, lr=1e-4, micro_batch_size=samples,
                 max_tokens_per_micro_batch=a.budget)
+    world = dist.get_world_size()
     out = {}
-    train = build_train_engine("native", EngineSpec(role="actor", **spec))
+    train = build_train_engine("native", EngineSpec(role="actor", layout=ParallelLayout(
+        role="actor", tp=tp, ep=ep, world=world), **spec))
     out["forward"] = _fastest(lambda i: train.forward(batches[i]), a.repeats, barrier)
     out["train"] = _fastest(lambda i: train.train_step(batches[i], _pg_loss), a.repeats, barrier)
     train = None  # frees its model before the rollout engine's
     if tp > 1:
-        eng = build_rollout_engine("native", EngineSpec(role="rollout", **spec))
+        eng = build_rollout_engine("native", EngineSpec(role="rollout", layout=ParallelLayout(
+            role="rollout", tp=tp, ep=ep, world=world), **spec))
         g = torch.Generator().manual_seed(0)  # shapes="new": a new prompt length every call
         grow = 1 if a.shapes == "new" else 0
         prompts = [[torch.randint(3, dims.vocab_size, (a.prompt + grow * i,), generator=g) for _ in range(samples)]
