@@ -12,6 +12,7 @@ machine that no recipe pins.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import Optional
 
 TB, GB = 1e12, 1e9
 
@@ -117,6 +118,21 @@ def default_hardware(device: str, dies_per_card: int = 1) -> str:
     return "cpu"
 
 
+#: a device's reported name (``torch.cuda.get_device_name``, the NPU's SoC name) -> its row; the
+#: first match wins, so a longer name comes before its prefix (H200 before H20)
+_BY_DEVICE_NAME = (("H200", "h200"), ("H100", "h100"), ("H20", "h20"), ("910C", "atlas-a3"),
+                   ("910_93", "atlas-a3"), ("910B", "atlas-a2"))
+
+
+def hardware_of_device(device_name: str, device_type: str) -> Optional[str]:
+    """The row of a device a benchmark ran on, from its reported name (the CPU row for a CPU run);
+    None for a device the table has no row for."""
+    if device_type == "cpu":
+        return "cpu"
+    upper = device_name.upper()
+    return next((row for key, row in _BY_DEVICE_NAME if key in upper), None)
+
+
 def get_hardware(name: str) -> Hardware:
     """The row named ``name``; a clear error naming ``resources.hardware`` and the rows otherwise."""
     if name not in HARDWARE:
@@ -125,4 +141,4 @@ def get_hardware(name: str) -> Hardware:
     return HARDWARE[name]
 
 
-__all__ = ["HARDWARE", "Hardware", "default_hardware", "get_hardware"]
+__all__ = ["HARDWARE", "Hardware", "default_hardware", "get_hardware", "hardware_of_device"]

@@ -105,8 +105,9 @@ def measured_from_results(results: Path = RESULTS) -> dict:
         if both and "moe_mfu_scale" not in out:
             out["moe_mfu_scale"] = {"value": round(moe[both][0] / dense[both][0], 4), "engine": both, "source": name,
                                     "moe": moe[both][0], "moe_shape": moe[both][1], "dense": dense[both][0]}
-        dec = next((ln for ln in suite.get("lines", [])
-                    if ln.get("part") == "decode" and ln.get("native_tokens_per_s") and ln.get("batch")), None)
+        decs = [ln for ln in suite.get("lines", []) if ln.get("part") == "decode" and ln.get("native_tokens_per_s")
+                and ln.get("batch") and not ln.get("options")]  # the default path; batch 64 where it ran
+        dec = next((ln for ln in decs if ln["batch"] == 64), max(decs, key=lambda ln: ln["batch"], default=None))
         if dec and "eager_decode" not in out:
             layers = dec.get("layers", 28)  # the suite's Qwen2.5-1.5B shape (recorded in the line from 2026-11-29)
             out["eager_decode"] = {"value": round(dec["batch"] / dec["native_tokens_per_s"] / layers, 6),

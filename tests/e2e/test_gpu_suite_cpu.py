@@ -88,7 +88,14 @@ def test_cpu_mode_runs_every_part_and_writes_its_results(tmp_path):
     decode = by(lines, "decode")
     d = prof["decode"]
     vs = {x["batch"]: x for x in decode if x["name"].startswith("native vs generate")}
-    assert sorted(vs) == sorted(d["batches"])
+    assert sorted(vs) == sorted(d["generate_batches"])
+    alone = [x for x in decode if x["name"].startswith("native batch=") and "options" not in x]
+    assert [x["batch"] for x in alone] == [b for b in d["batches"] if b not in d["generate_batches"]]
+    for x in alone + list(vs.values()):  # every batch: one iteration against the bandwidth limit
+        assert x["hardware"] == "cpu" and x["iteration_s"] > 0 and 0 < x["bandwidth_share"]
+        assert x["weight_bytes_per_iteration"] > 0 and x["kv_bytes_per_iteration"] > 0
+        assert x["bandwidth_limit_iteration_s"] == pytest.approx(
+            (x["weight_bytes_per_iteration"] + x["kv_bytes_per_iteration"]) / x["hbm_bytes_s"], rel=1e-3, abs=1e-6)
     for b, x in vs.items():
         assert (DECODE_KEYS | GENERATE_KEYS) <= set(x), (DECODE_KEYS | GENERATE_KEYS) - set(x)
         assert x["native_tokens"] == x["hf_generate_tokens"] == b * d["new"]  # no EOS: every token generated
@@ -125,13 +132,15 @@ def test_cpu_mode_runs_every_part_and_writes_its_results(tmp_path):
 
     summary = lines[-1]
     assert summary["name"] == "summary" and summary["failed"] == [] and summary["results_file"] == str(out)
-    assert set(summary["targets"]) == {"train_mfu_qwen2.5-1.5b_bf16", "decode_speedup_batch256"}
+    assert set(summary["targets"]) == {"train_mfu_qwen2.5-1.5b_bf16", "train_mfu_qwen3-moe-2b_bf16",
+                                       "decode_speedup_batch64", "decode_bandwidth_share_batch64",
+                                       "decode_bandwidth_share_batch256"}
     assert all(t["met"] is None for t in summary["targets"].values())  # not applicable on a CPU
 
     saved = json.loads(out.read_text())
     assert saved["device"] == "cpu" and saved["mode"] == "cpu" and saved["failed"] == []
     assert saved["lines"] == lines  # every printed line, in order
-    assert "gpu_suite on cpu" in p.stdout and "target decode_speedup_batch256" in p.stdout  # the table
+    assert "gpu_suite on cpu" in p.stdout and "target decode_bandwidth_share_batch64" in p.stdout  # the table
 
 
 def test_a_failing_part_is_recorded_and_the_suite_goes_on(tmp_path):

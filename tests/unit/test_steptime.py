@@ -234,3 +234,15 @@ def test_a_split_model_on_this_cpu_is_priced_from_its_own_layouts_measurement(tm
     bare.eager_layer_s = {k: v for k, v in bare.eager_layer_s.items() if not k.endswith(("/tp2ep2", "/dp2", "/tp2"))}
     fallback = _stage(predict(recipe, plan, bare), "update")
     assert "TP/EP traffic" in fallback.detail  # one-process cost plus the modelled collectives
+
+
+def test_a_benchmarked_device_finds_its_row_by_its_reported_name():
+    from rlrecipes.hardware import hardware_of_device
+
+    assert hardware_of_device("NVIDIA H200", "cuda") == "h200"  # not the H20 row it also contains
+    assert hardware_of_device("NVIDIA H20", "cuda") == "h20"
+    assert hardware_of_device("NVIDIA H100 80GB HBM3", "cuda") == "h100"
+    assert hardware_of_device("Ascend910B3", "npu") == "atlas-a2"
+    assert hardware_of_device("Ascend910_9392", "npu") == "atlas-a3"
+    assert hardware_of_device("anything", "cpu") == "cpu"
+    assert hardware_of_device("NVIDIA A100-SXM4-80GB", "cuda") is None  # no row: no share is claimed
