@@ -28,6 +28,11 @@ def free_port() -> int:
 def cluster_env(tmp_path):
     if shutil.which("ray") is None:
         pytest.skip("the `ray` CLI is not on PATH")
+    # this test ends with `ray stop --force`, which stops every Ray on the machine: the e2e tests'
+    # shared in-process session (inproc.py) ends first and starts again on the next run that needs it
+    from inproc import shutdown_ray
+
+    shutdown_ray()
     port = free_port()
     # Ray rewrites 127.0.0.1 in an address to this machine's node IP and then looks for a raylet
     # there, so the cluster uses that IP (a local interface: nothing leaves the machine)
