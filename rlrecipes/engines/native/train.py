@@ -101,6 +101,7 @@ class NativeTrainEngine(TokenScores, EngineState, MeshRanks, base.TrainEngine):
             :mod:`.ulysses`): they hold the
             same samples, each runs its ``1 / sp`` of every row; ``dp = world // (tp * sp)``.
         head_chunk_tokens: tokens per chunk of the LM head (:mod:`.head`; 0: the HF head's logits).
+        moe_grouped_mm: under EP, the local experts as grouped GEMMs (:class:`.parallel.EPExperts`).
     """
 
     metric_prefix = "actor"
@@ -116,7 +117,7 @@ class NativeTrainEngine(TokenScores, EngineState, MeshRanks, base.TrainEngine):
                  attn_implementation: str = "sdpa", micro_batch_size: int = 4, pad_token_id: int = 0,
                  max_tokens_per_micro_batch: int | None = None, recompute: bool = False,
                  offload_optimizer: bool = False, small_model_bytes: int = SMALL_MODEL_BYTES, lora: Any = None,
-                 sp: int = 1, head_chunk_tokens: int = head_ops.DEFAULT_CHUNK_TOKENS):
+                 sp: int = 1, head_chunk_tokens: int = head_ops.DEFAULT_CHUNK_TOKENS, moe_grouped_mm: bool = False):
         if role not in self.serves:
             raise ValueError(f"role={role!r}: {type(self).__name__} builds {' or '.join(map(repr, self.serves))}"
                              + (" (the critic is NativeValueEngine)" if role == "critic" else ""))
@@ -172,7 +173,8 @@ class NativeTrainEngine(TokenScores, EngineState, MeshRanks, base.TrainEngine):
         self._vocab_parallel = self.mesh.tp > 1 and role != "critic"
         self.model = par.parallelize(hf_model, self.mesh, fsdp=self.fsdp,
                                      mp_dtype=self.compute_dtype if low_precision else None,
-                                     replicate_head=role == "critic", vocab_parallel_head=self._vocab_parallel)
+                                     replicate_head=role == "critic", vocab_parallel_head=self._vocab_parallel,
+                                     moe_grouped_mm=moe_grouped_mm)
         if self._vocab_parallel:
             self._vocab_start = self.mesh.tp_rank * -(-self.dims.vocab_size // self.mesh.tp)
         if self.mesh.sp > 1:  # every attention module learns its SP group (recompute in backward finds it)
