@@ -89,12 +89,12 @@ class _CountCollectives:
 
 
 def case_fsdp(rank):
+    import torch.distributed as dist
     from torch.distributed.tensor import DTensor
-
-    from rlrecipes.engines.native.head import unsupported
 
     from rlrecipes.core.parallel import ParallelLayout
     from rlrecipes.engines.native import parallel as par
+    from rlrecipes.engines.native.head import unsupported
     from rlrecipes.engines.native.loader import build_model
     from rlrecipes.models import smoke_dims
 
