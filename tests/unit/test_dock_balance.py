@@ -183,7 +183,7 @@ def test_claims_match_the_reference():
         part, holders = ref_round(m, cols, k, whole, taken)
         assert got == part and m.last_partition == part and m.last_holders == holders
         assert all(type(x) is int for p in got for x in p)
-        cached, stored = m.where(cols, got[0])
-        assert sorted(x for xs in stored["by_warehouse"].values() for x in xs) == got[0]
-        assert all(int(m.warehouse[x]) == wh for wh, xs in stored["by_warehouse"].items() for x in xs)
+        claimed = m.where(cols, got[0])
+        assert sorted(x for xs in claimed.by_warehouse.values() for x in xs) == got[0]
+        assert all(int(m.warehouse[x]) == wh for wh, xs in claimed.by_warehouse.items() for x in xs)
     assert rounds > 250

@@ -26,7 +26,7 @@ from rlrecipes.core.dock.channel import Channel, ChannelServer, DockKeys
 from rlrecipes.core.dock.client import _put_meta
 from rlrecipes.core.dock import messages as m
 from rlrecipes.core.dock.messages import CachedOn
-from rlrecipes.core.dock.packing import write_part
+from rlrecipes.core.dock.messages import write_part
 from rlrecipes.core.dock.warehouse import _Warehouse
 
 UNPICKLED: list[str] = []

@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field, fields
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from .errors import DockError
-from .packing import _from_wire, to_wire
+from .packing import _from_wire, detached, slice_packed, to_wire
 
 NoneType = type(None)
 
@@ -322,6 +322,13 @@ class Write(Request):
     columns: dict
     meta: dict
     hops: int = 0
+
+
+def write_part(rows: Sequence[int], packed: dict, meta: dict, pos: Sequence[int], hops: int = 0):
+    """The write of positions ``pos`` of a put (``rows``, ``{col: Packed}``, ``{col: (dtype, stacked,
+    per-row lengths)}``) as one warehouse takes it: a :class:`Write`."""
+    return Write([rows[i] for i in pos], {c: detached(slice_packed(p, pos)) for c, p in packed.items()},
+                 {c: (d, st, [ls[i] for i in pos]) for c, (d, st, ls) in meta.items()}, hops)
 
 
 @message

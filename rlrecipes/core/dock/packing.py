@@ -112,14 +112,6 @@ def detached(p: Packed) -> Packed:
     return Packed(np.frombuffer(flat.tobytes(), flat.dtype), p.shapes, p.dtype, p.stacked)
 
 
-def write_part(rows: Sequence[int], packed: dict, meta: dict, pos: Sequence[int], hops: int = 0):
-    """The write of positions ``pos`` of a put (``rows``, ``{col: Packed}``, ``{col: (dtype, stacked,
-    per-row lengths)}``) as one warehouse takes it: a :class:`~.messages.Write`."""
-    from .messages import Write
-    return Write([rows[i] for i in pos], {c: detached(slice_packed(p, pos)) for c, p in packed.items()},
-                 {c: (d, st, [ls[i] for i in pos]) for c, (d, st, ls) in meta.items()}, hops)
-
-
 def positions_by(keys: Sequence[int]) -> dict[int, list[int]]:
     """The positions of each key (a warehouse per row): ``{key: [positions]}``, in order."""
     out: dict[int, list[int]] = {}

@@ -10,7 +10,7 @@ import numpy as np
 from . import messages as m
 from .channel import ChannelPool, ChannelTimeout, Reply
 from .errors import DockError, DockTimeout, DEFAULT_TIMEOUT_S
-from .packing import Packed, concat_packed, positions_by, slice_packed, unpack, write_part
+from .packing import Packed, concat_packed, positions_by, slice_packed, unpack
 from .client import Batch, DockClient, _put_meta, _cached_meta, _empty_batch
 
 
@@ -163,7 +163,7 @@ class RayDock(DockClient):
                 self._learn(rows, self._wait(self._ctl(m.Placement(rows))).warehouses)
             wh_of = [self._wh_of[r] for r in rows]
         for w, pos in positions_by(wh_of).items():
-            write = write_part(rows, packed, meta, pos)
+            write = m.write_part(rows, packed, meta, pos)
             if defer:
                 self._deferred.setdefault(w, []).append(write)
             else:

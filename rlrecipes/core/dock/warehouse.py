@@ -10,7 +10,7 @@ import time
 
 from .errors import DockError
 from . import messages as m
-from .packing import positions_by, write_part, _ColumnStore
+from .packing import positions_by, _ColumnStore
 from .metadata import _Meta
 
 
@@ -218,7 +218,7 @@ class _Warehouse:
             return res
         if req.hops >= self.MAX_HOPS or not self._peers:
             return m.Refused(f"put: rows {list(rows)[:8]} kept moving between warehouses")
-        parts = {w: write_part(rows, packed, req.meta, pos, req.hops + 1)
+        parts = {w: m.write_part(rows, packed, req.meta, pos, req.hops + 1)
                  for w, pos in positions_by(res.warehouses).items()}
         sent = [self._ask(w, part) for w, part in parts.items() if w != self.index]
         here = [self.write(parts[self.index])] if self.index in parts else []   # its rows that are this one's
