@@ -18,8 +18,6 @@ name and its function runs on the batch it reads. Nothing else changes.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 import torch
 import torch.distributed as dist
 
@@ -29,9 +27,6 @@ from ..core.collectives import all_gather_objects, broadcast_object
 from ..engines.base import SeqBatch
 from .batching import all_gather, gather_in_model_parallel_group, global_counts, local_counts, seq_batch, subset
 from .pool_rows import PoolBatch, commit, load_carried
-
-if TYPE_CHECKING:
-    from .stage_io import StageBatch, StageIO
 
 #: share name -> the share object (``Stage.share`` names one)
 SHARES: dict[str, "Share"] = {}
@@ -50,7 +45,9 @@ def share(name: str):
 
 
 class Share:
-    """A way of sharing a stage's rows out: its read paired with its write."""
+    """A way of sharing a stage's rows out: its read paired with its write. Each method gets ``io``, the
+    step's :class:`~.stage_io.StageIO` (what every share reads and writes through), and returns or
+    gets a :class:`~.stage_io.StageBatch`."""
 
     name = ""
     needs_engine = False
@@ -63,28 +60,28 @@ class Share:
             raise ValueError(f"stage {stage.name!r}: share {self.name!r} hands out an engine's data-parallel "
                              "share; name the engine (Stage.engine) in rlrecipes/algos/spec.py")
 
-    def stays_local(self, io: "StageIO", stage: Stage) -> bool:
+    def stays_local(self, io, stage: Stage) -> bool:
         """On a colocated worker (``local`` shares only): whether this stage can run on the worker's own
         rows. Decided from the config and earlier decisions only, so alike on every rank."""
         return self.local
 
-    def read(self, io: "StageIO", stage: Stage) -> "StageBatch":
+    def read(self, io, stage: Stage):
         raise NotImplementedError
 
-    def read_own(self, io: "StageIO", stage: Stage) -> "StageBatch":
+    def read_own(self, io, stage: Stage):
         raise NotImplementedError
 
-    def write(self, io: "StageIO", stage: Stage, batch: "StageBatch", writes: dict) -> None:
+    def write(self, io, stage: Stage, batch, writes: dict) -> None:
         """The stage's writes (checked in a strict batch); a model-parallel peer's are its leader's."""
         if io.strict:
             io.check_writes(stage, batch, writes)
         if writes and batch.rows and (batch.engine is None or batch.engine.is_data_leader):
             (self.store_own if batch.local else self.store)(io, batch, writes)
 
-    def store(self, io: "StageIO", batch: "StageBatch", writes: dict) -> None:
+    def store(self, io, batch, writes: dict) -> None:
         io.put(batch.rows, writes)
 
-    def store_own(self, io: "StageIO", batch: "StageBatch", writes: dict) -> None:
+    def store_own(self, io, batch, writes: dict) -> None:
         raise NotImplementedError
 
 
