@@ -62,7 +62,10 @@ class SeqBatch:
 
     ``per_token[c][i]`` has shape ``[R_i]``; ``per_sample[c]`` has shape ``[n]``;
     ``routed_experts[i]`` (MoE routing replay, optional) has shape ``[P_i + R_i, moe_layers, k]``
-    with ``-1`` where a token's routing was not recorded.
+    with ``-1`` where a token's routing was not recorded. ``images[i]`` (vision-language models,
+    optional) is sample ``i``'s :class:`~rlrecipes.models.vision.VisionInput` or None: host tensors
+    the workflow resolves from the sample's prompt (one object per prompt, shared by its samples and
+    by every stage, never copied into the dock); the engine moves the pixels to its device.
     """
 
     prompts: list[torch.Tensor]
@@ -70,6 +73,7 @@ class SeqBatch:
     per_token: dict[str, list[torch.Tensor]] = field(default_factory=dict)
     per_sample: dict[str, torch.Tensor] = field(default_factory=dict)
     routed_experts: Optional[list[torch.Tensor]] = None
+    images: Optional[list] = None
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -79,7 +83,8 @@ class SeqBatch:
         return SeqBatch([self.prompts[i] for i in idx], [self.responses[i] for i in idx],
                         {c: [v[i] for i in idx] for c, v in self.per_token.items()},
                         {c: v[sel] for c, v in self.per_sample.items()},
-                        [self.routed_experts[i] for i in idx] if self.routed_experts is not None else None)
+                        [self.routed_experts[i] for i in idx] if self.routed_experts is not None else None,
+                        [self.images[i] for i in idx] if self.images is not None else None)
 
     def to(self, device: torch.device | str) -> "SeqBatch":
         """Every tensor of the batch on ``device`` (``self`` when all are there already). A column whose
@@ -90,7 +95,8 @@ class SeqBatch:
         return SeqBatch(_rows_to(self.prompts, device), _rows_to(self.responses, device),
                         {c: _rows_to(v, device) for c, v in self.per_token.items()},
                         {c: v.to(device) for c, v in self.per_sample.items()},
-                        _rows_to(self.routed_experts, device) if self.routed_experts is not None else None)
+                        _rows_to(self.routed_experts, device) if self.routed_experts is not None else None,
+                        self.images)  # pixels stay on the host until the engine's forward
 
     def _tensors(self):
         yield from self.prompts
@@ -204,6 +210,9 @@ class EngineSpec:
     max_model_len: Optional[int] = None
     """Rollout engines: the longest sequence (prompt + response) served; None: the engine's default
     (vLLM: the model's context length)."""
+    freeze_vision_tower: bool = True
+    """Vision-language actors: keep the vision tower (patch embedding and blocks) frozen; the merger
+    trains (``actor.freeze_vision_tower``)."""
 
 
 class _Parallel(abc.ABC):
@@ -325,9 +334,12 @@ class RolloutEngine(_Parallel):
         """The dtype its weights are held in (the resharder sends this dtype)."""
 
     @abc.abstractmethod
-    def generate(self, prompts: Sequence[torch.Tensor], params: SamplingParams, *, seed: int) -> RolloutOutput:
+    def generate(self, prompts: Sequence[torch.Tensor], params: SamplingParams, *, seed: int,
+                 images: Optional[Sequence[Any]] = None) -> RolloutOutput:
         """Sample one response per prompt (1-D token tensors in, any lengths). The same ``seed``
-        on the same weights gives the same responses. Collective over the rollout TP group."""
+        on the same weights gives the same responses. Collective over the rollout TP group.
+        ``images[i]``: prompt ``i``'s :class:`~rlrecipes.models.vision.VisionInput` (or None) for a
+        vision-language model; an engine that cannot take images raises."""
 
     def open_session(self, prompts: Sequence[torch.Tensor], params: SamplingParams, *, seed: int) -> "TurnSession":
         """A multi-turn session over ``prompts``: the agent loop continues each conversation turn by

@@ -68,6 +68,8 @@ def kind_of(name: str) -> Kind:
         return "expert"
     if ".lora_A." in name or ".lora_B." in name:
         return "replicated"  # LoRA adapters: small, trained and synced whole (TP with LoRA is refused)
+    if _is_vision(name):
+        return "replicated"  # a VL model's vision tower and merger: whole on every TP rank
     module, leaf = _module_of(name)
     kind = RULES.get(f"{module}.{leaf}")
     if kind is None and leaf in ("weight", "bias"):
@@ -78,6 +80,10 @@ def kind_of(name: str) -> Kind:
     if kind == "row" and leaf == "bias":
         return "replicated"
     return kind
+
+
+def _is_vision(name: str) -> bool:
+    return name.startswith("visual.") or ".visual." in name
 
 
 def rules_table() -> str:
@@ -140,6 +146,8 @@ def stage_of(name: str, pp_layers: Sequence[int] | None) -> int:
     """Pipeline stage of a parameter under a layer split (None: one stage)."""
     if not pp_layers or len(pp_layers) == 1:
         return 0
+    if _is_vision(name):
+        return 0  # the vision tower feeds the first stage's embeddings
     layer = layer_of(name)
     if layer is None:
         module, _ = _module_of(name)
