@@ -90,11 +90,12 @@ class StageBatch:
     def __init__(self, stage: Stage, state: StepState, rows: Sequence[int] = (), columns: Optional[dict] = None, *,
                  strict: bool = False, engine: Union[TrainEngine, RolloutEngine, None] = None,
                  new: Optional[NewRows] = None, mini_batches: Optional[list[SeqBatch]] = None,
-                 counts: Optional[list] = None, io: Optional["DockIO"] = None):
+                 counts: Optional[list] = None, io: Optional["DockIO"] = None, images_of=None):
         self.stage, self.state, self.rows = stage, state, list(rows)
         self._columns = dict(columns or {})
         self.strict, self.engine, self.new = strict, engine, new
         self.mini_batches, self.counts, self._io = mini_batches, counts, io
+        self._images_of = images_of  # prompt_index -> the prompts' images (a VL dataset)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -108,7 +109,8 @@ class StageBatch:
 
     def seq_batch(self) -> SeqBatch:
         """The rows as an engine-neutral batch of the declared columns."""
-        return seq_batch({"rows": self.rows, **self._columns}, per_token=[c for c in PER_TOKEN if c in self._columns])
+        return seq_batch({"rows": self.rows, **self._columns}, per_token=[c for c in PER_TOKEN if c in self._columns],
+                         images_of=self._images_of)
 
     def drop_rows(self, rows: Sequence[int]) -> None:
         """Take rows out of the step (DAPO's filter): later stages never see them."""
@@ -147,7 +149,8 @@ class DockIO:
         return getattr(self, self.READERS[stage.share])(stage)
 
     def _batch(self, stage: Stage, rows, columns, **kw) -> StageBatch:
-        return StageBatch(stage, self.state, rows, columns, strict=self.strict, io=self, **kw)
+        return StageBatch(stage, self.state, rows, columns, strict=self.strict, io=self,
+                          images_of=self.ctx.data.images, **kw)
 
     def _read_none(self, stage: Stage) -> StageBatch:
         return self._batch(stage, [], {})
@@ -221,7 +224,8 @@ class DockIO:
     def _mini_batches(self, data: dict) -> list[SeqBatch]:
         n, k = len(data["rows"]), self.ctx.n_mini
         per_token = [c for c in PER_TOKEN if c in data]
-        return [seq_batch(subset(data, list(range(n))[m::k]), per_token=per_token) for m in range(k)]
+        return [seq_batch(subset(data, list(range(n))[m::k]), per_token=per_token, images_of=self.ctx.data.images)
+                for m in range(k)]
 
     # ------------------------------------------------------------------ writes
     def write(self, stage: Stage, batch: StageBatch, writes: dict) -> None:

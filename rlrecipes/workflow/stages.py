@@ -61,7 +61,8 @@ def rollout(ctx: Context, b: StageBatch) -> dict:
         writes = _agent_rollout(ctx, b, prompts, index, params, seed)
     else:
         # every rank calls generate, with no prompts too: vLLM's DP-attention ranks step together
-        out = eng.generate(prompts, params, seed=seed)
+        images = ctx.data.images(index)  # a VL dataset: the prompts' pixels, by reference
+        out = eng.generate(prompts, params, seed=seed, **({"images": images} if images is not None else {}))
         writes = {"response_ids": out.responses, "rollout_log_probs": out.log_probs}
         if "routed_experts" in b.stage.writes:  # MoE routing replay: the experts every token used
             writes["routed_experts"] = out.routed_experts
