@@ -1,7 +1,7 @@
 """What do slow tools cost a multi-turn rollout? The agent loop with 100 ms tools vs instant ones.
 
 ``--samples`` (64) conversations, each making exactly ``--calls`` (2) tool calls, through the real
-:class:`rlrecipes.agent.loop.AgentLoop`, a :class:`rlrecipes.agent.ToolPool` of ``--workers``
+:class:`rlrecipes.agent.loop.AgentLoop`, a :class:`rlrecipes.agent.ToolExecutor` of ``--workers``
 (64) threads and the native rollout engine's KV-cache turn session on a smoke model (random
 weights, fp32), two ways:
 
@@ -57,7 +57,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from rlrecipes.agent import ParsedTurn, ToolCall, ToolFormat, ToolPool, ToolRegistry  # noqa: E402
+from rlrecipes.agent import ParsedTurn, ToolCall, ToolFormat, ToolExecutor, ToolRegistry  # noqa: E402
 from rlrecipes.agent.loop import AgentLimits, AgentLoop, agent_metrics, agent_sums  # noqa: E402
 from benchmarks.rollout_vs_generate import ensure_process_group  # noqa: E402
 
@@ -129,7 +129,7 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=64)
     ap.add_argument("--calls", type=int, default=2, help="tool calls per sample")
     ap.add_argument("--tool-s", type=float, default=0.1, help="seconds the sleepy tool sleeps")
-    ap.add_argument("--workers", type=int, default=64, help="ToolPool threads")
+    ap.add_argument("--workers", type=int, default=64, help="ToolExecutor threads")
     ap.add_argument("--max-new", type=int, default=24, help="per-turn max_new_tokens")
     ap.add_argument("--family", default="qwen2")
     ap.add_argument("--device", default=None, help="engine device (default: the engine's choice)")
@@ -163,7 +163,7 @@ def main() -> None:
         for mode, seconds in (("sleepy", a.tool_s), ("instant", 0.0)):
             reg = ToolRegistry()
             reg.add(make_tool(seconds), name=TOOL)
-            loops[mode] = AgentLoop(fmt, ToolPool(reg, max_workers=a.workers, timeout_s=max(10.0, 10 * a.tool_s)),
+            loops[mode] = AgentLoop(fmt, ToolExecutor(reg, max_workers=a.workers, timeout_s=max(10.0, 10 * a.tool_s)),
                                     tok, limits, eos_ids=[tok.eos_token_id])
         stops = loops["sleepy"].stop_token_ids()
         # EOS is left out of the engine's stops on purpose (see the module doc): every turn ends at a digit

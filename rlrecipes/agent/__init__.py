@@ -1,4 +1,4 @@
-"""Multi-turn agent helpers: tools, tool-call formats, a tool pool and the Python sandbox.
+"""Multi-turn agent helpers: tools, tool-call formats, a tool-call executor and the Python sandbox.
 
 These are the pieces the rollout stage's agent loop (``rollout.multi_turn``: :mod:`.loop`) is
 made of; :mod:`.setup` builds them from the recipe. Per sample the loop:
@@ -7,9 +7,9 @@ made of; :mod:`.setup` builds them from the recipe. Per sample the loop:
    format's closing parenthesis), the end-of-turn token (Qwen's ``<|im_end|>``) or a limit;
 2. parse the new segment with :meth:`ToolFormat.parse` into :class:`ToolCall` s (a malformed
    call is a call with ``error`` set, never an exception);
-3. hand them to :meth:`ToolPool.submit`, which runs them concurrently in a bounded thread pool,
+3. hand them to :meth:`ToolExecutor.submit`, which runs them concurrently in a bounded thread pool,
    each under its own timeout, while the loop goes on generating the other samples;
-4. when a sample's futures are done (:meth:`ToolPool.results`, in call order, one
+4. when a sample's futures are done (:meth:`ToolExecutor.results`, in call order, one
    :class:`ToolResult` per call, ``ok=False`` for every kind of failure), render them with
    :meth:`ToolFormat.render_observation` (Qwen: the tokenizer's own chat template through
    :func:`render_tool_turn`, so the appended tokens are the template's), tokenize that text
@@ -37,7 +37,7 @@ from .parsing import (
     get_format,
     render_tool_turn,
 )
-from .pool import ToolPool
+from .executor import ToolExecutor
 from .sandbox import SandboxConfig, SandboxMode, SandboxResult, run_python, sandbox_mode
 from .tools import (
     BUILTIN_TOOLS,
@@ -54,7 +54,7 @@ from .tools import (
 
 __all__ = [
     "BUILTIN_TOOLS", "ParsedTurn", "QwenFormat", "SMOKE_ALPHABET", "SandboxConfig", "SandboxMode", "SandboxResult",
-    "SmokeFormat", "TOOL_FORMATS", "Tool", "ToolCall", "ToolError", "ToolFormat", "ToolPool", "ToolRegistry",
+    "SmokeFormat", "TOOL_FORMATS", "Tool", "ToolCall", "ToolError", "ToolFormat", "ToolExecutor", "ToolRegistry",
     "ToolResult", "ToolSpecError", "calculator", "get_format", "parse_docstring", "render_tool_turn", "run_python",
     "sandbox_mode", "tool_schema", "validate_arguments",
 ]

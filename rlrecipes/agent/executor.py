@@ -1,4 +1,5 @@
-"""A pool of threads that runs tool calls concurrently, each call under its own timeout.
+"""The tool-call executor: a bounded set of threads that runs tool calls concurrently, each call under
+its own timeout.
 
 The rollout's agent loop submits a sample's calls as soon as they are parsed and goes on
 generating the other samples; one slow tool then holds one pool thread for at most its timeout,
@@ -19,7 +20,7 @@ from .parsing import ToolCall
 from .tools import ToolRegistry, ToolResult
 
 
-class ToolPool:
+class ToolExecutor:
     """Run :class:`ToolCall` s of a registry in ``max_workers`` threads.
 
     Args:
@@ -31,9 +32,9 @@ class ToolPool:
 
     def __init__(self, registry: ToolRegistry, max_workers: int = 8, timeout_s: float | None = None):
         if max_workers < 1:
-            raise ValueError(f"ToolPool: max_workers must be >= 1; got {max_workers}")
+            raise ValueError(f"ToolExecutor: max_workers must be >= 1; got {max_workers}")
         if timeout_s is not None and timeout_s <= 0:
-            raise ValueError(f"ToolPool: timeout_s must be > 0; got {timeout_s}")
+            raise ValueError(f"ToolExecutor: timeout_s must be > 0; got {timeout_s}")
         self.registry = registry
         self.max_workers = max_workers
         self.timeout_s = registry.default_timeout_s if timeout_s is None else timeout_s
@@ -75,7 +76,7 @@ class ToolPool:
         """Stop accepting calls; ``wait``: until the running ones have finished."""
         self._executor.shutdown(wait=wait, cancel_futures=not wait)
 
-    def __enter__(self) -> "ToolPool":
+    def __enter__(self) -> "ToolExecutor":
         return self
 
     def __exit__(self, *exc) -> None:

@@ -1,7 +1,7 @@
 """The agent loop: multi-turn generation with tool calls, over a rollout engine's turn session.
 
 Per sample: generate a segment until EOS, a stop token of the tool format or the turn's token
-limit; parse it; run its calls in the :class:`ToolPool` (concurrently with everything else);
+limit; parse it; run its calls in the :class:`ToolExecutor` (concurrently with everything else);
 append the rendered results as *observation* tokens; continue on the same sample, until it ends
 its turn without a call, or reaches ``max_turns``, ``max_tool_calls`` or ``max_response_tokens``.
 
@@ -34,7 +34,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from .parsing import ToolCall, ToolFormat
-from .pool import ToolPool
+from .executor import ToolExecutor
 from .tools import ToolResult
 
 
@@ -92,7 +92,7 @@ class AgentLoop:
 
     Args:
         fmt: the tool format (how calls are written and results rendered).
-        pool: runs the calls (its registry holds the tools).
+        executor: runs the calls (its registry holds the tools).
         tokenizer: encodes observations and decodes segments.
         limits: the per-sample limits.
         eos_ids: the tokens that end an assistant turn.
@@ -101,12 +101,12 @@ class AgentLoop:
             one call for many samples beats several for a few).
     """
 
-    def __init__(self, fmt: ToolFormat, pool: ToolPool, tokenizer: Any, limits: AgentLimits, eos_ids: Sequence[int],
+    def __init__(self, fmt: ToolFormat, executor: ToolExecutor, tokenizer: Any, limits: AgentLimits, eos_ids: Sequence[int],
                  coalesce_s: float = 0.005):
-        self.fmt, self.pool, self.tok, self.limits = fmt, pool, tokenizer, limits
+        self.fmt, self.executor, self.tok, self.limits = fmt, executor, tokenizer, limits
         self.coalesce_s = coalesce_s
         self.eos = {int(e) for e in eos_ids}
-        self.tools = pool.registry.schemas()
+        self.tools = executor.registry.schemas()
         self._stops: Optional[tuple[int, ...]] = None
 
     def stop_token_ids(self) -> tuple[int, ...]:
@@ -183,7 +183,7 @@ class AgentLoop:
         if kwargs:  # the sample's own tool arguments, under what the model wrote
             calls = [ToolCall(c.name, {**kwargs.get(c.name, {}), **c.arguments}, c.raw, c.error) for c in calls]
         r.calls += len(calls)
-        r.pending = (self.pool.submit(calls), calls, time.perf_counter())
+        r.pending = (self.executor.submit(calls), calls, time.perf_counter())
 
     def _harvest(self, rows: list[_Row]) -> None:
         """Turn every finished set of tool results into its sample's observation tokens."""
@@ -193,7 +193,7 @@ class AgentLoop:
                 continue
             futures, calls, _ = r.pending
             r.pending = None
-            results: list[ToolResult] = ToolPool.results(futures)
+            results: list[ToolResult] = ToolExecutor.results(futures)
             r.latency.extend(x.latency_s for x in results)  # the tools' own time, not the loop's
             r.errors += sum(1 for x in results if not x.ok)
             room = min(L.max_observation_tokens, L.max_response_tokens - r.length - 1)  # 1: the model answers

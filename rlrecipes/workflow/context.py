@@ -134,7 +134,7 @@ class Context:
     """The run's rendezvous store (disaggregated placement): a trainer announces a policy version
     there before sending it, so a partial rollout can stop between chunks to receive it."""
     carried_groups: int = 0
-    """A pooled rollout's rank 0: the groups it left in :attr:`pool_dock` at its last step."""
+    """A pooled rollout's rank 0: the groups it left in :attr:`carry_dock` at its last step."""
 
     def __post_init__(self) -> None:
         self.dock = self.docks[0]
@@ -159,7 +159,7 @@ class Context:
         return self.rank == 0 and self.role != Role.ROLLOUT
 
     @property
-    def pool_dock(self) -> Optional[TransferDock]:
+    def carry_dock(self) -> Optional[TransferDock]:
         """A pooled rollout's carry-over dock (the last of ``docks``, outside the ring): the groups
         still generating between two steps, which only rollout workers read and write."""
         return self.docks[-1] if pooled_rollout(self.recipe) else None
@@ -256,7 +256,7 @@ def _colocated_layouts(r: Recipe, world: int) -> tuple[ParallelLayout, ParallelL
 
 def build_agent(r: Recipe, tokenizer, tools: "ToolRegistry") -> "AgentLoop":
     """The agent loop of a rollout worker: the tool format, a tool pool, the limits."""
-    from ..agent import ToolPool, get_format
+    from ..agent import ToolExecutor, get_format
     from ..agent.loop import AgentLimits, AgentLoop
     from ..agent.setup import tool_format_name
 
@@ -266,7 +266,7 @@ def build_agent(r: Recipe, tokenizer, tools: "ToolRegistry") -> "AgentLoop":
     limits = AgentLimits(max_turns=mt.max_turns, max_tool_calls=mt.max_tool_calls,
                          max_response_tokens=mt.max_response_tokens, max_new_tokens=r.rollout.sampling.max_new_tokens,
                          max_observation_tokens=mt.max_observation_tokens)
-    return AgentLoop(fmt, ToolPool(tools, max_workers=mt.tool_workers, timeout_s=mt.tool_timeout_s), tokenizer,
+    return AgentLoop(fmt, ToolExecutor(tools, max_workers=mt.tool_workers, timeout_s=mt.tool_timeout_s), tokenizer,
                      limits, eos_ids=[tokenizer.eos_token_id])
 
 

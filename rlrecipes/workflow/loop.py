@@ -1,8 +1,8 @@
 """One worker's controller loop over the algorithm's stage DAG.
 
-For each stage the step's I/O object (``stage_io.py``, chosen once per step by the placement)
-hands the stage its declared reads, the stage function (``stages.py``) returns its declared
-writes, and the I/O object publishes them. Stages of one repeat group (DAPO's generation rounds)
+For each stage the step's I/O object (``stage_io.py``, set once per step by the placement) and
+the stage's share (``shares.py``) hand the stage its declared reads, the stage function of the
+same name (``stages.py``) returns its declared writes, and the share writes them. Stages of one repeat group (DAPO's generation rounds)
 run again while dynamic sampling asks for more groups. After the stages, one all-gather of small
 per-worker facts lets rank 0 assemble the step's metrics row (``step_metrics.py``).
 """
@@ -15,13 +15,13 @@ import torch.distributed as dist
 from ..core.collectives import all_gather_objects
 from ..metrics import StageTimer
 from .context import Context, Role
-from .stage_io import DockIO, StepState, step_io
+from .stage_io import StageIO, StepState, step_io
 from . import pool  # noqa: F401  (registers the pooled rollout's stage function)
-from .stages import RUNNERS, receive_weights
+from .stages import STAGE_FUNCTIONS, receive_weights
 from .step_metrics import metrics_row, reward_failed, step_facts, sync_metrics
 
 
-def run_stages(ctx: Context, io: DockIO) -> None:
+def run_stages(ctx: Context, io: StageIO) -> None:
     stages, st = ctx.stages, io.state
     i = 0
     while i < len(stages):
@@ -32,10 +32,9 @@ def run_stages(ctx: Context, io: DockIO) -> None:
         while True:
             for stage in stages[i:j]:
                 ctx.report(stage.name)
-                with ctx.timer.stage(stage.name, ctx.dock):
+                with ctx.timer.stage(stage.reports_as, ctx.dock):
                     batch = io.read(stage)
-                    io.write(stage, batch, RUNNERS[stage.runner](ctx, batch))
-                    io.end_stage(stage)
+                    io.write(stage, batch, STAGE_FUNCTIONS[stage.name](ctx, batch))
             if not (group and st.more):
                 break
         i = j

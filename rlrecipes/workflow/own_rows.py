@@ -16,11 +16,9 @@ from typing import Sequence
 
 import torch
 
+from ..algos.columns import CACHED
 from ..core.dock import Batch
 from .batching import subset
-
-#: columns a forward pass produces; they stay in the TensorCache of the worker that computed them
-CACHED = ("ref_log_probs", "old_log_probs", "values")
 
 
 class OwnRows:

@@ -8,7 +8,7 @@ pooled rollout worker keeps a pool of prompt groups instead of one batch:
   unfinished sample generates ``rollout.chunk_tokens`` tokens at a time; after each chunk the
   rollout workers agree (one small all-gather) whether enough groups are complete. The step then
   commits the batch's worth of complete groups, oldest first, to its dock; the rest stay in the
-  **carry-over dock** (``Context.pool_dock``) and continue in the next step. No group is dropped:
+  **carry-over dock** (``Context.carry_dock``) and continue in the next step. No group is dropped:
   a group leaves the pool only by being trained on (or by DAPO's filter, counted); a sample past
   the token-staleness bound is regenerated (below).
 - **Partial rollout** (``rollout.partial``): between chunks the rollout also looks whether the
@@ -25,7 +25,7 @@ pooled rollout worker keeps a pool of prompt groups instead of one batch:
 (the version the group was finished under), and ``step - algorithm.max_staleness <= version`` holds
 for every committed row. Every response token is bounded as well: ``step -
 algorithm.max_token_staleness <= its version`` (the bound ``B`` defaults to ``max_staleness``; the
-step's largest lag is ``async/token_staleness_max``, and the trainers' ``scored`` stage refuses a
+step's largest lag is ``async/token_staleness_max``, and the trainers' ``pool_reward`` stage refuses a
 token past ``B``). ``rollout.on_stale`` says how the pool keeps it:
 
 - ``regenerate`` (default): a carried sample whose oldest token is past ``B`` when a step starts is
@@ -279,7 +279,7 @@ def pool_rollout(ctx: Context, b: StageBatch) -> dict:
     finally:
         gen.close()
         eng.sleep()
-    ctx.timer.add_compute("rollout", time.perf_counter() - t0 - t_weights)
+    ctx.timer.add_compute(b.stage.reports_as, time.perf_counter() - t0 - t_weights)
     # committed: the batch's worth of complete groups, oldest first, and any complete group the next
     # step could not take; the rest stay in the pool
     ready = sorted((i for i in range(len(groups)) if done[i] and i not in dropped), key=lambda i: (groups[i].born, i))

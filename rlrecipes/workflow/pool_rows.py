@@ -1,5 +1,6 @@
 """A pooled rollout's groups and where they live between steps: the carry-over dock and the step's
-dock (``workflow/pool.py`` generates them; ``stage_io.DockIO`` reads and writes them through here)."""
+dock (``workflow/pool.py`` generates them; the ``carried`` share, ``workflow/shares.py``, reads and
+writes them through here)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -8,12 +9,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ..algos.columns import CARRY_COLUMNS
 from ..core.collectives import broadcast_object
 from .context import Context
-
-#: a carried row's columns in the carry-over dock
-CARRY_COLUMNS = ("prompt_ids", "response_ids", "rollout_log_probs", "token_versions", "prompt_index", "born",
-                 "done", "scores", "acc")
 
 
 @dataclass
@@ -77,7 +75,7 @@ def load_carried(ctx: Context, timeout: float) -> list[Group]:
     claims them, one broadcast shares them)."""
     got = None
     if ctx.rank == 0 and ctx.carried_groups:
-        b = ctx.pool_dock.get("continue", list(CARRY_COLUMNS), None, whole_groups=True, timeout=timeout)
+        b = ctx.carry_dock.get("continue", list(CARRY_COLUMNS), None, whole_groups=True, timeout=timeout)
         got = {c: b[c] for c in CARRY_COLUMNS}
     got = broadcast_object(got, device=ctx.device)
     if not got:
@@ -117,7 +115,7 @@ def commit(ctx: Context, pb: PoolBatch, writes: dict, step: int, leader: bool) -
     rows = broadcast_object(rows, device=ctx.device)  # allocated before any rank puts
     if leader and pb.committed:
         ctx.dock.put(writes, [rows[p * n + j] for p in pb.committed_at for j in range(n)])
-    carry = ctx.pool_dock
+    carry = ctx.carry_dock
     crow = []
     if ctx.rank == 0:
         carry.reset(step)

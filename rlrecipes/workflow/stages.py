@@ -3,8 +3,9 @@
 Which stages run, in which order, what each reads and writes and how its rows are shared out is
 declared by the algorithm (``algos/spec.py``). A stage gets exactly its declared reads in
 ``batch`` and returns exactly its declared writes; how they travel (own rows, dock claims, the
-TensorCache) is the step's I/O object (``stage_io.py``), so nothing here branches on the
-placement. Stages are registered by name with :func:`stage`.
+TensorCache) is the stage's share and the step's I/O object (``shares.py``, ``stage_io.py``), so
+nothing here branches on the placement. Each function is registered with :func:`stage` under the
+name of the stage it runs, and has that name.
 """
 from __future__ import annotations
 
@@ -23,15 +24,17 @@ from .context import Context
 from .stage_io import StageBatch
 
 StageFn = Callable[[Context, StageBatch], dict]
-RUNNERS: dict[str, StageFn] = {}
+#: stage name -> the function that runs it
+STAGE_FUNCTIONS: dict[str, StageFn] = {}
 
 
-def stage(name: str) -> Callable[[StageFn], StageFn]:
-    """Register a stage function under the name a ``Stage.runner`` gives."""
+def stage(*names: str) -> Callable[[StageFn], StageFn]:
+    """Register a stage function under the names of the stages it runs (``Stage.name``)."""
     def register(fn: StageFn) -> StageFn:
-        if name in RUNNERS:
-            raise ValueError(f"stage function {name!r} is registered twice")
-        RUNNERS[name] = fn
+        for name in names:
+            if name in STAGE_FUNCTIONS:
+                raise ValueError(f"stage function {name!r} is registered twice")
+            STAGE_FUNCTIONS[name] = fn
         return fn
     return register
 
@@ -67,7 +70,7 @@ def rollout(ctx: Context, b: StageBatch) -> dict:
         if "routed_experts" in b.stage.writes:  # MoE routing replay: the experts every token used
             writes["routed_experts"] = out.routed_experts
     eng.sleep()
-    ctx.timer.add_compute("rollout", time.perf_counter() - t0)
+    ctx.timer.add_compute(b.stage.reports_as, time.perf_counter() - t0)
     st.add(gen_groups=st.target)
     if not prompts:
         return {}
@@ -125,8 +128,8 @@ def reward(ctx: Context, b: StageBatch) -> dict:
     return {"scores": scores, "acc": raw}
 
 
-@stage("scored")
-def scored(ctx: Context, b: StageBatch) -> dict:
+@stage("pool_reward")
+def pool_reward(ctx: Context, b: StageBatch) -> dict:
     """A pooled rollout scored its groups (``workflow/pool.py``): check the rows' policy versions and
     every token's (within ``algorithm.max_token_staleness``), and count the scores into the step's
     reward."""
@@ -229,21 +232,17 @@ def dynamic_sampling(ctx: Context, b: StageBatch) -> dict:
 
 
 # ------------------------------------------------------------------------------ forward passes
-def _forward(ctx: Context, b: StageBatch) -> dict:
+@stage("ref", "old", "values")
+def forward_pass(ctx: Context, b: StageBatch) -> dict:
     """The stage's engine over its rows: one per-token column (log-probs or values)."""
     engine = b.engine
     if not b.rows and engine.dp_size == 1:
         return {}
     t0 = time.perf_counter()
     out, _ = engine.forward(b.seq_batch())
-    ctx.timer.add_compute(b.stage.name, time.perf_counter() - t0)
+    ctx.timer.add_compute(b.stage.reports_as, time.perf_counter() - t0)
     [col] = b.stage.writes
     return {col: out} if b.rows else {}
-
-
-stage("ref")(_forward)
-stage("old")(_forward)
-stage("values")(_forward)
 
 
 # ------------------------------------------------------------------------------ advantages
@@ -297,7 +296,7 @@ def update(ctx: Context, b: StageBatch) -> dict:
                 for k in [k for k in out if k.startswith("rollout/")]:
                     mismatch.setdefault(k, []).append(out.pop(k))
             out = {k: v for k, v in out.items() if not k.startswith("rollout/")}
-    ctx.timer.add_compute("update", time.perf_counter() - t0)
+    ctx.timer.add_compute(b.stage.reports_as, time.perf_counter() - t0)
     totals = [sum(c[i] for c in b.counts) for i in range(3)]
     b.state.update = update_metrics(ctx, out, totals, mismatch, use_ref)
     return {}
@@ -314,7 +313,7 @@ def critic_update(ctx: Context, b: StageBatch) -> dict:
                dp_size=critic.dp_size)
     t0 = time.perf_counter()
     b.state.critic = critic.train_step(batch, critic_loss_fn(r.algorithm, agg=agg))
-    ctx.timer.add_compute("critic_update", time.perf_counter() - t0)
+    ctx.timer.add_compute(b.stage.reports_as, time.perf_counter() - t0)
     return {}
 
 

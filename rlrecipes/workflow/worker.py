@@ -176,6 +176,7 @@ class Worker:
                          "skipped_malformed": ctx.data.skipped_malformed,
                          "sandbox": sandbox_line(ctx.data.tools)},
                 "skip_old_log_prob": not ctx.engines.roles.old_pass, "stages": [s.name for s in ctx.stages],
+                "timed": [s.reports_as for s in ctx.stages],  # each stage's name in timing_s/*
                 "role": role.value, "reshard_min_bytes": ctx.reshard_plan.min_bytes(self.rank)}
 
     def _rollout_start(self, resume_from: str | None) -> int:
@@ -266,6 +267,6 @@ class Worker:
 
     def shutdown(self) -> None:
         if self.ctx is not None and self.ctx.agent is not None:
-            self.ctx.agent.pool.close(wait=False)  # a tool still running past its timeout is not waited for
+            self.ctx.agent.executor.close(wait=False)  # a tool still running past its timeout is not waited for
         if dist.is_initialized():
             dist.destroy_process_group()

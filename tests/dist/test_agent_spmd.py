@@ -12,7 +12,7 @@ from dist_harness import run_ranks
 def _setup(tmp):
     from transformers import AutoTokenizer
 
-    from rlrecipes.agent import SmokeFormat, ToolPool, ToolRegistry
+    from rlrecipes.agent import SmokeFormat, ToolExecutor, ToolRegistry
     from rlrecipes.agent.loop import AgentLimits, AgentLoop
     from rlrecipes.data import smoke_task_dataset
     from rlrecipes.data.smoke import build_smoke_tokenizer
@@ -26,7 +26,7 @@ def _setup(tmp):
     rows = smoke_task_dataset(12, 4, task="add")
     prompts = [torch.tensor(tok(r["prompt"])["input_ids"]) for r in rows]
     fmt = SmokeFormat({ch: ("calculator", "expression") for ch in "abcxy"})
-    loop = AgentLoop(fmt, ToolPool(ToolRegistry(["calculator"])), tok,
+    loop = AgentLoop(fmt, ToolExecutor(ToolRegistry(["calculator"])), tok,
                      AgentLimits(max_turns=3, max_tool_calls=2, max_response_tokens=24, max_new_tokens=8),
                      eos_ids=[tok.eos_token_id])
     params = SamplingParams(max_new_tokens=8, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from rlrecipes.agent import SmokeFormat, ToolPool, ToolRegistry
+from rlrecipes.agent import SmokeFormat, ToolExecutor, ToolRegistry
 from rlrecipes.agent.loop import AgentLimits, AgentLoop, agent_metrics, agent_sums, segments
 from rlrecipes.data import smoke_task_dataset
 from rlrecipes.engines.base import ReprefillSession, SamplingParams, SeqBatch
@@ -43,7 +43,7 @@ EVERY_LETTER = {ch: ("calculator", "expression") for ch in "abcxy"}
 def _loop(tok, tools=("calculator",), fmt=None, workers=8, timeout_s=5.0, **limits):
     lim = dict(max_turns=3, max_tool_calls=2, max_response_tokens=24, max_new_tokens=8, max_observation_tokens=8)
     lim.update(limits)
-    return AgentLoop(fmt or SmokeFormat(EVERY_LETTER), ToolPool(ToolRegistry(list(tools)), max_workers=workers, timeout_s=timeout_s),
+    return AgentLoop(fmt or SmokeFormat(EVERY_LETTER), ToolExecutor(ToolRegistry(list(tools)), max_workers=workers, timeout_s=timeout_s),
                      tok, AgentLimits(**lim), eos_ids=[tok.eos_token_id])
 
 

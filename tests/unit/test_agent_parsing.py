@@ -16,7 +16,7 @@ from rlrecipes.agent import (
     QwenFormat,
     SmokeFormat,
     ToolCall,
-    ToolPool,
+    ToolExecutor,
     ToolRegistry,
     ToolResult,
     get_format,
@@ -54,7 +54,7 @@ def test_qwen_malformed_calls_are_errors_not_exceptions():
     assert "unterminated tool call" in calls[4].error
 
     # through the pool each call still gets exactly one observation, in order
-    results = ToolPool(ToolRegistry(["calculator"]), max_workers=2).run(calls)
+    results = ToolExecutor(ToolRegistry(["calculator"]), max_workers=2).run(calls)
     assert [(r.ok, r.error) for r in results] == [(False, "parse_error")] * 3 + [(True, None), (False, "parse_error")]
     assert results[3].content == "2"
 
@@ -220,7 +220,7 @@ def test_smoke_parses_calls_and_pauses_when_one_closes():
     calls = fmt.parse("c(1+1)a(2)c(3").calls
     assert [c.name for c in calls] == ["calculator", "", "calculator"]
     assert calls[0].error is None and "unknown tool letter 'a'" in calls[1].error and "unterminated" in calls[2].error
-    results = ToolPool(ToolRegistry(["calculator"])).run(calls)
+    results = ToolExecutor(ToolRegistry(["calculator"])).run(calls)
     assert fmt.render_observation(results) == ":2=:?=:?="
     assert fmt.render_observation([ToolResult("calculator", "0.25"), ToolResult("calculator", "1e+30"),
                                    ToolResult("calculator", "-3")]) == ":0.25=:?=:-3="

@@ -1,4 +1,4 @@
-"""Hostile snippets through the real ``python`` tool (ToolRegistry + ToolPool, as the rollout calls
+"""Hostile snippets through the real ``python`` tool (ToolRegistry + ToolExecutor, as the rollout calls
 it): each is contained and comes back as an error observation, and the run (this test process)
 goes on. Parametrised over the two modes: bubblewrap (skipped where it cannot create namespaces)
 and rlimits only (``isolation="rlimits"``, which a user must choose: the default refuses to run
@@ -20,7 +20,7 @@ from typing import Callable
 
 import pytest
 
-from rlrecipes.agent import SandboxConfig, ToolCall, ToolPool, ToolRegistry, ToolResult, sandbox_mode
+from rlrecipes.agent import SandboxConfig, ToolCall, ToolExecutor, ToolRegistry, ToolResult, sandbox_mode
 
 TIMEOUT_S = 3.0  # per call: the snippets that hang are killed at this wall-clock limit
 SLACK_S = 6.0  # start-up, kill and reap on a loaded 2-core machine
@@ -337,7 +337,7 @@ def test_snippet_is_contained(cfg, snippet, host):
         pytest.skip(f"{snippet.name} cannot be contained in this mode: {why}")
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     t0 = time.monotonic()
-    with ToolPool(_registry(cfg), max_workers=2) as pool:
+    with ToolExecutor(_registry(cfg), max_workers=2) as pool:
         (r,) = pool.run([ToolCall("python", {"code": snippet.code})])
         assert r.name == "python" and r.content  # always an observation
         snippet.check(cfg, r)
@@ -352,7 +352,7 @@ def test_snippet_is_contained(cfg, snippet, host):
 def test_all_snippets_at_once_then_the_run_goes_on(cfg, host):
     snippets = [s for s in SNIPPETS if s.needs(cfg) is None]
     t0 = time.monotonic()
-    with ToolPool(_registry(cfg), max_workers=len(snippets)) as pool:
+    with ToolExecutor(_registry(cfg), max_workers=len(snippets)) as pool:
         results = pool.run([ToolCall("python", {"code": s.code}) for s in snippets])
         elapsed = time.monotonic() - t0
         after = pool.run([ToolCall("python", {"code": "print(1 + 1)"})])[0]

@@ -11,7 +11,7 @@ import pytest
 from rlrecipes.agent import (
     ToolCall,
     ToolError,
-    ToolPool,
+    ToolExecutor,
     ToolRegistry,
     ToolSpecError,
     calculator,
@@ -294,7 +294,7 @@ def _gated_registry(gate: threading.Event, started: threading.Event) -> ToolRegi
 
 def test_pool_slow_tool_does_not_delay_a_fast_one():
     gate, started = threading.Event(), threading.Event()
-    with ToolPool(_gated_registry(gate, started), max_workers=2, timeout_s=30) as pool:
+    with ToolExecutor(_gated_registry(gate, started), max_workers=2, timeout_s=30) as pool:
         futures = pool.submit([ToolCall("slow", {"x": 1}), ToolCall("fast", {"x": 2})])
         assert started.wait(10)
         # the fast call finishes while the slow one is still blocked on the gate
@@ -307,7 +307,7 @@ def test_pool_slow_tool_does_not_delay_a_fast_one():
 def test_pool_per_call_timeout_and_results_in_call_order():
     gate, started = threading.Event(), threading.Event()
     try:
-        with ToolPool(_gated_registry(gate, started), max_workers=4, timeout_s=0.3) as pool:
+        with ToolExecutor(_gated_registry(gate, started), max_workers=4, timeout_s=0.3) as pool:
             calls = [ToolCall("fast", {"x": 1}), ToolCall("slow", {"x": 2}),
                      ToolCall("", {}, "<tool_call>{oops</tool_call>", "not valid JSON"),
                      ToolCall("nope", {}), ToolCall("fast", {"x": "3"}), ToolCall("fast", {"x": 4})]
@@ -335,11 +335,11 @@ def test_pool_many_calls_run_concurrently():
         barrier.wait()
         return x
 
-    with ToolPool(ToolRegistry([meet]), max_workers=8, timeout_s=20) as pool:
+    with ToolExecutor(ToolRegistry([meet]), max_workers=8, timeout_s=20) as pool:
         results = pool.run([ToolCall("meet", {"x": i}) for i in range(8)])
     assert [r.content for r in results] == [str(i) for i in range(8)]
     with pytest.raises(ValueError, match="max_workers"):
-        ToolPool(ToolRegistry(), max_workers=0)
+        ToolExecutor(ToolRegistry(), max_workers=0)
 
 
 def test_python_builtin_runs_sandboxed_with_the_call_timeout():

@@ -6,10 +6,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rlrecipes.algos.spec import SHARES, Stage, get_algorithm
+from rlrecipes.algos.spec import Stage, get_algorithm
 from rlrecipes.recipe import load_recipe
+from rlrecipes.workflow.shares import SHARES, share_of
 from rlrecipes.workflow.stage_io import StageBatch, StageContractError, StepState, check_writes
-from rlrecipes.workflow.stages import RUNNERS
+from rlrecipes.workflow.stages import STAGE_FUNCTIONS
 
 
 def _ctx():
@@ -17,7 +18,7 @@ def _ctx():
 
 
 def _advantage(reads=("scores",), writes=("advantages",)):
-    return Stage("advantage", reads, writes, "groups", "train", runner="outcome_advantage")
+    return Stage("outcome_advantage", reads, writes, "groups", "train", reports_as="advantage")
 
 
 def test_an_undeclared_read_raises_naming_the_stage_and_the_column():
@@ -25,34 +26,35 @@ def test_an_undeclared_read_raises_naming_the_stage_and_the_column():
     st = StepState(step=0, target=2)
     cols = {"scores": torch.tensor([1.0, 0.0] * 8)}
     ok = StageBatch(_advantage(), st, list(range(16)), cols, strict=True)
-    writes = RUNNERS["outcome_advantage"](_ctx(), ok)
+    writes = STAGE_FUNCTIONS["outcome_advantage"](_ctx(), ok)
     check_writes(ok.stage, ok, writes)  # the true declaration passes
     bad = StageBatch(_advantage(reads=()), st, list(range(16)), cols, strict=True)
-    with pytest.raises(StageContractError, match=r"stage 'advantage' reads column 'scores', which it does not declare"):
-        RUNNERS["outcome_advantage"](_ctx(), bad)
+    with pytest.raises(StageContractError, match=r"stage 'outcome_advantage' reads column 'scores', which it does not declare"):
+        STAGE_FUNCTIONS["outcome_advantage"](_ctx(), bad)
 
 
 def test_undeclared_and_missing_writes_raise():
     st = StepState(step=0, target=2)
     b = StageBatch(_advantage(writes=()), st, list(range(16)), {"scores": torch.ones(16)}, strict=True)
-    writes = RUNNERS["outcome_advantage"](_ctx(), b)
+    writes = STAGE_FUNCTIONS["outcome_advantage"](_ctx(), b)
     with pytest.raises(StageContractError, match=r"writes \['advantages'\], which it does not declare"):
         check_writes(b.stage, b, writes)
     b = StageBatch(_advantage(writes=("advantages", "returns")), st, list(range(16)), {"scores": torch.ones(16)},
                    strict=True)
     with pytest.raises(StageContractError, match=r"does not write \['returns'\], which it declares"):
-        check_writes(b.stage, b, RUNNERS["outcome_advantage"](_ctx(), b))
+        check_writes(b.stage, b, STAGE_FUNCTIONS["outcome_advantage"](_ctx(), b))
     empty = StageBatch(_advantage(), st, [], {"scores": torch.zeros(0)}, strict=True)
     check_writes(empty.stage, empty, {})  # no rows here: nothing to write
 
 
 @pytest.mark.parametrize("overrides", [[], ["algorithm.name=ppo", "algorithm.adv_estimator=gae"],
                                        ["algorithm.routing_replay=true"], ["algorithm.dynamic_sampling.enabled=true"]])
-def test_every_declared_stage_has_a_registered_function_and_a_known_share(overrides):
+def test_every_declared_stage_has_a_function_of_its_name_and_a_registered_share(overrides):
     r = load_recipe("qwen3_moe_30b" if "routing" in str(overrides) else "qwen25_7b", smoke=True, overrides=overrides)
     stages = get_algorithm(r.algorithm.name).stages(r.algorithm, use_ref=True, skip_old=False)
     for s in stages:
-        assert s.runner in RUNNERS and s.share in SHARES
+        assert s.name in STAGE_FUNCTIONS and STAGE_FUNCTIONS[s.name].__name__ in (s.name, "forward_pass")
+        assert share_of(s) is SHARES[s.share]
     rollout = next(s for s in stages if s.name == "rollout")
     assert {"policy_version", "rollout_log_probs"} <= set(rollout.writes)
     assert ("routed_experts" in rollout.writes) is r.algorithm.routing_replay
@@ -67,6 +69,24 @@ def test_placement_selects_stages_without_rewriting_them():
     both = [s.name for s in select_stages(r, "both", use_ref=True, skip_old=True)]
     train = [s.name for s in select_stages(r, "train", use_ref=True, skip_old=True)]
     rollout = [s.name for s in select_stages(r, "rollout", use_ref=False, skip_old=True)]
-    assert both == ["rollout", "reward", "ref", "advantage", "update", "reshard"]
-    assert train == ["reward", "ref", "advantage", "update", "publish"]
+    assert both == ["rollout", "reward", "ref", "outcome_advantage", "update", "reshard"]
+    assert train == ["reward", "ref", "outcome_advantage", "update", "publish"]
     assert rollout == ["rollout"]
+
+
+def test_a_share_that_hands_out_an_engines_rows_needs_the_stage_to_name_it():
+    with pytest.raises(ValueError, match=r"stage 'x': share 'engine' hands out an engine's data-parallel share"):
+        share_of(Stage("x", (), (), "engine", "train"))
+    with pytest.raises(ValueError, match=r"share 'nope' is not one of"):
+        share_of(Stage("x", (), (), "nope", "train"))
+    with pytest.raises(ValueError, match=r"engine 'critc' is not one of"):
+        Stage("x", (), (), "engine", "train", engine="critc")
+
+
+def test_stages_that_do_one_job_report_under_one_name():
+    """outcome_advantage (GRPO) and gae (PPO) both report as `advantage` (timing_s/advantage)."""
+    for name, ov in (("outcome_advantage", []), ("gae", ["algorithm.name=ppo", "algorithm.adv_estimator=gae"])):
+        r = load_recipe("qwen25_7b", smoke=True, overrides=ov)
+        [s] = [s for s in get_algorithm(r.algorithm.name).stages(r.algorithm, use_ref=True, skip_old=False)
+               if s.name == name]
+        assert s.reports_as == "advantage"

@@ -22,7 +22,7 @@ import torch
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
 
-from rlrecipes.agent import SmokeFormat, ToolPool  # noqa: E402
+from rlrecipes.agent import SmokeFormat, ToolExecutor  # noqa: E402
 from rlrecipes.agent.errors import ToolResult  # noqa: E402
 from rlrecipes.agent.loop import AgentLimits, AgentLoop, segments  # noqa: E402
 from rlrecipes.agent.tools import ToolRegistry  # noqa: E402
@@ -39,7 +39,7 @@ LIMITS = AgentLimits(max_turns=3, max_tool_calls=2, max_response_tokens=24, max_
 CALL_LETTERS = "abcxy"
 
 
-class SyncToolPool(ToolPool):
+class SyncToolExecutor(ToolExecutor):
     """The real pool and calculator; ``submit`` returns once the calls are done, so every sample
     with a call is ready for the next engine call and the batches (hence the seeds) do not depend
     on thread timing: the rollout is deterministic."""
@@ -72,7 +72,7 @@ def setup(tok):
 
 
 def _loop(tok):
-    pool = SyncToolPool(ToolRegistry(["calculator"]), max_workers=4)
+    pool = SyncToolExecutor(ToolRegistry(["calculator"]), max_workers=4)
     # every letter calls the calculator, so the random model makes calls often
     return AgentLoop(SmokeFormat({ch: ("calculator", "expression") for ch in "abcxy"}), pool, tok, LIMITS,
                      eos_ids=[tok.eos_token_id])
