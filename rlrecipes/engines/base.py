@@ -341,12 +341,13 @@ class RolloutEngine(_Parallel):
         ``images[i]``: prompt ``i``'s :class:`~rlrecipes.models.vision.VisionInput` (or None) for a
         vision-language model; an engine that cannot take images raises."""
 
-    def open_session(self, prompts: Sequence[torch.Tensor], params: SamplingParams, *, seed: int) -> "TurnSession":
+    def open_session(self, prompts: Sequence[torch.Tensor], params: SamplingParams, *, seed: int,
+                     images: Optional[Sequence[Any]] = None) -> "TurnSession":
         """A multi-turn session over ``prompts``: the agent loop continues each conversation turn by
         turn (:class:`TurnSession`). The default re-sends every conversation whole at each turn
         (:class:`ReprefillSession`; vLLM's prefix cache makes that a cache hit); an engine that can
         keep each sample's KV cache across turns overrides this."""
-        return ReprefillSession(self, prompts, params, seed=seed)
+        return ReprefillSession(self, prompts, params, seed=seed, images=images)
 
     @abc.abstractmethod
     def update_weights(self, buckets: Iterable[Sequence[tuple[str, torch.Tensor]]]) -> None:
@@ -391,8 +392,11 @@ class ReprefillSession(TurnSession):
     is seeded from the session seed and the call's index, so a session is reproducible given the
     same order of calls."""
 
-    def __init__(self, engine: RolloutEngine, prompts: Sequence[torch.Tensor], params: SamplingParams, *, seed: int):
+    def __init__(self, engine: RolloutEngine, prompts: Sequence[torch.Tensor], params: SamplingParams, *, seed: int,
+                 images: Optional[Sequence[Any]] = None):
         self.engine, self.params, self.seed = engine, params, int(seed)
+        self.images = list(images) if images is not None else None
+        """Row ``i``'s images (a VL prompt's first turn): sent with the row's whole conversation each turn."""
         self.context = [p.reshape(-1).long() for p in prompts]
         self.calls = 0
 
@@ -410,8 +414,9 @@ class ReprefillSession(TurnSession):
         # a hashed seed per call: the engine seeds request i with seed + i, so consecutive seeds
         # would hand request i of one call the seed of request i - 1 of the next
         digest = hashlib.sha256(f"{self.seed}/{self.calls}".encode()).digest()
+        extra = {"images": [self.images[r] for r in rows]} if self.images is not None else {}
         out = self.engine.generate([self.context[r] for r in rows], params,
-                                   seed=int.from_bytes(digest[:6], "little"))
+                                   seed=int.from_bytes(digest[:6], "little"), **extra)
         self.calls += 1
         responses, logps = [], []
         for r, n, resp, lp in zip(rows, max_new_tokens, out.responses, out.log_probs):

@@ -90,7 +90,8 @@ def _agent_rollout(ctx: Context, b: StageBatch, prompts: list, index: list, para
     from ..agent.spmd import LeaderSession, follow
 
     params = dataclasses.replace(params, stop_token_ids=ctx.agent.stop_token_ids())
-    session = b.engine.open_session(prompts, params, seed=seed)
+    images = ctx.data.images(index)  # a VL dataset: the first turn's images, kept for every later turn
+    session = b.engine.open_session(prompts, params, seed=seed, **({"images": images} if images is not None else {}))
     group, leader = b.engine.model_parallel_group()  # an instance over several ranks: its leader runs the loop
     try:
         if group is None or dist.get_rank() == leader:

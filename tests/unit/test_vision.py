@@ -186,3 +186,28 @@ def test_native_rollout_log_probs_equal_the_trainers_on_images(tok):
     blank = PromptDataset(rows, tok, vision=VisionSettings(), blank_images=True)
     logp_blank, _ = train.forward(SeqBatch(prompts, out.responses, images=[blank[i]["vision"] for i in range(4)]))
     assert any(not torch.allclose(a, b) for a, b in zip(logp, logp_blank))
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_multi_turn_session_keeps_the_first_turns_images(tok):
+    """An image-bearing first turn, then a text observation: every turn is re-prefilled with the images,
+    and the trainer scores the whole conversation (observation tokens included) as the sampler did."""
+    from rlrecipes.engines.base import SamplingParams, SeqBatch
+    from rlrecipes.engines.native.rollout import NativeRolloutEngine
+    from rlrecipes.engines.native.train import NativeTrainEngine
+
+    ds = PromptDataset(vision_smoke_dataset(2, seed=4), tok, vision=VisionSettings())
+    prompts = [torch.tensor(ds[i]["prompt_ids"]) for i in range(2)]
+    images = [ds[i]["vision"] for i in range(2)]
+    roll = NativeRolloutEngine(DIMS, device="cpu", seed=0)
+    sess = roll.open_session(prompts, SamplingParams(max_new_tokens=3, eos_token_id=2), seed=1, images=images)
+    first = sess.generate([0, 1], [None, None], [3, 3])
+    obs = torch.tensor(tok("=7")["input_ids"][1:])  # a text tool turn
+    second = sess.generate([0, 1], [obs, obs], [3, 3])
+    train = NativeTrainEngine(DIMS, device="cpu", micro_batch_size=2, seed=0)
+    responses = [torch.cat([first.responses[i], obs, second.responses[i]]) for i in range(2)]
+    logp, _ = train.forward(SeqBatch(prompts, responses, images=images))
+    for i in range(2):
+        a, n = len(first.responses[i]), len(obs)
+        torch.testing.assert_close(logp[i][:a], first.log_probs[i], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(logp[i][a + n:], second.log_probs[i], atol=1e-5, rtol=1e-5)

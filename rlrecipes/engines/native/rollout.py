@@ -341,11 +341,12 @@ class NativeRolloutEngine(MeshRanks, base.RolloutEngine):
 
         return logits, step
 
-    def open_session(self, prompts: Sequence[torch.Tensor], params: SamplingParams, *, seed: int) -> base.TurnSession:
+    def open_session(self, prompts: Sequence[torch.Tensor], params: SamplingParams, *, seed: int,
+                     images: Sequence | None = None) -> base.TurnSession:
         """Multi-turn: a :class:`~rlrecipes.engines.native.session.KVSession` that keeps every
         sample's KV cache across turns (fast prefill path); otherwise the base re-prefilling session."""
         if self._fast is None or self.prefill_path != "fast":
-            return super().open_session(prompts, params, seed=seed)
+            return super().open_session(prompts, params, seed=seed, images=images)  # a VL model: re-prefilled
         from .session import KVSession
 
         return KVSession(self, prompts, params, seed=seed, stop_ids=params.ending_ids(), sample_next=sample_next)
