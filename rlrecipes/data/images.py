@@ -194,9 +194,10 @@ def row_images(row: dict, key: str, where: str) -> list | None:
 
 # ----------------------------------------------------------------------------------- the smoke task
 def draw_shape(rng: random.Random, color: tuple[int, int, int], size: int = SMOKE_IMAGE_SIZE) -> np.ndarray:
-    """A filled square or disc of ``color`` on black, at a random place and size."""
+    """A filled square or disc of ``color`` on black, at a random place and size (a quarter to most of
+    the canvas: every image token sees some of it)."""
     img = np.zeros((size, size, 3), dtype=np.uint8)
-    r = rng.randint(size // 6, size // 3)
+    r = rng.randint(size // 4, size // 2 - 2)
     cy, cx = rng.randint(r, size - r - 1), rng.randint(r, size - r - 1)
     yy, xx = np.mgrid[:size, :size]
     if rng.random() < 0.5:
