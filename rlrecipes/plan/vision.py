@@ -6,10 +6,12 @@ the model's vision dims:
 * image tokens per image: ``tokens_for(side, side)`` at the capped area (merged 2x2 patches of
   14 pixels: ``max_pixels / 28^2``, 1,280 at the default), the patches the tower runs on (x4);
 * the vision tower's activations in a train micro-batch: every block's saved tensors (~10 of the
-  tower's width and 4 of its MLP width per patch, in the compute dtype) when the tower trains, one
-  block's and the merger's when it is frozen (``actor.freeze_vision_tower``: a frozen block saves
-  nothing for backward), plus one image's full attention scores where the attention is not fused
-  (the CPU's SDPA math path), ``heads x patches^2`` in fp32;
+  tower's width and 4 of its MLP width per patch, in the compute dtype) and one block's working set
+  in backward when the tower trains; one block's working set (the forward of a block) when it is
+  frozen (``actor.freeze_vision_tower``: a frozen block saves nothing for backward); and the merger's
+  saved input either way. The attention runs per window through SDPA's fused kernels, so no
+  ``patches^2`` scores (``benchmarks/vision_memory.py``, fp32 on the CPU, Qwen2.5-VL-7B's tower at 2-3 blocks, 448^2 and
+  616^2 images: 0.97-1.10 of the measured peak, trained and frozen; benchmarks/results/vision_memory_cpu.jsonl);
 * the KV cache the image tokens occupy: they are prompt tokens (``data.max_prompt_length`` holds
   them), so the rollout's KV check already counts them; the plan reports their share.
 
@@ -49,12 +51,8 @@ def vision_activation_bytes(dims: ModelDims, recipe: Recipe, images: int | None 
     block = patches * c * (10 * dims.vision_hidden + 4 * dims.vision_intermediate)
     merged = patches // dims.spatial_merge ** 2
     merger = merged * c * (3 * dims.vision_hidden * dims.spatial_merge ** 2 + dims.hidden_size)
-    blocks = block if recipe.actor.freeze_vision_tower else block * dims.vision_depth
-    scores = 0.0
-    if not devmod.is_accelerator(recipe.resources.device):  # SDPA's math path: [heads, N, N] fp32 per image
-        per_image = image_tokens(dims, recipe) * dims.spatial_merge ** 2
-        scores = 2 * 4 * dims.vision_heads * per_image ** 2
-    return float(blocks + merger + scores)
+    blocks = block if recipe.actor.freeze_vision_tower else block * (dims.vision_depth + 1)
+    return float(blocks + merger)
 
 
 def vision_summary(dims: ModelDims, recipe: Recipe, kv_token_bytes: float) -> dict:
