@@ -211,3 +211,18 @@ def test_multi_turn_session_keeps_the_first_turns_images(tok):
         a, n = len(first.responses[i]), len(obs)
         torch.testing.assert_close(logp[i][:a], first.log_probs[i], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(logp[i][a + n:], second.log_probs[i], atol=1e-5, rtol=1e-5)
+
+
+def test_resharder_plans_the_vision_weights():
+    """The vision tower and merger move with the decoder: replicated over TP, every rollout rank
+    receives them whole (colocated TP2 -> TP1 DP2, and DP2 -> one disaggregated rollout rank)."""
+    from rlrecipes.core.parallel import ParallelLayout
+    from rlrecipes.core.resharder import plan_reshard
+
+    specs = param_specs(DIMS)
+    vision = sum(s.numel for s in specs if ".visual." in s.name)
+    assert vision == DIMS.vision_params()
+    co = plan_reshard(ParallelLayout.of(2), ParallelLayout.of(1, dp=2), specs, dtype_bytes=4)
+    assert all(co.rollout_bytes(r) == sum(s.numel for s in specs) * 4 for r in range(2))
+    dis = plan_reshard(ParallelLayout.of(1, dp=2), ParallelLayout.of(1), specs, dtype_bytes=4, placement="disaggregated")
+    assert dis.recv_bytes(2) == sum(s.numel for s in specs) * 4
