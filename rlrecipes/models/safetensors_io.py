@@ -49,6 +49,16 @@ class _Entry:
     offset: int  # absolute byte offset of the tensor's first element in the file
 
 
+def vl_checkpoint_name(name: str) -> str:
+    """A VL model's in-memory name (transformers v5) -> the name its published checkpoints store:
+    ``model.language_model.X`` -> ``model.X``, ``model.visual.X`` -> ``visual.X``; others unchanged."""
+    if name.startswith("model.language_model."):
+        return "model." + name[len("model.language_model."):]
+    if name.startswith("model.visual."):
+        return name[len("model."):]
+    return name
+
+
 def full_box(shape: Sequence[int]) -> list[tuple[int, int]]:
     return [(0, int(n)) for n in shape]
 
@@ -176,6 +186,8 @@ class SafetensorsFolder:
         """
         shape = tuple(int(n) for n in shape)
         box = full_box(shape) if box is None else [(int(a), int(b)) for a, b in box]
+        if name not in self.entries and vl_checkpoint_name(name) in self.entries:
+            name = vl_checkpoint_name(name)  # a Qwen2.5-VL checkpoint's on-disk name
         if name not in self.entries:
             if tied_to is not None and tied_to in self.entries:
                 name = tied_to

@@ -128,10 +128,13 @@ def checkpoint_items(name: str, t):
     ``mlp.experts.gate_up_proj [E, 2I, H]`` becomes ``mlp.experts.<e>.gate_proj.weight`` (rows
     ``[0, I)``) and ``up_proj.weight`` (rows ``[I, 2I)``); ``down_proj [E, H, I]`` becomes
     ``experts.<e>.down_proj.weight``. Every other tensor passes through. Yields views, no copies.
-    The inverse of :func:`fused_expert_key`."""
+    A Qwen2.5-VL tensor takes its published checkpoint's name (``model.language_model.`` ->
+    ``model.``, ``model.visual.`` -> ``visual.``). The inverse of :func:`fused_expert_key`."""
     prefix, _, leaf = name.rpartition(".")
     if not prefix.endswith("mlp.experts") or leaf not in ("gate_up_proj", "down_proj"):
-        yield name, t
+        from rlrecipes.models.safetensors_io import vl_checkpoint_name
+
+        yield vl_checkpoint_name(name), t  # a VL model: the published checkpoints' names
         return
     for e in range(t.shape[0]):
         if leaf == "down_proj":
