@@ -154,9 +154,7 @@ class NativeTrainEngine(TokenScores, EngineState, MeshRanks, base.TrainEngine):
             from .lora import inject
 
             hf_model = inject(hf_model, self.lora)
-        self._vision = vis.vision_spec(hf_model)  # None: a text-only model
-        if self._vision is not None and freeze_vision_tower and self.trainable:
-            vis.freeze_vision_tower(hf_model)
+        self._vision = vis.prepare(hf_model, freeze_tower=freeze_vision_tower and self.trainable)  # None: text only
         low_precision = self.compute_dtype != param_dtype
         small = small_model(sum(p.numel() * p.element_size() for p in hf_model.parameters()), small_model_bytes)
         grad_ranks = self.mesh.grad_size  # DP, and the SP ranks inside each DP group

@@ -73,6 +73,14 @@ def freeze_vision_tower(model: nn.Module) -> int:
     return n
 
 
+def prepare(model: nn.Module, *, freeze_tower: bool) -> Optional[VisionSpec]:
+    """A train engine's setup of a VL model (its spec; the tower frozen when asked); None: text only."""
+    spec = vision_spec(model)
+    if spec is not None and freeze_tower:
+        freeze_vision_tower(model)
+    return spec
+
+
 def add_images(mb: dict, batch, spec: Optional[VisionSpec]) -> None:
     """A padded micro-batch's image inputs (see the module docstring); nothing without images."""
     if spec is None or batch.images is None or not any(v is not None for v in batch.images):
@@ -126,5 +134,5 @@ def image_inputs(images: Sequence[Any], device: torch.device, dtype: torch.dtype
     return {"pixel_values": got.pixel_values.to(device, dtype), "image_grid_thw": got.grid_thw.to(device)}
 
 
-__all__ = ["VisionSpec", "add_images", "forward_inputs", "freeze_vision_tower", "image_inputs", "prefill_positions",
+__all__ = ["VisionSpec", "add_images", "forward_inputs", "freeze_vision_tower", "image_inputs", "prefill_positions", "prepare",
            "touch_vision", "vision_spec", "visual_of"]
