@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from .prompts import DataError
+from .errors import DataError
 
 IMAGE_MARK = "<image>"
 """Where a prompt's text places an image (verl's convention); images without a mark go first."""

@@ -22,8 +22,7 @@ from typing import Any, Iterable, Sequence
 ON_MALFORMED = ("error", "skip")
 
 
-class DataError(ValueError):
-    """A malformed data file or row; the message names ``file:line`` and the fix."""
+from .errors import DataError  # noqa: E402 (re-exported: rlrecipes.data.prompts.DataError)
 
 
 # --------------------------------------------------------------------------- loading

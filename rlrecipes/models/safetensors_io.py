@@ -25,7 +25,7 @@ from typing import Sequence
 import torch
 
 from .files import FIX_WEIGHTS, FileLoadError, reading
-from .sharding import checkpoint_items, fused_expert_key
+from .sharding import checkpoint_items, fused_expert_key, vl_checkpoint_name
 
 _DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -47,16 +47,6 @@ class _Entry:
     dtype: torch.dtype
     shape: tuple[int, ...]
     offset: int  # absolute byte offset of the tensor's first element in the file
-
-
-def vl_checkpoint_name(name: str) -> str:
-    """A VL model's in-memory name (transformers v5) -> the name its published checkpoints store:
-    ``model.language_model.X`` -> ``model.X``, ``model.visual.X`` -> ``visual.X``; others unchanged."""
-    if name.startswith("model.language_model."):
-        return "model." + name[len("model.language_model."):]
-    if name.startswith("model.visual."):
-        return name[len("model."):]
-    return name
 
 
 def full_box(shape: Sequence[int]) -> list[tuple[int, int]]:

@@ -122,6 +122,16 @@ def fused_expert_key(name: str) -> tuple[str, int, str] | None:
     return f"{m.group('prefix')}.{fused}", int(m.group("e")), part.removesuffix("_proj")
 
 
+def vl_checkpoint_name(name: str) -> str:
+    """A VL model's in-memory name (transformers v5) -> the name its published checkpoints store:
+    ``model.language_model.X`` -> ``model.X``, ``model.visual.X`` -> ``visual.X``; others unchanged."""
+    if name.startswith("model.language_model."):
+        return "model." + name[len("model.language_model."):]
+    if name.startswith("model.visual."):
+        return name[len("model."):]
+    return name
+
+
 def checkpoint_items(name: str, t):
     """One in-memory (transformers v5) tensor -> the ``(name, tensor)`` pairs of the on-disk checkpoint
     format that HF hub checkpoints, transformers' loader and vLLM all read: a fused
@@ -132,8 +142,6 @@ def checkpoint_items(name: str, t):
     ``model.``, ``model.visual.`` -> ``visual.``). The inverse of :func:`fused_expert_key`."""
     prefix, _, leaf = name.rpartition(".")
     if not prefix.endswith("mlp.experts") or leaf not in ("gate_up_proj", "down_proj"):
-        from rlrecipes.models.safetensors_io import vl_checkpoint_name
-
         yield vl_checkpoint_name(name), t  # a VL model: the published checkpoints' names
         return
     for e in range(t.shape[0]):
