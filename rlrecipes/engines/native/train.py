@@ -99,8 +99,7 @@ class NativeTrainEngine(TokenScores, EngineState, MeshRanks, base.TrainEngine):
             in backward, then reshards.
         lora: ``actor.lora`` (PEFT adapters trained, the base frozen; :mod:`.lora`), or None.
         sp: with a ``(tp, ep)`` layout, Ulysses sequence-parallel ranks per DP group (``layout.sp``,
-            :mod:`.ulysses`): they hold the
-            same samples, each runs its ``1 / sp`` of every row; ``dp = world // (tp * sp)``.
+            :mod:`.ulysses`): they hold the same samples, each runs ``1 / sp`` of every row.
         head_chunk_tokens: tokens per chunk of the LM head (:mod:`.head`; 0: the HF head's logits).
         moe_grouped_mm: under EP, the local experts as grouped GEMMs (:class:`.parallel.EPExperts`).
     """
