@@ -153,11 +153,20 @@ class AlgorithmSpec:
     def needs_critic(self, cfg: Any = None) -> bool:
         return self.critic
 
-    def stages(self, cfg, *, use_ref: bool, skip_old: bool, masked: bool = False, pooled: bool = False) -> list[Stage]:
+    def stages(self, cfg, *, use_ref: bool, skip_old: bool, masked: bool = False, pooled: bool = False,
+               vision: bool = False) -> list[Stage]:
         """Stages in execution order; every column a stage reads is written earlier. ``masked``:
         the rollout is multi-turn, so samples carry ``response_mask``. ``pooled``: the rollout
-        workers keep a pool of groups across steps and score them (:func:`pooled_rollout`)."""
+        workers keep a pool of groups across steps and score them (:func:`pooled_rollout`).
+        ``vision``: a vision-language model; every stage that runs a model over ``prompt_ids`` also
+        reads ``prompt_index``, the reference by which it finds the prompt's images (the dock never
+        carries pixels)."""
         st = self.build_stages(cfg, use_ref=use_ref, skip_old=skip_old, masked=masked, pooled=pooled)
+        if vision:
+            import dataclasses
+
+            st = [dataclasses.replace(s, reads=s.reads + ("prompt_index",))
+                  if "prompt_ids" in s.reads and "prompt_index" not in s.reads else s for s in st]
         check_stages(self.name, st)
         return st
 

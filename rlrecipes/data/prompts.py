@@ -22,8 +22,7 @@ from typing import Any, Iterable, Sequence
 ON_MALFORMED = ("error", "skip")
 
 
-class DataError(ValueError):
-    """A malformed data file or row; the message names ``file:line`` and the fix."""
+from .errors import DataError  # noqa: E402 (re-exported: rlrecipes.data.prompts.DataError)
 
 
 # --------------------------------------------------------------------------- loading
@@ -44,7 +43,8 @@ def _missing_key_message(where: str, key: str, row: dict, config_key: str) -> st
     return f"{where}: missing key {key!r} (row has keys: {', '.join(keys) or 'none'}){hint} Set {config_key} to the field name."
 
 
-def _row_to_example(row: Any, where: str, prompt_key: str, answer_key: str) -> dict:
+def _row_to_example(row: Any, where: str, prompt_key: str, answer_key: str, image_key: str | None = None,
+                    base: Path | None = None) -> dict:
     if not isinstance(row, dict):
         raise DataError(f"{where}: expected a JSON object per line, got {type(row).__name__}")
     out = {}
@@ -75,6 +75,12 @@ def _row_to_example(row: Any, where: str, prompt_key: str, answer_key: str) -> d
             raise DataError(f"{where}: 'tool_kwargs' must map tool names to argument objects, "
                             f"e.g. {{\"calculator\": {{\"expression\": \"1+2\"}}}}; got {kw!r}")
         out["tool_kwargs"] = kw
+    if image_key:
+        from .images import row_images
+
+        imgs = row_images(row, image_key, where)
+        if imgs is not None:
+            out["images"], out["image_base"] = imgs, base
     out["source"] = where
     return out
 
@@ -110,7 +116,8 @@ def _iter_parquet(path: Path, columns: Sequence[str]) -> Iterable[tuple[str, Any
         if top not in names:
             close = difflib.get_close_matches(top, names, n=1, cutoff=0.5)
             hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise DataError(f"{path}: no column {top!r} (columns: {', '.join(names)}){hint}")
+            raise DataError(f"{path}: no column {top!r} (columns: {', '.join(names)}){hint} Set data.prompt_key, "
+                            "data.answer_key or data.image_key to the column's name")
     for i, row in enumerate(table.to_pylist(), 1):
         yield f"{path}:row {i}", row
 
@@ -121,12 +128,15 @@ def load_prompt_rows(
     prompt_key: str = "prompt",
     answer_key: str = "answer",
     on_malformed: str = "error",
+    image_key: str | None = None,
 ) -> tuple[list[dict], int]:
     """Read prompt rows from ``.jsonl``/``.json`` (one object per line) or ``.parquet``.
 
     Args:
         prompt_key, answer_key: field names (dotted for nested, e.g. ``reward_model.ground_truth``).
         on_malformed: ``error`` raises :class:`DataError` naming ``file:line``; ``skip`` drops the row.
+        image_key: the field with the row's images (vision-language data, verl's ``images``): kept
+            raw under ``"images"`` (decoded by :class:`PromptDataset`); a Parquet file must have the column.
     Returns:
         ``(rows, n_skipped)``; each row is ``{"prompt": str | list[message], "answer": str, "source": "file:line"}``.
     """
@@ -139,7 +149,7 @@ def load_prompt_rows(
     if suffix in (".jsonl", ".json", ".ndjson"):
         it = _iter_jsonl(p)
     elif suffix in (".parquet", ".pq"):
-        it = _iter_parquet(p, [prompt_key, answer_key])
+        it = _iter_parquet(p, [prompt_key, answer_key] + ([image_key] if image_key else []))
     else:
         raise DataError(f"{p}: unsupported file type {suffix!r}; use .jsonl or .parquet")
     rows, skipped = [], 0
@@ -147,7 +157,7 @@ def load_prompt_rows(
         try:
             if isinstance(raw, Exception):
                 raise raw
-            rows.append(_row_to_example(raw, where, prompt_key, answer_key))
+            rows.append(_row_to_example(raw, where, prompt_key, answer_key, image_key, p.parent))
         except DataError:
             if on_malformed == "error":
                 raise
@@ -170,6 +180,17 @@ def render_prompt(prompt: str | list[dict], tokenizer, tools: list[dict] | None 
     return "\n".join(m["content"] for m in prompt)
 
 
+def _place_images(text: str, marks: list[str], where: str) -> str:
+    """The rendered prompt with its ``<image>`` marks replaced by the images' tokens, in order."""
+    from .images import IMAGE_MARK
+
+    pieces = text.split(IMAGE_MARK)
+    if len(pieces) - 1 != len(marks):
+        raise DataError(f"{where}: the rendered prompt holds {len(pieces) - 1} {IMAGE_MARK} marks for {len(marks)} "
+                        "image(s) (the chat template changed them?)")
+    return "".join(p + m for p, m in zip(pieces, marks + [""]))
+
+
 @dataclass
 class PromptDataset:
     """Tokenised prompts with a length filter.
@@ -179,14 +200,23 @@ class PromptDataset:
         tokenizer: a HF tokenizer (or None: no tokenisation, no length filter).
         max_prompt_len: drop prompts with more tokens than this (count in :attr:`n_dropped_too_long`).
         tools: the tools' JSON schemas, given to the chat template (multi-turn rollouts).
+        vision: a vision-language model's processor (``rlrecipes.models.vision.VisionSettings``:
+            ``process(image) -> VisionInput``, ``placeholder(grid) -> str``, ``cat(inputs)``); rows with ``images``
+            need it. Each image is decoded once here, its ``<image>`` mark (or the prompt's start)
+            becomes the image tokens, and the item keeps ``"vision"`` (the pixels and grid every
+            stage reads by the item's index).
+        blank_images: replace every image by a black one of the same size (the smoke task's control:
+            the same run with nothing to see).
     Items: ``{"prompt_ids": list[int], "prompt_text": str, "answer": str, "source": str}`` and
-    ``"tool_kwargs"`` where the row has them.
+    ``"tool_kwargs"`` / ``"vision"`` where the row has them.
     """
 
     rows: list[dict]
     tokenizer: Any = None
     max_prompt_len: int | None = None
     tools: list[dict] | None = None
+    vision: Any = None
+    blank_images: bool = False
     n_dropped_too_long: int = field(init=False, default=0)
     n_chat_joined: int = field(init=False, default=0)
     """Chat-message prompts rendered without a template (the tokenizer has none): contents joined."""
@@ -197,8 +227,16 @@ class PromptDataset:
         for i, row in enumerate(self.rows):
             if not chat and not isinstance(row["prompt"], str):
                 self.n_chat_joined += 1
-            text = render_prompt(row["prompt"], self.tokenizer, self.tools)
-            item = {"prompt_text": text, "answer": row["answer"], "source": row.get("source", f"row {i}")}
+            where = row.get("source", f"row {i}")
+            prompt, vis = row["prompt"], None
+            if row.get("images"):
+                prompt, marks, vis = self._images(row, where)
+            text = render_prompt(prompt, self.tokenizer, self.tools)
+            if vis is not None:
+                text = _place_images(text, marks, where)
+            item = {"prompt_text": text, "answer": row["answer"], "source": where}
+            if vis is not None:
+                item["vision"] = vis
             if row.get("tool_kwargs") is not None:
                 item["tool_kwargs"] = row["tool_kwargs"]
             if self.tokenizer is not None:
@@ -214,6 +252,40 @@ class PromptDataset:
                 f"no prompts left: {len(self.rows)} rows, {self.n_dropped_too_long} longer than "
                 f"max_prompt_len={self.max_prompt_len}; raise data.max_prompt_length"
             )
+
+    def _images(self, row: dict, where: str):
+        """The row's images decoded and processed, and its prompt with one ``<image>`` mark per image."""
+        from .images import IMAGE_MARK, decode_image
+
+        if self.vision is None:
+            raise DataError(f"{where}: the row has images but the model is text-only; train a vision-language "
+                            "family (model.family: qwen2_5_vl) or unset data.image_key")
+        import numpy as np
+
+        imgs = row["images"]
+        prompt = row["prompt"]
+        texts = [prompt] if isinstance(prompt, str) else [m["content"] for m in prompt]
+        n_marks = sum(t.count(IMAGE_MARK) for t in texts)
+        if n_marks > len(imgs):
+            raise DataError(f"{where}: the prompt has {n_marks} {IMAGE_MARK} marks but the row has {len(imgs)} "
+                            "image(s); give one image per mark")
+        lead = IMAGE_MARK * (len(imgs) - n_marks)  # images without a mark open the (first user) prompt
+        if lead:
+            if isinstance(prompt, str):
+                prompt = lead + prompt
+            else:
+                prompt = [dict(m) for m in prompt]
+                first = next((m for m in prompt if m["role"] == "user"), prompt[0])
+                first["content"] = lead + first["content"]
+        marks, parts = [], []
+        for k, raw in enumerate(imgs):
+            arr = decode_image(raw, f"{where}: image {k}", row.get("image_base"))
+            if self.blank_images:
+                arr = np.zeros_like(arr)
+            v = self.vision.process(arr)
+            marks.append(self.vision.placeholder(v.grid_thw[0].tolist()))
+            parts.append(v)
+        return prompt, marks, self.vision.cat(parts)
 
     def __len__(self) -> int:
         return len(self.items)

@@ -22,7 +22,12 @@ SPECIAL_TOKENS = [PAD, BOS, EOS, UNK]
 # 4 special + 10 digits + 18 symbols/letters = 32
 CHARS = list("0123456789") + list("+-*/=()., ?:abcxy")
 SMOKE_VOCAB_SIZE = 32
-SMOKE_TASKS = ("copy", "reverse", "add", "longtail")
+#: the vision-language smoke vocabulary: the 31 tokens above, Qwen2.5-VL's three vision tokens, extras
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>"]
+SMOKE_VL_VOCAB_SIZE = 40
+SMOKE_TASKS = ("copy", "reverse", "add", "longtail", "colors")
+"""``colors`` is the vision-language task (:mod:`rlrecipes.data.images`): the answer is the colour of
+a shape in the row's image."""
 
 # longtail: "repeat digit d n times", prompt "d*n=" (as Python's "7" * 45), answer length n drawn per
 # row: with probability LONGTAIL_LONG_SHARE uniform in LONGTAIL_LONG, else uniform in LONGTAIL_SHORT
@@ -34,15 +39,17 @@ LONGTAIL_LONG = (40, 60)
 LONGTAIL_LONG_SHARE = 0.1
 
 
-def smoke_vocab() -> dict[str, int]:
-    """Token -> id; ids 0..3 are pad, bos, eos, unk."""
-    toks = SPECIAL_TOKENS + CHARS
-    toks = toks + [f"<extra_{i}>" for i in range(SMOKE_VOCAB_SIZE - len(toks))]
-    assert len(toks) == SMOKE_VOCAB_SIZE, len(toks)
+def smoke_vocab(vision: bool = False) -> dict[str, int]:
+    """Token -> id; ids 0..3 are pad, bos, eos, unk. ``vision``: the VL vocabulary (40 ids, the vision
+    tokens at 31, 32, 33, as the smoke qwen2_5_vl dims say)."""
+    toks = SPECIAL_TOKENS + CHARS + (VISION_TOKENS if vision else [])
+    size = SMOKE_VL_VOCAB_SIZE if vision else SMOKE_VOCAB_SIZE
+    toks = toks + [f"<extra_{i}>" for i in range(size - len(toks))]
+    assert len(toks) == size, len(toks)
     return {t: i for i, t in enumerate(toks)}
 
 
-def build_smoke_tokenizer(folder: str | os.PathLike) -> Path:
+def build_smoke_tokenizer(folder: str | os.PathLike, *, vision: bool = False) -> Path:
     """Build the character-level smoke tokenizer and ``save_pretrained`` it into ``folder``.
 
     Every character is one token; ``<bos>`` is prepended (post-processor) and decoding joins the
@@ -52,8 +59,12 @@ def build_smoke_tokenizer(folder: str | os.PathLike) -> Path:
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    vocab = smoke_vocab()
+    vocab = smoke_vocab(vision)
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    if vision:  # whole tokens, never split into characters
+        from tokenizers import AddedToken
+
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in VISION_TOKENS])
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
     tok.post_processor = processors.TemplateProcessing(
@@ -100,6 +111,10 @@ def smoke_task_dataset(n: int, seed: int = 0, *, task: str = "copy", num_digits:
     """
     if n < 0:
         raise ValueError(f"smoke_task_dataset: n must be >= 0; got {n}")
+    if task == "colors":  # rows with images: {"prompt", "answer", "images"}
+        from .images import vision_smoke_dataset
+
+        return vision_smoke_dataset(n, seed)
     key = f"{task}-{seed}" if task == "longtail" else f"{task}-{num_digits}-{seed}"
     rng = random.Random(f"rlrecipes-smoke-{key}")
     return [smoke_example(rng, task, num_digits) for _ in range(n)]

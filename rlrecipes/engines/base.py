@@ -62,7 +62,10 @@ class SeqBatch:
 
     ``per_token[c][i]`` has shape ``[R_i]``; ``per_sample[c]`` has shape ``[n]``;
     ``routed_experts[i]`` (MoE routing replay, optional) has shape ``[P_i + R_i, moe_layers, k]``
-    with ``-1`` where a token's routing was not recorded.
+    with ``-1`` where a token's routing was not recorded. ``images[i]`` (vision-language models,
+    optional) is sample ``i``'s :class:`~rlrecipes.models.vision.VisionInput` or None: host tensors
+    the workflow resolves from the sample's prompt (one object per prompt, shared by its samples and
+    by every stage, never copied into the dock); the engine moves the pixels to its device.
     """
 
     prompts: list[torch.Tensor]
@@ -70,6 +73,7 @@ class SeqBatch:
     per_token: dict[str, list[torch.Tensor]] = field(default_factory=dict)
     per_sample: dict[str, torch.Tensor] = field(default_factory=dict)
     routed_experts: Optional[list[torch.Tensor]] = None
+    images: Optional[list] = None
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -79,7 +83,8 @@ class SeqBatch:
         return SeqBatch([self.prompts[i] for i in idx], [self.responses[i] for i in idx],
                         {c: [v[i] for i in idx] for c, v in self.per_token.items()},
                         {c: v[sel] for c, v in self.per_sample.items()},
-                        [self.routed_experts[i] for i in idx] if self.routed_experts is not None else None)
+                        [self.routed_experts[i] for i in idx] if self.routed_experts is not None else None,
+                        [self.images[i] for i in idx] if self.images is not None else None)
 
     def to(self, device: torch.device | str) -> "SeqBatch":
         """Every tensor of the batch on ``device`` (``self`` when all are there already). A column whose
@@ -90,7 +95,8 @@ class SeqBatch:
         return SeqBatch(_rows_to(self.prompts, device), _rows_to(self.responses, device),
                         {c: _rows_to(v, device) for c, v in self.per_token.items()},
                         {c: v.to(device) for c, v in self.per_sample.items()},
-                        _rows_to(self.routed_experts, device) if self.routed_experts is not None else None)
+                        _rows_to(self.routed_experts, device) if self.routed_experts is not None else None,
+                        self.images)  # pixels stay on the host until the engine's forward
 
     def _tensors(self):
         yield from self.prompts
@@ -204,6 +210,9 @@ class EngineSpec:
     max_model_len: Optional[int] = None
     """Rollout engines: the longest sequence (prompt + response) served; None: the engine's default
     (vLLM: the model's context length)."""
+    freeze_vision_tower: bool = True
+    """Vision-language actors: keep the vision tower (patch embedding and blocks) frozen; the merger
+    trains (``actor.freeze_vision_tower``)."""
 
 
 class _Parallel(abc.ABC):
@@ -325,16 +334,20 @@ class RolloutEngine(_Parallel):
         """The dtype its weights are held in (the resharder sends this dtype)."""
 
     @abc.abstractmethod
-    def generate(self, prompts: Sequence[torch.Tensor], params: SamplingParams, *, seed: int) -> RolloutOutput:
+    def generate(self, prompts: Sequence[torch.Tensor], params: SamplingParams, *, seed: int,
+                 images: Optional[Sequence[Any]] = None) -> RolloutOutput:
         """Sample one response per prompt (1-D token tensors in, any lengths). The same ``seed``
-        on the same weights gives the same responses. Collective over the rollout TP group."""
+        on the same weights gives the same responses. Collective over the rollout TP group.
+        ``images[i]``: prompt ``i``'s :class:`~rlrecipes.models.vision.VisionInput` (or None) for a
+        vision-language model; an engine that cannot take images raises."""
 
-    def open_session(self, prompts: Sequence[torch.Tensor], params: SamplingParams, *, seed: int) -> "TurnSession":
+    def open_session(self, prompts: Sequence[torch.Tensor], params: SamplingParams, *, seed: int,
+                     images: Optional[Sequence[Any]] = None) -> "TurnSession":
         """A multi-turn session over ``prompts``: the agent loop continues each conversation turn by
         turn (:class:`TurnSession`). The default re-sends every conversation whole at each turn
         (:class:`ReprefillSession`; vLLM's prefix cache makes that a cache hit); an engine that can
         keep each sample's KV cache across turns overrides this."""
-        return ReprefillSession(self, prompts, params, seed=seed)
+        return ReprefillSession(self, prompts, params, seed=seed, images=images)
 
     @abc.abstractmethod
     def update_weights(self, buckets: Iterable[Sequence[tuple[str, torch.Tensor]]]) -> None:
@@ -379,8 +392,11 @@ class ReprefillSession(TurnSession):
     is seeded from the session seed and the call's index, so a session is reproducible given the
     same order of calls."""
 
-    def __init__(self, engine: RolloutEngine, prompts: Sequence[torch.Tensor], params: SamplingParams, *, seed: int):
+    def __init__(self, engine: RolloutEngine, prompts: Sequence[torch.Tensor], params: SamplingParams, *, seed: int,
+                 images: Optional[Sequence[Any]] = None):
         self.engine, self.params, self.seed = engine, params, int(seed)
+        self.images = list(images) if images is not None else None
+        """Row ``i``'s images (a VL prompt's first turn): sent with the row's whole conversation each turn."""
         self.context = [p.reshape(-1).long() for p in prompts]
         self.calls = 0
 
@@ -398,8 +414,9 @@ class ReprefillSession(TurnSession):
         # a hashed seed per call: the engine seeds request i with seed + i, so consecutive seeds
         # would hand request i of one call the seed of request i - 1 of the next
         digest = hashlib.sha256(f"{self.seed}/{self.calls}".encode()).digest()
+        extra = {"images": [self.images[r] for r in rows]} if self.images is not None else {}
         out = self.engine.generate([self.context[r] for r in rows], params,
-                                   seed=int.from_bytes(digest[:6], "little"))
+                                   seed=int.from_bytes(digest[:6], "little"), **extra)
         self.calls += 1
         responses, logps = [], []
         for r, n, resp, lp in zip(rows, max_new_tokens, out.responses, out.log_probs):

@@ -45,14 +45,15 @@ def dims_from_hf_config(cfg) -> ModelDims:
     fam = by_arch.get(arch) or by_type.get(getattr(cfg, "model_type", None))
     if fam is None:
         raise ValueError(f"unsupported architecture {arch or cfg.model_type!r}; supported: {', '.join(HF_ARCHITECTURE.values())}")
+    full, cfg = cfg, (cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg)  # a VL config: its decoder's
     heads = cfg.num_attention_heads
     kw: dict[str, Any] = dict(
         family=fam.name, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
         num_layers=cfg.num_hidden_layers, num_heads=heads,
         num_kv_heads=getattr(cfg, "num_key_value_heads", heads) or heads,
         head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
-        intermediate_size=cfg.intermediate_size, tie_embeddings=bool(cfg.tie_word_embeddings),
+        intermediate_size=cfg.intermediate_size, tie_embeddings=bool(getattr(full, "tie_word_embeddings", False)),
         max_position_embeddings=cfg.max_position_embeddings,
     )
-    kw.update(fam.read_config(cfg))
+    kw.update(fam.read_config(full))
     return ModelDims(**kw)

@@ -32,6 +32,17 @@ class ModelDims:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     max_position_embeddings: int = 32768
+    # vision tower (Qwen2.5-VL; 0 = a text-only model)
+    vision_depth: int = 0
+    vision_hidden: int = 0
+    vision_intermediate: int = 0
+    vision_heads: int = 0
+    patch_size: int = 14
+    spatial_merge: int = 2
+    temporal_patch: int = 2
+    image_token_id: int = 0
+    vision_start_token_id: int = 0
+    vision_end_token_id: int = 0
 
     # ---- parameter counts -------------------------------------------------
     @property
@@ -78,11 +89,27 @@ class ModelDims:
             return attn + norms + router + shared, self.expert_params_per_layer()
         return attn + norms + self.dense_mlp_params(), 0
 
+    @property
+    def has_vision(self) -> bool:
+        return self.vision_depth > 0
+
+    def vision_params(self) -> int:
+        """Vision tower + merger parameters (0 for a text-only model)."""
+        if not self.has_vision:
+            return 0
+        d, i = self.vision_hidden, self.vision_intermediate
+        patch = 3 * self.temporal_patch * self.patch_size ** 2 * d
+        block = 2 * d + (3 * d * d + 3 * d) + (d * d + d) + (2 * d * i + 2 * i) + (i * d + d)
+        merged = d * self.spatial_merge ** 2
+        merger = d + merged * merged + merged + merged * self.hidden_size + self.hidden_size
+        return patch + self.vision_depth * block + merger
+
     def embedding_params(self) -> int:
         return self.vocab_size * self.hidden_size * (1 if self.tie_embeddings else 2) + self.hidden_size
 
     def total_params(self) -> int:
-        return self.embedding_params() + sum(sum(self.layer_params(i)) for i in range(self.num_layers))
+        return (self.embedding_params() + sum(sum(self.layer_params(i)) for i in range(self.num_layers))
+                + self.vision_params())
 
     def expert_params(self) -> int:
         return sum(self.layer_params(i)[1] for i in range(self.num_layers))

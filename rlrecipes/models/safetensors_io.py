@@ -25,7 +25,7 @@ from typing import Sequence
 import torch
 
 from .files import FIX_WEIGHTS, FileLoadError, reading
-from .sharding import checkpoint_items, fused_expert_key
+from .sharding import checkpoint_items, fused_expert_key, vl_checkpoint_name
 
 _DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -176,6 +176,8 @@ class SafetensorsFolder:
         """
         shape = tuple(int(n) for n in shape)
         box = full_box(shape) if box is None else [(int(a), int(b)) for a, b in box]
+        if name not in self.entries and vl_checkpoint_name(name) in self.entries:
+            name = vl_checkpoint_name(name)  # a Qwen2.5-VL checkpoint's on-disk name
         if name not in self.entries:
             if tied_to is not None and tied_to in self.entries:
                 name = tied_to

@@ -68,6 +68,8 @@ def kind_of(name: str) -> Kind:
         return "expert"
     if ".lora_A." in name or ".lora_B." in name:
         return "replicated"  # LoRA adapters: small, trained and synced whole (TP with LoRA is refused)
+    if _is_vision(name):
+        return "replicated"  # a VL model's vision tower and merger: whole on every TP rank
     module, leaf = _module_of(name)
     kind = RULES.get(f"{module}.{leaf}")
     if kind is None and leaf in ("weight", "bias"):
@@ -78,6 +80,10 @@ def kind_of(name: str) -> Kind:
     if kind == "row" and leaf == "bias":
         return "replicated"
     return kind
+
+
+def _is_vision(name: str) -> bool:
+    return name.startswith("visual.") or ".visual." in name
 
 
 def rules_table() -> str:
@@ -116,16 +122,27 @@ def fused_expert_key(name: str) -> tuple[str, int, str] | None:
     return f"{m.group('prefix')}.{fused}", int(m.group("e")), part.removesuffix("_proj")
 
 
+def vl_checkpoint_name(name: str) -> str:
+    """A VL model's in-memory name (transformers v5) -> the name its published checkpoints store:
+    ``model.language_model.X`` -> ``model.X``, ``model.visual.X`` -> ``visual.X``; others unchanged."""
+    if name.startswith("model.language_model."):
+        return "model." + name[len("model.language_model."):]
+    if name.startswith("model.visual."):
+        return name[len("model."):]
+    return name
+
+
 def checkpoint_items(name: str, t):
     """One in-memory (transformers v5) tensor -> the ``(name, tensor)`` pairs of the on-disk checkpoint
     format that HF hub checkpoints, transformers' loader and vLLM all read: a fused
     ``mlp.experts.gate_up_proj [E, 2I, H]`` becomes ``mlp.experts.<e>.gate_proj.weight`` (rows
     ``[0, I)``) and ``up_proj.weight`` (rows ``[I, 2I)``); ``down_proj [E, H, I]`` becomes
     ``experts.<e>.down_proj.weight``. Every other tensor passes through. Yields views, no copies.
-    The inverse of :func:`fused_expert_key`."""
+    A Qwen2.5-VL tensor takes its published checkpoint's name (``model.language_model.`` ->
+    ``model.``, ``model.visual.`` -> ``visual.``). The inverse of :func:`fused_expert_key`."""
     prefix, _, leaf = name.rpartition(".")
     if not prefix.endswith("mlp.experts") or leaf not in ("gate_up_proj", "down_proj"):
-        yield name, t
+        yield vl_checkpoint_name(name), t  # a VL model: the published checkpoints' names
         return
     for e in range(t.shape[0]):
         if leaf == "down_proj":
@@ -140,6 +157,8 @@ def stage_of(name: str, pp_layers: Sequence[int] | None) -> int:
     """Pipeline stage of a parameter under a layer split (None: one stage)."""
     if not pp_layers or len(pp_layers) == 1:
         return 0
+    if _is_vision(name):
+        return 0  # the vision tower feeds the first stage's embeddings
     layer = layer_of(name)
     if layer is None:
         module, _ = _module_of(name)

@@ -88,6 +88,9 @@ class Plan:
     sequence: Optional[dict] = None
     """Long sequences (set when a train role has ``sp > 1``): the longest sample, and per train role
     its SP and the tokens of a row one rank holds (:func:`~.long_context.sequence_summary`)."""
+    vision: Optional[dict] = None
+    """A vision-language model: image tokens and patches per image at the processor's cap, the vision
+    tower's activations per micro-batch, one image's KV cache (:func:`~.vision.vision_summary`)."""
     notes: list[str] = field(default_factory=list)
     """What the plan passes but the run should know (e.g. the rollout KV cache holds fewer longest
     sequences than a rollout rank runs at once)."""
@@ -200,6 +203,7 @@ class Plan:
             "nearest_valid_nodes": self.nearest_valid_nodes,
             "engines": self.engines, "missing_here": self.missing_here,
             **({"sequence": self.sequence} if self.sequence else {}),
+            **({"vision": self.vision} if self.vision else {}),
             **({"notes": self.notes} if self.notes else {}),
             **({"suggestions": self.suggestions} if self.suggestions else {}),
             **({"predicted": self.predicted.to_json()} if self.predicted is not None else {}),
@@ -297,6 +301,20 @@ def build_plan(recipe: Recipe, nodes: Optional[int] = None, devices_per_node: Op
                 device_memory_gb=res.device_memory_gb, roles=roles, global_batch=gb, mini_batch=mb, n_samples=n,
                 changes=changes, model_params=dims.total_params(), engines=engines, missing_here=missing_here,
                 placement=res.placement, train_devices=train_world, rollout_devices=rollout_world)
+    if dims.has_vision:  # images: their tokens, the tower's activations, their KV cache
+        from .long_context import kv_token_bytes
+        from .vision import vision_summary
+
+        plan.vision = v = vision_summary(dims, recipe, kv_token_bytes(dims, roles["rollout"].tp))
+        plan.notes.append(f"images: up to {v['image_tokens_per_image']} image tokens per image (data.max_pixels "
+                          f"{recipe.data.max_pixels}; {v['patches_per_image']} patches through the {v['tower']} vision "
+                          f"tower), its activations {v['vision_activations_gib']} GiB per micro-batch of "
+                          f"{v['images_per_micro_batch']} images, {v['image_kv_cache_mib_per_image']} MiB of KV cache "
+                          "per image per rollout device (counted in the prompt)")
+        if recipe.rollout.engine != "native":  # engines/vllm/rollout.py refuses image prompts
+            plan.notes.append(f"rollout.engine={recipe.rollout.engine}: image prompts do not reach its "
+                              "multi_modal_data in this release, so a run stops at its first rollout; "
+                              "rollout.engine: native runs images today")
     lora = recipe.actor.lora if recipe.actor.lora.enabled else None
     if lora is not None:
         plan.lora = {"rank": lora.rank, "alpha": lora.alpha, "target_modules": list(lora.target_modules)}

@@ -40,6 +40,7 @@ from ..models.lora_shapes import lora_shapes
 from ..models.sharding import layer_of
 from ..recipe import Recipe
 from ..core.parallel import ParallelLayout
+from .vision import vision_activation_bytes
 from .long_context import (kv_token_bytes, layer_bytes, local_attention_bytes, logits_bytes, longest_sample,
                            mask_bytes, packed_tokens, padded_row, rank_tokens)
 
@@ -268,12 +269,13 @@ def fsdp_train_memory(dims: ModelDims, role: ParallelLayout, recipe: Recipe, dp:
     per_layer = [dims.layer_params(i) for i in range(dims.num_layers)]  # (non-expert, expert)
     layer_ne = max(a for a, _ in per_layer) / tp
     layer_e = max(b for _, b in per_layer) / ep
-    ne = sum(a for a, _ in per_layer) / tp + embed * (1 if dims.tie_embeddings else 2) + dims.hidden_size
+    vision = dims.vision_params()  # a VL model's tower and merger: replicated over TP, sharded over DP
+    ne = sum(a for a, _ in per_layer) / tp + embed * (1 if dims.tie_embeddings else 2) + dims.hidden_size + vision
     e = sum(b for _, b in per_layer) / ep
     lora = lora_params(dims, recipe)
     adapters = lora.total if lora else 0  # (LoRA is refused at TP/EP > 1: adapters are whole per DP rank)
     param_bytes = 4 * (sum(a + b for a, b in per_layer) + dims.vocab_size * dims.hidden_size
-                       * (1 if dims.tie_embeddings else 2) + dims.hidden_size + adapters)
+                       * (1 if dims.tie_embeddings else 2) + dims.hidden_size + adapters + vision)
     small = param_bytes <= caps.small_model_bytes  # 0: nothing is small
     replicated = small and c == 4 and shard > 1
     local = ne + e if replicated else ne / shard + e / expert_dp  # this rank's part of every parameter
@@ -298,7 +300,7 @@ def fsdp_train_memory(dims: ModelDims, role: ParallelLayout, recipe: Recipe, dp:
         logits = logits_bytes(dims, tokens, tp, c + 4)
     else:
         logits = logits_bytes(dims, min(tokens, caps.head_chunk_tokens), tp, c + 8) + tokens * dims.hidden_size * c
-    m.activations = act + logits
+    m.activations = act + logits + vision_activation_bytes(dims, recipe)  # plan/vision.py (0: text only)
     # the attention mask over rows that pack several samples, beside the backward phases; under SP the
     # engine gives every sample a row of its own and needs none (batching's one_per_row)
     mask = 0.0 if role.sp > 1 else mask_bytes(whole, min(longest_sample(recipe), whole), c)

@@ -137,6 +137,17 @@ class DataConfig(_Strict):
     """Shuffle deterministically by trainer.seed each epoch."""
     on_malformed: Literal["error", "skip"] = "error"
     """A malformed row either stops the run with its file:line, or is skipped and counted."""
+    image_key: Optional[str] = None
+    """Vision-language data: the field with each row's images (verl's Parquet: ``images``, a list of
+    ``{bytes, path}``; JSONL: a list of paths relative to the file's folder). Null: text only."""
+    min_pixels: int = Field(56 * 56, ge=1)
+    """The image processor's lower bound on an image's area (pixels, after resizing)."""
+    max_pixels: int = Field(28 * 28 * 1280, ge=1)
+    """The image processor's upper bound on an image's area: an image costs at most
+    max_pixels / 28^2 image tokens (Qwen2.5-VL's 14-pixel patches merged 2x2); ``plan`` counts this."""
+    blank_images: bool = False
+    """Replace every image by a black one of the same size (a control run: with nothing to see, an
+    image-only task's reward must not rise)."""
 
     @field_validator("synthetic")
     @classmethod

@@ -63,6 +63,9 @@ class ActorConfig(_Strict):
     """AdamW weight decay."""
     grad_clip: float = Field(1.0, ge=0)
     """Global gradient-norm clip."""
+    freeze_vision_tower: bool = True
+    """Vision-language models: keep the vision tower (patch embedding and blocks) frozen and train the
+    merger and the decoder, as the published Qwen2.5-VL GRPO runs do; false trains the tower too."""
     offload_optimizer: bool = False
     """Keep Adam state on the host between optimizer steps (native: swapped in for each step; megatron:
     swap-optimizer); the planner counts it off-device."""

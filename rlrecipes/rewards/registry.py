@@ -23,7 +23,7 @@ from typing import Callable, Sequence
 
 from .format import format_reward
 from .math import math_verify
-from .smoke import smoke_reward
+from .smoke import smoke_reward, smoke_vision_reward
 
 RewardFn = Callable[[str, str], float]
 
@@ -31,6 +31,7 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
     "math_verify": math_verify,
     "format": format_reward,
     "smoke": smoke_reward,
+    "smoke_vision": smoke_vision_reward,
 }
 
 

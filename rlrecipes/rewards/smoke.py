@@ -61,3 +61,23 @@ def _repeat_score(c: str, d: str, n: int) -> float:
         return 1.0 if not c else 0.0
     total = sum(_closeness(x, d) for x in c[:n]) - max(len(c) - n, 0)
     return max(total / n, 0.0)
+
+
+#: answers of the vision smoke task (rlrecipes.data.images: one digit per colour)
+VISION_CLASSES = 4
+
+
+def smoke_vision_reward(completion: str, answer: str, *, classes: int = VISION_CLASSES, **_) -> float:
+    """Chance-corrected score of the vision smoke task (``data.synthetic: colors``): ``1`` for the
+    right colour digit first, ``-1 / (classes - 1)`` for another class's digit, ``0`` otherwise.
+
+    Answers are drawn uniformly over the classes, so any policy that does not look at the image
+    (blank images included) scores 0 in expectation, however it learns to answer: only the image
+    can raise this reward. Examples (answer ``"2"``): ``"2"`` -> 1.0; ``"1"`` -> -0.333; ``"x"`` -> 0.0.
+    """
+    c = completion.strip()[:1]
+    if c == answer.strip():
+        return 1.0
+    if c.isdigit() and int(c) < classes:
+        return -1.0 / (classes - 1)
+    return 0.0

@@ -131,8 +131,11 @@ def train_rows(ctx: Context, engine: TrainEngine, consumer: str, columns: Sequen
     return share_rows(engine, data, ctx.device)
 
 
-def seq_batch(data: dict, per_token: Sequence[str] = (), per_sample: Sequence[str] = ()) -> SeqBatch:
-    """Rows as an engine-neutral batch; ``advantages`` goes per-sample when it is one number a row."""
+def seq_batch(data: dict, per_token: Sequence[str] = (), per_sample: Sequence[str] = (),
+              images_of=None) -> SeqBatch:
+    """Rows as an engine-neutral batch; ``advantages`` goes per-sample when it is one number a row.
+    ``images_of(prompt_index)``: the rows' images (a VL dataset's, ``WorkerData.images``) when the
+    rows carry ``prompt_index``."""
     per_token, per_sample = list(per_token), list(per_sample)
     if "advantages" in data and "advantages" not in per_token + per_sample:
         advs = data["advantages"]
@@ -144,8 +147,9 @@ def seq_batch(data: dict, per_token: Sequence[str] = (), per_sample: Sequence[st
         sample_cols[c] = (v.reshape(-1) if isinstance(v, torch.Tensor)
                           else torch.stack([a.reshape(()) for a in v]) if len(v) else torch.zeros(0)).float()
     routed = list(data["routed_experts"]) if "routed_experts" in data else None  # MoE routing replay
+    images = images_of(data["prompt_index"]) if images_of is not None and "prompt_index" in data else None
     return SeqBatch(list(data.get("prompt_ids", [])), list(data.get("response_ids", [])),
-                    {c: list(data[c]) for c in per_token}, sample_cols, routed)
+                    {c: list(data[c]) for c in per_token}, sample_cols, routed, images)
 
 
 def subset(data: dict, idx: list[int]) -> dict:

@@ -71,6 +71,14 @@ class WorkerData:
     tools: Optional["ToolRegistry"] = None
     """Multi-turn rollouts: the tools (their schemas are in the prompts' chat template)."""
 
+    def images(self, prompt_index) -> Optional[list]:
+        """The images of prompts by dataset index (one shared object per prompt), or None when the
+        dataset has none: how every stage turns the dock's ``prompt_index`` into pixels."""
+        if not any("vision" in it for it in self.dataset.items):
+            return None
+        idx = prompt_index.tolist() if hasattr(prompt_index, "tolist") else list(prompt_index)
+        return [self.dataset[int(i)].get("vision") for i in idx]
+
 
 @dataclass(frozen=True)
 class WorkerEngines:
@@ -274,6 +282,12 @@ def load_data(r: Recipe, run_dir: Path) -> WorkerData:
     with reading(tok_dir, "tokenizer folder", FIX_TOKENIZER):  # a damaged file is named, with the fix
         tokenizer = AutoTokenizer.from_pretrained(tok_dir, local_files_only=True)
     skipped = 0
+    dims = r.model.dims()
+    vision = None
+    if dims.has_vision:  # the processor every stage shares: patches, grids, image tokens
+        from ..models.vision import settings_of
+
+        vision = settings_of(dims, min_pixels=r.data.min_pixels, max_pixels=r.data.max_pixels)
     if r.data.synthetic:
         rows = smoke_task_dataset(r.data.synthetic_size, seed=r.trainer.seed, task=r.data.synthetic,
                                   num_digits=r.data.synthetic_digits)
@@ -281,7 +295,7 @@ def load_data(r: Recipe, run_dir: Path) -> WorkerData:
         rows = []
         for f in r.data.train_files:  # the driver made data paths absolute
             got, n_bad = load_prompt_rows(f, prompt_key=r.data.prompt_key, answer_key=r.data.answer_key,
-                                          on_malformed=r.data.on_malformed)
+                                          on_malformed=r.data.on_malformed, image_key=r.data.image_key)
             rows += got
             skipped += n_bad
     if not r.data.apply_chat_template:
@@ -290,7 +304,8 @@ def load_data(r: Recipe, run_dir: Path) -> WorkerData:
 
     tools = build_tools(r) if r.rollout.multi_turn.enabled else None
     dataset = PromptDataset(rows, tokenizer, max_prompt_len=r.data.max_prompt_length,
-                            tools=tools.schemas() if tools is not None else None)
+                            tools=tools.schemas() if tools is not None else None, vision=vision,
+                            blank_images=r.data.blank_images)
     eos = tokenizer.eos_token_id
     return WorkerData(tokenizer, dataset, PromptSampler(len(dataset), seed=r.trainer.seed, shuffle=r.data.shuffle),
                       resolve_reward(r.reward.fn), eos, tokenizer.pad_token_id if tokenizer.pad_token_id is not None
@@ -305,7 +320,7 @@ def _spec(r: Recipe, device: torch.device, pad_id: int, role: str, **kw) -> Engi
                       device=device, dtype=r.model.dtype, seed=r.trainer.seed,
                       micro_batch_size=r.trainer.micro_batch,
                       max_tokens_per_micro_batch=r.trainer.max_tokens_per_micro_batch,
-                      pad_token_id=pad_id, **kw)
+                      pad_token_id=pad_id, freeze_vision_tower=r.actor.freeze_vision_tower, **kw)
 
 
 def select_stages(recipe: Recipe, role: str, *, use_ref: bool, skip_old: bool) -> list[Stage]:
@@ -314,7 +329,8 @@ def select_stages(recipe: Recipe, role: str, *, use_ref: bool, skip_old: bool) -
     alg = recipe.algorithm
     return [s for s in get_algorithm(alg.name).stages(alg, use_ref=use_ref, skip_old=skip_old,
                                                       masked=recipe.rollout.multi_turn.enabled,
-                                                      pooled=pooled_rollout(recipe)) if s.runs_for(role)]
+                                                      pooled=pooled_rollout(recipe),
+                                                      vision=recipe.model.dims().has_vision) if s.runs_for(role)]
 
 
 def build_engines(r: Recipe, role: Role, device: torch.device, pad_id: int) -> WorkerEngines:

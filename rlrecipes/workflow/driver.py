@@ -100,7 +100,7 @@ def run_recipe(recipe: Recipe, plan: Plan, on_event: EventSink, out: Optional[Pa
         if smoke and not (run_dir / "tokenizer").is_dir():
             from ..data import build_smoke_tokenizer
 
-            build_smoke_tokenizer(run_dir / "tokenizer")
+            build_smoke_tokenizer(run_dir / "tokenizer", vision=recipe.model.dims().has_vision)
     except OSError as e:
         if no_space(e):
             raise RunError(no_space_message(e.filename or run_dir, "the run folder")) from None

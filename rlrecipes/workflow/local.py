@@ -73,7 +73,7 @@ def run_local(recipe_name: str, overrides: Sequence[str], steps: int, run_dir: P
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False))
     (run_dir / "plan.json").write_text(json.dumps(plan.to_json(), indent=2))
-    build_smoke_tokenizer(run_dir / "tokenizer")
+    build_smoke_tokenizer(run_dir / "tokenizer", vision=recipe.model.dims().has_vision)
     progress = LocalProgress()
     w = LocalWorker(0, 1, recipe.model_dump(mode="json"), str(run_dir.resolve()), [TransferDock.in_worker()], progress)
     port = w.open_store()

@@ -280,7 +280,8 @@ class MiniBatches(Share):
     def _mini_batches(io, data: dict) -> list[SeqBatch]:
         n, k = len(data["rows"]), io.ctx.n_mini
         per_token = [c for c in PER_TOKEN if c in data]
-        return [seq_batch(subset(data, list(range(n))[m::k]), per_token=per_token) for m in range(k)]
+        return [seq_batch(subset(data, list(range(n))[m::k]), per_token=per_token, images_of=io.ctx.data.images)
+                for m in range(k)]
 
 
 @share("carried")

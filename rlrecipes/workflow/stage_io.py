@@ -78,11 +78,13 @@ class StageBatch:
     def __init__(self, stage: Stage, state: StepState, rows: Sequence[int] = (), columns: Optional[dict] = None, *,
                  strict: bool = False, engine: Union[TrainEngine, RolloutEngine, None] = None,
                  new: Optional[NewRows] = None, mini_batches: Optional[list[SeqBatch]] = None,
-                 counts: Optional[list] = None, io: Optional["StageIO"] = None, local: bool = False):
+                 counts: Optional[list] = None, io: Optional["StageIO"] = None, local: bool = False,
+                 images_of=None):
         self.stage, self.state, self.rows, self.local = stage, state, list(rows), local
         self._columns = dict(columns or {})
         self.strict, self.engine, self.new = strict, engine, new
         self.mini_batches, self.counts, self._io = mini_batches, counts, io
+        self._images_of = images_of  # prompt_index -> the prompts' images (a VL dataset)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -96,7 +98,8 @@ class StageBatch:
 
     def seq_batch(self) -> SeqBatch:
         """The rows as an engine-neutral batch of the declared columns."""
-        return seq_batch({"rows": self.rows, **self._columns}, per_token=[c for c in PER_TOKEN if c in self._columns])
+        return seq_batch({"rows": self.rows, **self._columns}, per_token=[c for c in PER_TOKEN if c in self._columns],
+                         images_of=self._images_of)
 
     def drop_rows(self, rows: Sequence[int]) -> None:
         """Take rows out of the step (DAPO's filter): later stages never see them."""
@@ -140,7 +143,8 @@ class StageIO:
 
     # ------------------------------------------------------------------ what the shares use
     def batch(self, stage: Stage, rows, columns, **kw) -> StageBatch:
-        return StageBatch(stage, self.state, rows, columns, strict=self.strict, io=self, **kw)
+        return StageBatch(stage, self.state, rows, columns, strict=self.strict, io=self,
+                          images_of=self.ctx.data.images, **kw)
 
     def check_writes(self, stage: Stage, batch: StageBatch, writes: dict) -> None:
         check_writes(stage, batch, writes)

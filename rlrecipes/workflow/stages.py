@@ -64,7 +64,8 @@ def rollout(ctx: Context, b: StageBatch) -> dict:
         writes = _agent_rollout(ctx, b, prompts, index, params, seed)
     else:
         # every rank calls generate, with no prompts too: vLLM's DP-attention ranks step together
-        out = eng.generate(prompts, params, seed=seed)
+        images = ctx.data.images(index)  # a VL dataset: the prompts' pixels, by reference
+        out = eng.generate(prompts, params, seed=seed, **({"images": images} if images is not None else {}))
         writes = {"response_ids": out.responses, "rollout_log_probs": out.log_probs}
         if "routed_experts" in b.stage.writes:  # MoE routing replay: the experts every token used
             writes["routed_experts"] = out.routed_experts
@@ -89,7 +90,8 @@ def _agent_rollout(ctx: Context, b: StageBatch, prompts: list, index: list, para
     from ..agent.spmd import LeaderSession, follow
 
     params = dataclasses.replace(params, stop_token_ids=ctx.agent.stop_token_ids())
-    session = b.engine.open_session(prompts, params, seed=seed)
+    images = ctx.data.images(index)  # a VL dataset: the first turn's images, kept for every later turn
+    session = b.engine.open_session(prompts, params, seed=seed, **({"images": images} if images is not None else {}))
     group, leader = b.engine.model_parallel_group()  # an instance over several ranks: its leader runs the loop
     try:
         if group is None or dist.get_rank() == leader:

@@ -12,7 +12,7 @@ from rlrecipes.engines.native.loader import build_model
 from rlrecipes.models import SMOKE
 
 
-@pytest.mark.parametrize("family", list(SMOKE))
+@pytest.mark.parametrize("family", [f for f in SMOKE if not SMOKE[f].has_vision])  # megatron: text decoders
 def test_round_trip_is_exact(family):
     model, dims = build_model(SMOKE[family], seed=1)
     hf = model.state_dict()
@@ -25,7 +25,7 @@ def test_round_trip_is_exact(family):
     assert sum(t.numel() for t in mg.values()) == sum(t.numel() for t in hf.values())
 
 
-@pytest.mark.parametrize("family", list(SMOKE))
+@pytest.mark.parametrize("family", [f for f in SMOKE if not SMOKE[f].has_vision])  # megatron: text decoders
 def test_pipeline_stages_partition_the_model(family):
     model, dims = build_model(SMOKE[family], seed=1)
     hf = model.state_dict()

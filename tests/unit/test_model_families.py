@@ -19,10 +19,11 @@ def test_docs_print_the_table_the_code_uses():
 @pytest.mark.parametrize("family", sorted(FAMILY_TABLE))
 def test_every_hf_parameter_has_a_rule_and_engine_agrees_with_specs(family):
     import torch
-    from transformers import AutoModelForCausalLM
+    from rlrecipes.engines.native.loader import auto_class  # causal LM, or image-text-to-text for a VL family
 
     dims = SMOKE[family]
-    model = AutoModelForCausalLM.from_config(hf_config(dims))
+    cfg = hf_config(dims)
+    model = auto_class(cfg).from_config(cfg)
     names = {n: tuple(p.shape) for n, p in model.state_dict().items()}  # persistent buffers too (router bias)
     specs = {s.name: s for s in param_specs(dims)}
     assert names == {n: s.shape for n, s in specs.items()}, "family hf_params must list exactly the HF parameters"

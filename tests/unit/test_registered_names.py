@@ -42,12 +42,12 @@ def test_an_engine_is_refused_for_a_role_it_does_not_serve_naming_the_ones_that_
     ("rollout.engine=vlm", "rollout.engine='vlm' is not a registered engine; one of: native, vllm (did you mean 'vllm'?)"),
     ("algorithm.name=sac", "unknown algorithm 'sac' (algorithm.name)"),
     ("rollout.multi_turn.tool_format=hermes", "not a registered tool format; one of: auto, qwen, smoke"),
-    ("reward.fn=math_verfy", "reward.fn='math_verfy' is not a registered reward; one of: format, math_verify, smoke, "
+    ("reward.fn=math_verfy", "reward.fn='math_verfy' is not a registered reward; one of: format, math_verify, smoke, smoke_vision, "
                              "or an import path 'pkg.module:function' (did you mean 'math_verify'?)"),
     ("model.family=qwen4", "model.family='qwen4' is not a registered model family; one of: qwen2, qwen3_moe, "
-                           "deepseek_v3 (did you mean 'qwen2'?)"),
+                           "deepseek_v3, qwen2_5_vl (did you mean 'qwen2'?)"),
     ("data.synthetic=copi", "data.synthetic='copi' is not a registered synthetic task; one of: copy, reverse, add, "
-                            "longtail (did you mean 'copy'?)"),
+                            "longtail, colors (did you mean 'copy'?)"),
     ("resharding.strategy=allgather", "resharding.strategy='allgather' is not a registered reshard strategy; one of: "
                                       "auto, allgather_naive, allgather_swap, alltoallv_experts, tp_allgather_pp_alltoall"),
     ("trainer.loggers=[jsonl,tensorbord]", "trainer.loggers='tensorbord' is not a registered logger; one of: jsonl, "

@@ -255,12 +255,14 @@ def plan_rules(*, layout, dims: ModelDims, etp: Optional[int], device: str, inst
         except PackageNotFoundError:
             pass
     offload = bool(recipe.actor.offload_optimizer) if recipe is not None and layout.role == "actor" else False
+    vision = ([f"megatron trains text decoders only; {dims.family} has a vision tower: set actor.engine: native "
+               "(HF Qwen2.5-VL + FSDP2)"] if dims.has_vision else [])
     # context parallelism (layout.sp -> context_parallel_size): layout_problems refuses it without the
     # attention that runs it (TransformerEngine's on CUDA, never assumed for another machine; MindSpeed's
     # on Ascend, part of the supported stack). megatron-core cuts every row into 2 x CP load-balanced
     # chunks (seq_length % (2 * cp) == 0, Megatron-LM's argument check): the engine pads rows to it
     # (cp.padded_length), so no recipe length is refused; plan counts the padding in its memory model
-    return layout_problems(dims, tp=layout.tp, pp=layout.pp, ep=layout.ep, etp=etp, device=device,
+    return vision + layout_problems(dims, tp=layout.tp, pp=layout.pp, ep=layout.ep, etp=etp, device=device,
                            have_te=have("transformer_engine") if installed else False,
                            have_mindspeed=have("mindspeed") if installed else True, pp_layers=layout.pp_layers,
                            offload_optimizer=offload, megatron_core=mcore, sp=layout.sp)

@@ -104,10 +104,15 @@ def _columns(mb: dict, batch: SeqBatch, R: int) -> None:
         mb[c] = pad_rows(rows, R)  # [b, R]
 
 
-def padded_micro_batch(batch: SeqBatch, pad_id: int) -> dict:
+def padded_micro_batch(batch: SeqBatch, pad_id: int, vision=None) -> dict:
+    """``vision``: a VL model's ``vision.VisionSpec`` (pixels, grids, M-RoPE positions of the batch's images)."""
     mb = pad_sequences(batch.prompts, batch.responses, pad_id)
     R = mb["response_mask"].shape[1]
     _columns(mb, batch, R)
+    if vision is not None:
+        from .vision import add_images
+
+        add_images(mb, batch, vision)
     if batch.routed_experts is not None:  # [P_i + R_i, layers, k] -> aligned with input_ids [b, T]
         P = mb["input_ids"].shape[1] - R
         first = batch.routed_experts[0]
@@ -136,7 +141,7 @@ def _same_count(n: int) -> int:
 
 
 def micro_batches(batch: SeqBatch, size: int, pad_id: int, *, collective: bool = True,
-                  device: torch.device = HOST) -> list[dict]:
+                  device: torch.device = HOST, vision=None) -> list[dict]:
     """Consecutive groups of ``size`` samples on ``device``; the count is the max over all ranks (collective)."""
     batch = batch.to(HOST)
     n = math.ceil(len(batch) / size) if len(batch) else 0
@@ -145,7 +150,7 @@ def micro_batches(batch: SeqBatch, size: int, pad_id: int, *, collective: bool =
     out = []
     for k in range(n):
         idx = list(range(k * size, min(len(batch), (k + 1) * size)))
-        mb = padded_micro_batch(batch.subset(idx), pad_id) if idx else _empty_micro_batch(batch, pad_id)
+        mb = padded_micro_batch(batch.subset(idx), pad_id, vision) if idx else _empty_micro_batch(batch, pad_id)
         mb["sample_index"] = idx
         out.append(micro_batch_to(mb, device))
     return out

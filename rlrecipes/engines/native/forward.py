@@ -14,6 +14,7 @@ import torch
 
 from rlrecipes.algos.logprobs import logprobs_and_entropy, vocab_parallel_logprobs_and_entropy
 from rlrecipes.engines.native import head as head_ops
+from rlrecipes.engines.native.vision import forward_inputs as vision_inputs, touch_vision
 
 
 def response_len_of(mb: Mapping[str, Any]) -> int:
@@ -65,10 +66,12 @@ class TokenScores:
         if not 0 < R < T:
             raise ValueError(f"response length R={R} must be in (0, T={T})")
         position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_(min=0)  # [b, T]
+        images = vision_inputs(mb)  # a VL model's pixels, grids and [3, b, T] M-RoPE positions
+        position_ids = images.pop("position_ids", position_ids)
         # positions T-R-1 .. T-2 of the R + 1 kept: [b, R, V] logits (or [b, R, H] hidden states)
         return self._scores(mb, input_ids[:, T - R:], temperature, with_entropy, select=lambda x: x[:, :-1],
                             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                            logits_to_keep=R + 1)
+                            logits_to_keep=R + 1, **images)
 
     def _forward_packed(self, mb: Mapping[str, Any], temperature: float,
                         with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -129,7 +132,11 @@ class TokenScores:
         if routing is not None and "routed_experts" in mb:
             routing.start_replay(mb["routed_experts"])  # the rollout's experts for every recorded token
         try:
-            return self.model(use_cache=False, **inputs).logits
+            out = self.model(use_cache=False, **inputs).logits
+            spec = getattr(self, "_vision", None)
+            if spec is not None and "pixel_values" not in inputs:  # the vision tower runs on every rank
+                out = out + touch_vision(self.model, spec, out)
+            return out
         finally:
             if routing is not None:
                 routing.stop()

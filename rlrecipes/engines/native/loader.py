@@ -51,6 +51,14 @@ def check_hf_folder(folder: str | os.PathLike) -> Path:
     return path
 
 
+def auto_class(cfg):
+    """The transformers auto class of a config: image-text-to-text for a vision-language model (its
+    config has a ``vision_config``), causal LM otherwise."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if getattr(cfg, "vision_config", None) is not None else AutoModelForCausalLM
+
+
 def build_model(source: ModelSource, *, dtype: torch.dtype = torch.float32, seed: int | None = 0,
                 attn_implementation: str = "sdpa") -> tuple[nn.Module, ModelDims]:
     """An HF causal LM on CPU, full (unsharded): from ``ModelDims`` (random init, seeded) or a folder.
@@ -58,20 +66,19 @@ def build_model(source: ModelSource, *, dtype: torch.dtype = torch.float32, seed
     Returns ``(model, dims)``. Every rank that calls it holds the full model: fine for smoke and
     small models; the train engines load folders with :func:`build_empty` + :func:`materialize`.
     """
-    from transformers import AutoModelForCausalLM
 
     if isinstance(source, ModelDims):
         cfg = hf_config(source)
         cfg._attn_implementation = attn_implementation
         if seed is not None:
             torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=attn_implementation)
+        model = auto_class(cfg).from_config(cfg, dtype=dtype, attn_implementation=attn_implementation)
         return model, source
     path = check_hf_folder(source)
-    _read_config(path)  # a clear error on a bad config.json first
+    cfg = _read_config(path)  # a clear error on a bad config.json first
     SafetensorsFolder(path)  # every weight file's header and length: a truncated file is named, not a library's
     with reading(path, "HF model folder", FIX_WEIGHTS):
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True, use_safetensors=True,
+        model = auto_class(cfg).from_pretrained(path, dtype=dtype, local_files_only=True, use_safetensors=True,
                                                      attn_implementation=attn_implementation)
     return model, dims_from_hf_config(model.config)
 
@@ -87,13 +94,12 @@ def _read_config(path: Path):
 def build_empty(folder: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
                 attn_implementation: str = "sdpa") -> tuple[nn.Module, ModelDims]:
     """The HF model of a local folder on the meta device (no storage), and its dimensions."""
-    from transformers import AutoModelForCausalLM
 
     path = check_hf_folder(folder)
     cfg = _read_config(path)
     cfg._attn_implementation = attn_implementation
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=attn_implementation)
+        model = auto_class(cfg).from_config(cfg, dtype=dtype, attn_implementation=attn_implementation)
     return model, dims_from_hf_config(cfg)
 
 

@@ -304,7 +304,10 @@ def _attach_colwise_hooks(lm_head: nn.Module, tp_mesh: DeviceMesh, *, gather: bo
 
 
 def _decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The FSDP2 units below the root: the decoder layers, and a VL model's vision blocks too."""
     backbone = getattr(model, "model", model)
+    if hasattr(backbone, "language_model") and hasattr(backbone, "visual"):  # Qwen2.5-VL
+        return list(backbone.visual.blocks) + list(backbone.language_model.layers)
     layers = getattr(backbone, "layers", None)
     if layers is None:
         raise ValueError(f"{type(model).__name__}: no .model.layers to shard with FSDP2")

@@ -42,6 +42,7 @@ from rlrecipes.engines import base
 from rlrecipes.engines.base import RolloutOutput, SamplingParams
 from rlrecipes.engines.native import CAPABILITIES
 from rlrecipes.engines.native.batching import MeshRanks
+from rlrecipes.engines.native import vision as vis
 from rlrecipes.engines.native.decode import FastDecoder, supports_fast_decode
 from rlrecipes.engines.native.loader import ModelSource, build_model
 from rlrecipes.core.mesh import world_layout
@@ -79,9 +80,21 @@ def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tenso
 
 
 def sample_next(logits: torch.Tensor, *, temperature: float, top_k: int, top_p: float,
-                generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw one token per row. ``logits [B, V]`` -> ``(tokens [B], logp [B])`` (see module docstring)."""
+                generator: torch.Generator | None, banned: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row. ``logits [B, V]`` -> ``(tokens [B], logp [B])`` (see module docstring).
+    ``banned``: ids never drawn (a VL model's image token), filtered like top-k: the log-prob stays
+    that of the whole distribution, the one the trainer computes."""
     logits = logits.float()
+    if banned:
+        keep = logits
+        logits = logits.clone()
+        logits[:, list(banned)] = float("-inf")
+        if temperature <= 0:
+            tok = logits.argmax(-1)
+            return tok, F.log_softmax(keep, dim=-1).gather(-1, tok[:, None]).squeeze(-1)
+        scaled = keep / temperature if temperature != 1.0 else keep
+        tok, _ = sample_next(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
+        return tok, F.log_softmax(scaled, dim=-1).gather(-1, tok[:, None]).squeeze(-1)
     if temperature <= 0:
         logp_all = F.log_softmax(logits, dim=-1)  # [B, V]
         tok = logits.argmax(-1)  # [B]
@@ -170,6 +183,7 @@ class NativeRolloutEngine(MeshRanks, base.RolloutEngine):
         self._sleeping_weights: SwappedStorages | None = None
         self._tp_group = self.mesh.tp_mesh.get_group() if self.mesh.tp > 1 else None
         self._tp_src = dist.get_global_rank(self._tp_group, 0) if self._tp_group is not None else None
+        self._vision = vis.vision_spec(self.model)  # a VL model: HF forward with pixels + M-RoPE (vision.py)
         self._fast = (FastDecoder(self.model, mode=decode)
                       if decode != "hf" and supports_fast_decode(self.model) else None)
         self.decode_path = decode if self._fast is not None else "hf"
@@ -303,27 +317,55 @@ class NativeRolloutEngine(MeshRanks, base.RolloutEngine):
 
         return logits, step
 
-    def open_session(self, prompts: Sequence[torch.Tensor], params: SamplingParams, *, seed: int) -> base.TurnSession:
+    def _prefill_vision(self, ids, pmask, prompts, images, max_new_tokens):
+        """A VL model: ``model.forward`` over the prompts with their pixels and ``[3, B, P]`` M-RoPE
+        positions into a DynamicCache, then one token per step at position ``next + t`` on all three
+        axes (``vision.prefill_positions``), the positions the train-side forward computes."""
+        from transformers import DynamicCache
+
+        B, P = ids.shape
+        pos, nxt = vis.prefill_positions(self._vision, prompts, images, P)
+        pos, nxt = pos.to(ids.device), nxt.to(ids.device)  # [3, B, P], [B]
+        cache = DynamicCache(config=self.config)
+        mask = torch.zeros((B, P + max_new_tokens), dtype=torch.long, device=ids.device)  # [B, L]
+        mask[:, :P] = pmask
+        logits = self.model(input_ids=ids, attention_mask=pmask, position_ids=pos, cache=cache,
+                            use_cache=True, logits_to_keep=1,
+                            **vis.image_inputs(images, ids.device, self.dtype)).logits[:, -1]  # [B, V]
+
+        def step(tok, t):
+            mask[:, P + t] = 1
+            p = (nxt + t)[None, :, None].expand(3, -1, 1)  # [3, B, 1]
+            return self.model(input_ids=tok[:, None], attention_mask=mask[:, :P + t + 1], position_ids=p,
+                              cache=cache, use_cache=True).logits[:, -1]
+
+        return logits, step
+
+    def open_session(self, prompts: Sequence[torch.Tensor], params: SamplingParams, *, seed: int,
+                     images: Sequence | None = None) -> base.TurnSession:
         """Multi-turn: a :class:`~rlrecipes.engines.native.session.KVSession` that keeps every
         sample's KV cache across turns (fast prefill path); otherwise the base re-prefilling session."""
         if self._fast is None or self.prefill_path != "fast":
-            return super().open_session(prompts, params, seed=seed)
+            return super().open_session(prompts, params, seed=seed, images=images)  # a VL model: re-prefilled
         from .session import KVSession
 
         return KVSession(self, prompts, params, seed=seed, stop_ids=params.ending_ids(), sample_next=sample_next)
 
     @torch.no_grad()
-    def generate(self, prompts: Sequence[torch.Tensor], params: SamplingParams, *, seed: int) -> RolloutOutput:
+    def generate(self, prompts: Sequence[torch.Tensor], params: SamplingParams, *, seed: int,
+                 images: Sequence | None = None) -> RolloutOutput:
         if not prompts:  # a DP rank with no share this round (its TP peers have none either)
             return RolloutOutput([], [])
         return self.sample(prompts, max_new_tokens=params.max_new_tokens, temperature=params.temperature,
                            top_p=params.top_p, top_k=max(params.top_k, 0),
-                           eos_token_id=params.ending_ids(), pad_token_id=params.pad_token_id, seed=seed)
+                           eos_token_id=params.ending_ids(), pad_token_id=params.pad_token_id, seed=seed,
+                           images=images)
 
     def sample(self, prompts: Sequence[torch.Tensor], *, max_new_tokens: int, temperature: float = 1.0,
                  top_p: float = 1.0, top_k: int = 0, eos_token_id: int | Sequence[int] | None = None,
-                 pad_token_id: int = 0, seed: int | None = None) -> RolloutOutput:
+                 pad_token_id: int = 0, seed: int | None = None, images: Sequence | None = None) -> RolloutOutput:
         """Sample up to ``max_new_tokens`` per prompt (list of 1-D token tensors, any lengths).
+        ``images[i]``: prompt ``i``'s ``VisionInput`` (or None), for a vision-language model.
 
         Stops a sequence at its first EOS (kept) and the batch when all stopped. ``seed`` reseeds
         the generator first (reproducible calls); otherwise the engine's stream continues.
@@ -348,7 +390,13 @@ class NativeRolloutEngine(MeshRanks, base.RolloutEngine):
         check_every = 8 if devmod.is_accelerator(dev.type) else 1
         has_eos = bool(eos.numel())
         t0 = time.perf_counter()
+        if images is not None and self._vision is None and any(v is not None for v in images):
+            raise ValueError(f"images given to a text-only model ({type(self.model).__name__}); train a "
+                             "vision-language family (model.family: qwen2_5_vl)")
         prefill = self._prefill_fast if self._fast is not None else self._prefill_hf
+        banned = self._vision.special_ids if self._vision is not None else ()
+        if self._vision is not None:
+            prefill = lambda i, m, _p, n: self._prefill_vision(i, m, prompts, images or [None] * B, n)  # noqa: E731
         routing = getattr(self, "routing", None)
         if routing is not None:
             routing.start_recording()
@@ -358,7 +406,7 @@ class NativeRolloutEngine(MeshRanks, base.RolloutEngine):
         lps: list[torch.Tensor] = []
         for t in range(max_new_tokens):
             tok, lp = sample_next(logits, temperature=temperature, top_k=top_k, top_p=top_p,
-                                  generator=self.generator)  # [B], [B]
+                                  generator=self.generator, banned=banned)  # [B], [B]
             if self._tp_group is not None:
                 dist.broadcast(tok, src=self._tp_src, group=self._tp_group)
             steps = t + 1

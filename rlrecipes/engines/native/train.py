@@ -47,6 +47,7 @@ from rlrecipes.engines.native import head as head_ops
 from rlrecipes.engines.native import shards as shard_ops
 from rlrecipes.engines.native.forward import TokenScores, response_len_of
 from rlrecipes.engines.native.state import EngineState
+from rlrecipes.engines.native import vision as vis
 from rlrecipes.engines.native.batching import MeshRanks, micro_batches, packed_micro_batches, rows_to_samples
 from rlrecipes.engines.native.loader import (HFFolderWriter, ModelSource, build_empty, build_model, materialize,
                                              source_folder)
@@ -98,8 +99,7 @@ class NativeTrainEngine(TokenScores, EngineState, MeshRanks, base.TrainEngine):
             in backward, then reshards.
         lora: ``actor.lora`` (PEFT adapters trained, the base frozen; :mod:`.lora`), or None.
         sp: with a ``(tp, ep)`` layout, Ulysses sequence-parallel ranks per DP group (``layout.sp``,
-            :mod:`.ulysses`): they hold the
-            same samples, each runs its ``1 / sp`` of every row; ``dp = world // (tp * sp)``.
+            :mod:`.ulysses`): they hold the same samples, each runs ``1 / sp`` of every row.
         head_chunk_tokens: tokens per chunk of the LM head (:mod:`.head`; 0: the HF head's logits).
         moe_grouped_mm: under EP, the local experts as grouped GEMMs (:class:`.parallel.EPExperts`).
     """
@@ -117,7 +117,8 @@ class NativeTrainEngine(TokenScores, EngineState, MeshRanks, base.TrainEngine):
                  attn_implementation: str = "sdpa", micro_batch_size: int = 4, pad_token_id: int = 0,
                  max_tokens_per_micro_batch: int | None = None, recompute: bool = False,
                  offload_optimizer: bool = False, small_model_bytes: int = SMALL_MODEL_BYTES, lora: Any = None,
-                 sp: int = 1, head_chunk_tokens: int = head_ops.DEFAULT_CHUNK_TOKENS, moe_grouped_mm: bool = False):
+                 sp: int = 1, head_chunk_tokens: int = head_ops.DEFAULT_CHUNK_TOKENS, moe_grouped_mm: bool = False,
+                 freeze_vision_tower: bool = True):
         if role not in self.serves:
             raise ValueError(f"role={role!r}: {type(self).__name__} builds {' or '.join(map(repr, self.serves))}"
                              + (" (the critic is NativeValueEngine)" if role == "critic" else ""))
@@ -154,6 +155,7 @@ class NativeTrainEngine(TokenScores, EngineState, MeshRanks, base.TrainEngine):
             from .lora import inject
 
             hf_model = inject(hf_model, self.lora)
+        self._vision = vis.prepare(hf_model, freeze_tower=freeze_vision_tower and self.trainable)  # None: text only
         low_precision = self.compute_dtype != param_dtype
         small = small_model(sum(p.numel() * p.element_size() for p in hf_model.parameters()), small_model_bytes)
         grad_ranks = self.mesh.grad_size  # DP, and the SP ranks inside each DP group
@@ -232,7 +234,8 @@ class NativeTrainEngine(TokenScores, EngineState, MeshRanks, base.TrainEngine):
                   micro_batch_size=spec.micro_batch_size, pad_token_id=spec.pad_token_id,
                   max_tokens_per_micro_batch=spec.max_tokens_per_micro_batch,
                   recompute=spec.recompute if spec.role != "ref" else False,
-                  offload_optimizer=spec.offload_optimizer, lora=spec.lora if spec.role == "actor" else None)
+                  offload_optimizer=spec.offload_optimizer, lora=spec.lora if spec.role == "actor" else None,
+                  freeze_vision_tower=spec.freeze_vision_tower)
         if spec.routing_replay and spec.role == "actor":
             if spec.layout.sp > 1:
                 raise ValueError("routing replay with layout.sp > 1: the recorded experts are not split along the "
@@ -279,12 +282,12 @@ class NativeTrainEngine(TokenScores, EngineState, MeshRanks, base.TrainEngine):
         # Replicated DP runs no collective in a forward: inference needs no agreement; training
         # keeps it, so "mean" loss scaling divides by the same count everywhere
         collective = self.mesh.grad_size > 1 and (training or not self._replicated)
-        if self.max_tokens_per_micro_batch:
+        if self.max_tokens_per_micro_batch and self._vision is None:  # VL: padded rows (M-RoPE positions)
             return packed_micro_batches(batch, self.max_tokens_per_micro_batch, self.pad_token_id,
                                         varlen=self._varlen_attention, collective=collective, device=self.device,
                                         one_per_row=self.mesh.sp > 1)
         return micro_batches(batch, self.micro_batch_size, self.pad_token_id, collective=collective,
-                             device=self.device)
+                             device=self.device, vision=self._vision)
 
     # ----------------------------------------------------------------------------- inference
     @torch.no_grad()

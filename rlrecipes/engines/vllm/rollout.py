@@ -354,10 +354,14 @@ class VllmRolloutEngine(base.RolloutEngine):
             raise ValueError(f"vllm rollout: {problem}")
         self._checked_sampling.add(key)
 
-    def generate(self, prompts: Sequence[torch.Tensor], params: base.SamplingParams, *, seed: int) -> base.RolloutOutput:
+    def generate(self, prompts: Sequence[torch.Tensor], params: base.SamplingParams, *, seed: int,
+                 images: Optional[Sequence] = None) -> base.RolloutOutput:
         from vllm import SamplingParams as VSP
         from vllm.inputs import TokensPrompt
 
+        if images is not None and any(v is not None for v in images):
+            raise NotImplementedError("vllm rollout: image prompts (multi_modal_data) are not wired in this release; "
+                                      "set rollout.engine: native for a vision-language recipe")
         self._check_sampling(params)
         if not prompts and self._vllm_dp == 1:
             return base.RolloutOutput([], [])

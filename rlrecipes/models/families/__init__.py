@@ -16,10 +16,10 @@ imports what families share from :mod:`.base`, never from this package (which im
 """
 from __future__ import annotations
 
-from . import deepseek_v3, qwen2, qwen3_moe
+from . import deepseek_v3, qwen2, qwen2_5_vl, qwen3_moe
 from .base import COMMON_SHARDING, Family, Kind, ParamList, dense_mlp, fused_experts, gqa_attention
 
-FAMILY_MODULES = (qwen2, qwen3_moe, deepseek_v3)
+FAMILY_MODULES = (qwen2, qwen3_moe, deepseek_v3, qwen2_5_vl)
 FAMILY_TABLE: dict[str, Family] = {m.FAMILY.name: m.FAMILY for m in FAMILY_MODULES}
 
 

@@ -6,7 +6,7 @@ The family modules import from here, never from the package ``__init__`` (which 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Optional
 
 from ..dims import ModelDims
 
@@ -41,6 +41,10 @@ class Family:
     """transformers config from dims and the shared keyword arguments."""
     read_config: Callable[[Any], dict[str, Any]] = field(default=lambda cfg: {})
     """Family-specific ModelDims fields read back from a transformers config."""
+    text_prefix: str = "model."
+    """Where the decoder stack sits in the HF state dict (``model.language_model.`` for a VL model)."""
+    extra_params: Optional[Callable[[ModelDims, Callable[..., None]], None]] = None
+    """More parameters after the decoder's (a vision tower and its merger), ``add(name, shape)``."""
 
     def hf_params(self, d: ModelDims) -> ParamList:
         """(name, shape, unit, unit_name) of every parameter of the HF model, in state-dict order."""
@@ -49,14 +53,17 @@ class Family:
         def add(name: str, shape, unit: int = 1, unit_name: str = "rows") -> None:
             out.append((name, tuple(int(s) for s in shape), unit, unit_name))
 
-        add("model.embed_tokens.weight", (d.vocab_size, H))
+        t = self.text_prefix
+        add(f"{t}embed_tokens.weight", (d.vocab_size, H))
         for i in range(d.num_layers):
-            self.attention_and_mlp(d, i, lambda n, *a, _p=f"model.layers.{i}.": add(_p + n, *a))
-            add(f"model.layers.{i}.input_layernorm.weight", (H,))
-            add(f"model.layers.{i}.post_attention_layernorm.weight", (H,))
-        add("model.norm.weight", (H,))
+            self.attention_and_mlp(d, i, lambda n, *a, _p=f"{t}layers.{i}.": add(_p + n, *a))
+            add(f"{t}layers.{i}.input_layernorm.weight", (H,))
+            add(f"{t}layers.{i}.post_attention_layernorm.weight", (H,))
+        add(f"{t}norm.weight", (H,))
         if not d.tie_embeddings:
             add("lm_head.weight", (d.vocab_size, H))
+        if self.extra_params is not None:
+            self.extra_params(d, add)
         return out
 
 
