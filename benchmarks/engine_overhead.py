@@ -117,6 +117,7 @@ def _time(fn, barrier) -> tuple[float, float]:
 def measure(layout: str, tp: int, args) -> list[dict]:
     import torch.distributed as dist
 
+    from rlrecipes.core.mesh import build_mesh
     from rlrecipes.core.parallel import ParallelLayout
     from rlrecipes.engines.native import parallel as par
     from rlrecipes.engines.native.loader import build_model
@@ -129,7 +130,7 @@ def measure(layout: str, tp: int, args) -> list[dict]:
                             max_tokens_per_micro_batch=args.budget or None)
     model, _ = build_model(dims, seed=0)
     if tp > 1:
-        model = par.parallelize(model, ParallelLayout(tp=tp, world=dist.get_world_size()).build_mesh("cpu"), fsdp=False)
+        model = par.parallelize(model, build_mesh(ParallelLayout(tp=tp, world=dist.get_world_size()), "cpu"), fsdp=False)
     plain = Plain(model, batch, lr=1e-4, tp=tp > 1)
     barrier = dist.barrier if dist.get_world_size() > 1 else (lambda: None)
     ops = {"forward": (lambda: eng.forward(batch), plain.forward),

@@ -118,7 +118,7 @@ def default_hardware(device: str, dies_per_card: int = 1) -> str:
     return "cpu"
 
 
-#: a device's reported name (``torch.cuda.get_device_name``, the NPU's SoC name) -> its row; the
+#: a device's reported name (``device.device_name``: the GPU's product name, the NPU's SoC name) -> its row; the
 #: first match wins, so a longer name comes before its prefix (H200 before H20)
 _BY_DEVICE_NAME = (("H200", "h200"), ("H100", "h100"), ("H20", "h20"), ("910C", "atlas-a3"),
                    ("910_93", "atlas-a3"), ("910B", "atlas-a2"))

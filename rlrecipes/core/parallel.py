@@ -288,16 +288,6 @@ class ParallelLayout:
         return {"role": self.role, "tp": self.tp, "pp": self.pp, "ep": self.ep, "dp": self.dp, "world": self.world,
                 "pp_layers": list(self.pp_layers) if self.pp_layers is not None else None, "sp": self.sp}
 
-    # ------------------------------------------------------------------ the device mesh
-    def build_mesh(self, device_type: str) -> "MeshInfo":
-        """The native engines' mesh over the initialised world (which must be ``world``):
-        ``("dp", "etp", "ep")`` of shape ``(dp, tp // ep, ep)``, ``"tp"`` the flattening of
-        ``("etp", "ep")`` (EP inside TP); with SP, ``("dp", "sp", "etp", "ep")`` with ``"mp"`` = SP x TP
-        and ``"dpsp"`` = DP x SP flattened. No pipeline stages."""
-        from .mesh import build_mesh
-
-        return build_mesh(self, device_type)
-
 
 __all__ = ["DIVIDES_RULE", "DIVIDES_SP_RULE", "EP_ACROSS_DP_RULE", "EP_GROUPS", "EP_RULE", "EP_WITHIN_TP_RULE",
            "LayoutError", "LayoutProblem", "ParallelLayout", "SPLIT_LEN_RULE"]

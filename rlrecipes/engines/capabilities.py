@@ -69,6 +69,10 @@ class Capabilities:
     """A rollout engine that captures its decode step as a graph (vLLM: CUDA / ACL graphs) when
     ``rollout.inference.graph_mode`` is on. False: the host launches every kernel of every decode
     iteration, which ``plan``'s step-time model prices per layer (:mod:`rlrecipes.plan.steptime`)."""
+    image_prompts: bool = False
+    """A rollout engine that generates from prompts with images (vision-language models: the
+    pixels and their positions reach its forward). ``plan`` notes a VL recipe whose rollout engine
+    cannot, since such a run stops at its first rollout."""
     lora: bool = False
     """LoRA adapters (``actor.lora``): a train engine trains them with its base frozen and serves the
     base as the reference policy; a rollout engine applies adapters synced from the trainer."""

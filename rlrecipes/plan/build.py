@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-from ..engines.registry import BACKENDS, capabilities
+from ..engines.registry import BACKENDS, capabilities, engines_that
 from ..core.parallel import ParallelLayout
 from ..recipe import Recipe
 from .checks import (NODE_INDEPENDENT_RULES, PlanError, Violation, capability_checks, engine_checks,
@@ -311,10 +311,11 @@ def build_plan(recipe: Recipe, nodes: Optional[int] = None, devices_per_node: Op
                           f"tower), its activations {v['vision_activations_gib']} GiB per micro-batch of "
                           f"{v['images_per_micro_batch']} images, {v['image_kv_cache_mib_per_image']} MiB of KV cache "
                           "per image per rollout device (counted in the prompt)")
-        if recipe.rollout.engine != "native":  # engines/vllm/rollout.py refuses image prompts
+        if not capabilities(recipe.rollout.engine).image_prompts:  # e.g. vllm: refuses image prompts
             plan.notes.append(f"rollout.engine={recipe.rollout.engine}: image prompts do not reach its "
                               "multi_modal_data in this release, so a run stops at its first rollout; "
-                              "rollout.engine: native runs images today")
+                              f"set rollout.engine to one that takes images: "
+                              f"{', '.join(engines_that(lambda c: c.image_prompts and 'rollout' in c.roles))}")
     lora = recipe.actor.lora if recipe.actor.lora.enabled else None
     if lora is not None:
         plan.lora = {"rank": lora.rank, "alpha": lora.alpha, "target_modules": list(lora.target_modules)}

@@ -122,7 +122,8 @@ def measured_from_results(results: Path = RESULTS) -> dict:
     for lpc, name in _newest_first(results, "layout_pass_cost-cpu-*.json"):
         for ln in lpc.get("lines", []):  # per model family and layout: the native engines in gloo processes
             if ln.get("part") == "pass":
-                cell = out.setdefault("cpu_layout", {}).setdefault(f"{ln['family']}/{ln['layout']}", {"source": name})
+                cell = out.setdefault("cpu_layout", {}).setdefault(
+                    f"{ln['engine']}/{ln['family']}/{ln['layout']}", {"source": name})
                 if cell["source"] == name:
                     cell[f"{ln['kind']}_per_layer_s"] = ln["per_layer_s"]
                     cell[f"{ln['kind']}_fixed_s"] = ln["fixed_s"]
@@ -142,10 +143,10 @@ RECORDED = Path(__file__).with_name("measured.json")
 _LAYOUT_KINDS = ("forward", "train", "decode")
 
 
-def layout_key(kind: str, fam_layout: str) -> str:
-    """The factor key of a pass measured at a layout: ``cpu/<kind>[/native]/<family>/<layout>``
-    (decode keys name the engine, as the one-process decode keys do)."""
-    return f"cpu/{kind}/native/{fam_layout}" if kind == "decode" else f"cpu/{kind}/{fam_layout}"
+def layout_key(kind: str, engine_fam_layout: str) -> str:
+    """The factor key of a pass measured at a layout: ``cpu/<kind>/<engine>/<family>/<layout>``
+    (the engine the measurement ran, recorded in its results line)."""
+    return f"cpu/{kind}/{engine_fam_layout}"
 
 
 @functools.lru_cache(maxsize=4)
@@ -183,10 +184,10 @@ def load_factors(results: Path = RESULTS) -> Factors:
             **{f"cpu/decode/{e}/{fam}": Factor(v["per_layer_s"], f"{v['source']}: one decode iteration of the "
                                                                   f"{e} engine, 64 {fam} smoke rows, 1 thread")
                for e, fams in m["cpu_decode"].items() for fam, v in fams.items()},
-            **{layout_key(kind, fam_layout): Factor(v[f"{kind}_per_layer_s"], f"{v['source']}: the native engine's "
-                                                   f"{kind} at {fam_layout.split('/')[1]} over 2 gloo processes, 64 "
-                                                   f"{fam_layout.split('/')[0]} smoke samples, collectives included")
-               for fam_layout, v in m.get("cpu_layout", {}).items() for kind in _LAYOUT_KINDS
+            **{layout_key(kind, efl): Factor(v[f"{kind}_per_layer_s"], f"{v['source']}: the {efl.split('/')[0]} "
+                                                    f"engine's {kind} at {efl.split('/')[2]} over 2 gloo processes, "
+                                                    f"a smoke step of {efl.split('/')[1]}, collectives included")
+               for efl, v in m.get("cpu_layout", {}).items() for kind in _LAYOUT_KINDS
                if f"{kind}_per_layer_s" in v},
         },
         eager_fixed_s={  # a fixed part measured below 0 is noise around none
@@ -194,8 +195,8 @@ def load_factors(results: Path = RESULTS) -> Factors:
                for fam, v in cpu.items() for kind in ("forward", "train")},
             **{f"cpu/decode/{e}/{fam}": Factor(max(0.0, v["fixed_s"]), v["source"])
                for e, fams in m["cpu_decode"].items() for fam, v in fams.items()},
-            **{layout_key(kind, fam_layout): Factor(max(0.0, v[f"{kind}_fixed_s"]), v["source"])
-               for fam_layout, v in m.get("cpu_layout", {}).items() for kind in _LAYOUT_KINDS
+            **{layout_key(kind, efl): Factor(max(0.0, v[f"{kind}_fixed_s"]), v["source"])
+               for efl, v in m.get("cpu_layout", {}).items() for kind in _LAYOUT_KINDS
                if f"{kind}_fixed_s" in v},
         },
         dock_round_trip_s=Factor(1e-3, "docs/transfer_dock.md (benchmarks/dock_call.py): a direct-channel call is "

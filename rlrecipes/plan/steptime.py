@@ -153,9 +153,9 @@ def _eager_at_layout(c: _Ctx, kind: str, role: ParallelLayout, engine: str, laye
     the native engines over gloo, their collectives included), or None where none was. A rollout's
     data-parallel ranks decode alone: only its model-parallel layouts have a measurement of their own."""
     tag = _layout_tag(role, c.dims)
-    if engine != "native" or not tag or (rollout and tag.startswith("dp")):
+    if not tag or (rollout and tag.startswith("dp")):
         return None
-    key = layout_key(kind, f"{c.dims.family}/{tag}")
+    key = layout_key(kind, f"{engine}/{c.dims.family}/{tag}")  # only the engine measured at it has one
     if c.kind != "cpu" or key not in c.f.eager_layer_s:
         return None
     return passes * (layers * c.f.eager_layer_s[key].value + c.f.eager_fixed_s.get(key, Factor(0.0, "")).value)

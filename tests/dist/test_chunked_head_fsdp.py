@@ -92,13 +92,14 @@ def case_fsdp(rank):
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
+    from rlrecipes.core.mesh import build_mesh
     from rlrecipes.core.parallel import ParallelLayout
     from rlrecipes.engines.native import parallel as par
     from rlrecipes.engines.native.head import unsupported
     from rlrecipes.engines.native.loader import build_model
     from rlrecipes.models import smoke_dims
 
-    mesh = ParallelLayout(world=dist.get_world_size()).build_mesh("cpu")
+    mesh = build_mesh(ParallelLayout(world=dist.get_world_size()), "cpu")
     assert mesh.dp == WORLD
     for fam, tied in (("qwen2", False), ("qwen2", True), ("qwen3_moe", False)):
         dims = smoke_dims(fam, tie_embeddings=tied)
@@ -162,12 +163,13 @@ def case_fsdp_bf16_held(rank):
     sharded model (bf16 logits either way; gradients to bf16 rounding)."""
     import torch.distributed as dist
 
+    from rlrecipes.core.mesh import build_mesh
     from rlrecipes.core.parallel import ParallelLayout
     from rlrecipes.engines.native import parallel as par
     from rlrecipes.engines.native.loader import build_model
     from rlrecipes.models import smoke_dims
 
-    mesh = ParallelLayout(world=dist.get_world_size()).build_mesh("cpu")
+    mesh = build_mesh(ParallelLayout(world=dist.get_world_size()), "cpu")
     for tied in (False, True):
         dims = smoke_dims("qwen2", tie_embeddings=tied)
         ids, w_lp, w_ent = _data(dims.vocab_size, seed=20 + rank)
@@ -200,12 +202,13 @@ def case_tp(rank):
 
     from rlrecipes.engines.native.head import unsupported
 
+    from rlrecipes.core.mesh import build_mesh
     from rlrecipes.core.parallel import ParallelLayout
     from rlrecipes.engines.native import parallel as par
     from rlrecipes.engines.native.loader import build_model
     from rlrecipes.models import smoke_dims
 
-    mesh = ParallelLayout(tp=2, world=dist.get_world_size()).build_mesh("cpu")
+    mesh = build_mesh(ParallelLayout(tp=2, world=dist.get_world_size()), "cpu")
     assert mesh.tp == WORLD
     for fam, tied in (("qwen2", False), ("qwen2", True)):
         dims = smoke_dims(fam, tie_embeddings=tied)

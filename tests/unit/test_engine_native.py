@@ -121,15 +121,16 @@ def test_train_engine_single_rank_offload_roundtrip():
 
 
 def test_layout_errors():
+    from rlrecipes.core.mesh import build_mesh
     from rlrecipes.core.parallel import ParallelLayout
 
     with pytest.raises(ValueError, match="a layout over 2 devices on a world of 1 ranks"):
-        ParallelLayout(role="actor", tp=2, world=2).build_mesh("cpu")
+        build_mesh(ParallelLayout(role="actor", tp=2, world=2), "cpu")
     with pytest.raises(ValueError, match="TP\\*PP divides the world: actor: TP2 x PP1 = 2 does not divide 1 devices"):
-        ParallelLayout(role="actor", tp=2, world=1).build_mesh("cpu")
+        build_mesh(ParallelLayout(role="actor", tp=2, world=1), "cpu")
     with pytest.raises(ValueError, match="EP2 does not divide TP1 \\(engine native\\); use ep <= tp with tp % ep == 0 "
                                          "\\(actor.layout.ep\\)"):
-        ParallelLayout(role="actor", tp=1, ep=2, world=1).build_mesh("cpu")
+        build_mesh(ParallelLayout(role="actor", tp=1, ep=2, world=1), "cpu")
 
 
 def test_param_rules_follow_conventions():

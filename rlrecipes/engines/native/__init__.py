@@ -20,6 +20,7 @@ HEAD_CHUNK_TOKENS = 1024
 CAPABILITIES = Capabilities(
     name="native", roles=frozenset({"train", "rollout"}), pipeline_parallel=False, expert_parallel=True,
     ep_groups="within_tp", expert_tensor_parallel=False, separate_ref_layout=False, critic=True, routing_replay=True,
+    image_prompts=True,  # engines/native/vision.py: HF's VL forward for prefill, the KV cache after
     lora=True,  # PEFT adapters at TP1 / EP1 (FSDP2 or replicated DP); needs the lora extra
     sequence_parallel="ulysses",  # layout.sp: engines/native/ulysses.py
     head_chunk_tokens=HEAD_CHUNK_TOKENS,  # engines/native/head.py (not an untied vocab-parallel head under FSDP)

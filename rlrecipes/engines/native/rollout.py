@@ -45,7 +45,7 @@ from rlrecipes.engines.native.batching import MeshRanks
 from rlrecipes.engines.native import vision as vis
 from rlrecipes.engines.native.decode import FastDecoder, supports_fast_decode
 from rlrecipes.engines.native.loader import ModelSource, build_model
-from rlrecipes.core.mesh import world_layout
+from rlrecipes.core.mesh import build_mesh, world_layout
 from rlrecipes.core.parallel import ParallelLayout
 from rlrecipes.core.swap import SwappedStorages
 from rlrecipes.engines.native.train import _resolve_dtype, resolve_device
@@ -159,7 +159,7 @@ class NativeRolloutEngine(MeshRanks, base.RolloutEngine):
         tp, ep = layout.tp, layout.ep
         self.device = resolve_device(device)
         self.dtype = _resolve_dtype(self.device, dtype)
-        self.mesh = layout.build_mesh(self.device.type)
+        self.mesh = build_mesh(layout, self.device.type)
         devmod.set_device(self.device)
         hf_model, self.dims = build_model(model, dtype=self.dtype, seed=seed, attn_implementation=attn_implementation)
         if lora is not None:  # the same adapters as the actor's; only they arrive each step

@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from rlrecipes import device as devmod
-from rlrecipes.core.mesh import world_layout
+from rlrecipes.core.mesh import build_mesh, world_layout
 from rlrecipes.core.parallel import ParallelLayout
 from rlrecipes.core.swap import SwappedStorages
 from rlrecipes.engines import base
@@ -134,7 +134,7 @@ class NativeTrainEngine(TokenScores, EngineState, MeshRanks, base.TrainEngine):
             from . import ulysses
 
             attn_implementation = ulysses.register()  # attention over all-to-all head shards
-        self.mesh = layout.build_mesh(self.device.type)
+        self.mesh = build_mesh(layout, self.device.type)
         devmod.set_device(self.device)
         torch.manual_seed(seed)
         param_dtype = torch.float32 if self.trainable else self.compute_dtype
