@@ -11,7 +11,8 @@ from rlrecipes.plan import build_plan, format_violations
 from rlrecipes.recipe import load_recipe
 from rlrecipes.recipe.schema import LoraConfig
 
-SMOKE_RECIPES = {"qwen2": "qwen25_7b", "qwen3_moe": "qwen3_moe_30b", "deepseek_v3": "deepseek_r1_671b"}
+SMOKE_RECIPES = {"qwen2": "qwen25_7b", "qwen3_moe": "qwen3_moe_30b", "deepseek_v3": "deepseek_r1_671b",
+                 "qwen2_5_vl": "qwen25_vl_7b"}
 DEFAULT_TARGETS = LoraConfig().target_modules
 
 
@@ -20,13 +21,13 @@ def _peft_lora(dims, lora) -> dict:
     pytest.importorskip("peft")
     import torch
     from peft import inject_adapter_in_model
-    from transformers import AutoModelForCausalLM
-
+    from rlrecipes.engines.native.loader import auto_class
     from rlrecipes.engines.native.lora import is_lora_name, peft_config
     from rlrecipes.models.catalog import hf_config
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(hf_config(dims))
+    cfg = hf_config(dims)
+    model = auto_class(cfg).from_config(cfg)  # a VL family: its image-text-to-text class
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # PEFT's v4 -> v5 MoE target conversion warns about its rank pattern
         model = inject_adapter_in_model(peft_config(lora), model)
