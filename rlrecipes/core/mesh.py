@@ -7,6 +7,7 @@ are contiguous blocks of ranks inside one TP group. The device type comes from :
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -71,26 +72,17 @@ class MeshInfo:
     def ep_mesh(self) -> DeviceMesh:
         return self.root["ep"]
 
-    @property
+    @functools.cached_property  # fixed for the mesh's life; asked on every call
     def tp_rank(self) -> int:
-        r = self.__dict__.get("_tp_rank")  # fixed for the mesh's life; asked on every call
-        if r is None:
-            r = self.__dict__["_tp_rank"] = self.tp_mesh.get_local_rank()
-        return r
+        return self.tp_mesh.get_local_rank()
 
-    @property
+    @functools.cached_property  # fixed for the mesh's life; asked on every call
     def dp_rank(self) -> int:
-        r = self.__dict__.get("_dp_rank")  # fixed for the mesh's life; asked on every call
-        if r is None:
-            r = self.__dict__["_dp_rank"] = self.dp_mesh.get_local_rank()
-        return r
+        return self.dp_mesh.get_local_rank()
 
-    @property
+    @functools.cached_property  # fixed for the mesh's life; asked on every call
     def ep_rank(self) -> int:
-        r = self.__dict__.get("_ep_rank")  # fixed for the mesh's life; asked on every call
-        if r is None:
-            r = self.__dict__["_ep_rank"] = self.ep_mesh.get_local_rank()
-        return r
+        return self.ep_mesh.get_local_rank()
 
     @property
     def world(self) -> int:

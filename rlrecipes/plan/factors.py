@@ -23,6 +23,8 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from ..device import is_accelerator
+
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 
 
@@ -80,7 +82,7 @@ def _newest_first(results: Path, pattern: str, keep=lambda data: True) -> list[t
 
 
 def _on_accelerator(suite: dict) -> bool:
-    return suite.get("device_type") in ("cuda", "npu")  # a CPU run of the suite measures no accelerator
+    return is_accelerator(str(suite.get("device_type")))  # a CPU run of the suite measures no accelerator
 
 
 def measured_from_results(results: Path = RESULTS) -> dict:

@@ -134,9 +134,12 @@ def _eager(c: _Ctx, kind: str, layers: float, passes: float, engine: str = "") -
         if not own:
             return 0.0
         key = max(own, key=lambda k: c.f.eager_layer_s[k].value)
-    per = c.f.eager_layer_s[key]
-    fixed = c.f.eager_fixed_s.get(key, Factor(0.0, "")).value
-    return passes * (layers * per.value + fixed)
+    return _passes_s(c, key, layers, passes)
+
+
+def _passes_s(c: _Ctx, key: str, layers: float, passes: float) -> float:
+    """``passes`` passes over ``layers`` layers at the measured per-layer and fixed cost of ``key``."""
+    return passes * (layers * c.f.eager_layer_s[key].value + c.f.eager_fixed_s.get(key, Factor(0.0, "")).value)
 
 
 def _layout_tag(role: ParallelLayout, dims) -> str:
@@ -158,7 +161,7 @@ def _eager_at_layout(c: _Ctx, kind: str, role: ParallelLayout, engine: str, laye
     key = layout_key(kind, f"{engine}/{c.dims.family}/{tag}")  # only the engine measured at it has one
     if c.kind != "cpu" or key not in c.f.eager_layer_s:
         return None
-    return passes * (layers * c.f.eager_layer_s[key].value + c.f.eager_fixed_s.get(key, Factor(0.0, "")).value)
+    return _passes_s(c, key, layers, passes)
 
 
 def _train_pass(c: _Ctx, name: str, role: ParallelLayout, engine: str, fwd_units: float, eager_kind: str,
