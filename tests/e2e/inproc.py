@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import traceback
 
 
@@ -35,6 +36,18 @@ def shutdown_ray() -> None:
 
     if ray.is_initialized():
         ray.shutdown()
+
+
+def rlrecipes(*args: str, extra_env: dict | None = None, timeout: float = 600,
+              own_process: bool = False) -> subprocess.CompletedProcess:
+    """``rlrecipes *args``: in this process (:func:`invoke`), or in a subprocess when the call needs
+    its own process or environment (``own_process``, ``extra_env``: Ray's workers inherit the
+    environment Ray started with), or every call with RLRECIPES_E2E_SUBPROCESS=1. ``timeout``
+    applies to a subprocess only."""
+    if own_process or extra_env or os.environ.get("RLRECIPES_E2E_SUBPROCESS") == "1":
+        return subprocess.run([sys.executable, "-m", "rlrecipes", *args], capture_output=True, text=True,
+                              timeout=timeout, env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0", **(extra_env or {})})
+    return invoke(*args)
 
 
 def invoke(*args: str) -> subprocess.CompletedProcess:

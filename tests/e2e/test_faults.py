@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from inproc import invoke  # same folder (rootdir-relative imports)
+from inproc import rlrecipes  # same folder (rootdir-relative imports)
 
 pytestmark = pytest.mark.e2e
 
@@ -38,12 +38,8 @@ def env():
 
 def cli(*args, check=True, extra_env=None):
     """In this process on the shared Ray session (``inproc.py``), unless the call needs its own
-    environment (``extra_env``: Ray's workers inherit the environment Ray started with)."""
-    if extra_env or os.environ.get("RLRECIPES_E2E_SUBPROCESS") == "1":
-        out = subprocess.run([sys.executable, "-m", "rlrecipes", *args], capture_output=True, text=True, timeout=600,
-                             env={**env(), **(extra_env or {})})
-    else:
-        out = invoke(*args)
+    environment (``extra_env``)."""
+    out = rlrecipes(*args, extra_env=extra_env)
     if check and out.returncode != 0:
         raise AssertionError(f"rlrecipes {' '.join(args)} exited {out.returncode}\n{out.stderr[-3000:]}")
     return out

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from inproc import invoke  # same folder (rootdir-relative imports)
+from inproc import rlrecipes  # same folder (rootdir-relative imports)
 
 pytestmark = pytest.mark.e2e
 
@@ -26,12 +26,7 @@ def cli(*args, timeout=600, check=True, subprocess_=False):
     the same run, without an interpreter's and a Ray's start-up each time), or in a subprocess
     (``subprocess_=True``, or every call with RLRECIPES_E2E_SUBPROCESS=1; ``timeout`` applies
     there only)."""
-    if subprocess_ or os.environ.get("RLRECIPES_E2E_SUBPROCESS") == "1":
-        env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
-        out = subprocess.run([sys.executable, "-m", "rlrecipes", *args], capture_output=True, text=True,
-                             timeout=timeout, env=env)
-    else:
-        out = invoke(*map(str, args))
+    out = rlrecipes(*map(str, args), timeout=timeout, own_process=subprocess_)
     if check and out.returncode != 0:
         raise AssertionError(f"rlrecipes {' '.join(args)} exited {out.returncode}\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
     return out
