@@ -118,12 +118,49 @@ def ray_died(dead: Sequence[str], e: Optional[BaseException] = None) -> ClusterE
     return err
 
 
+def _same_cluster_or_refuse(address: Optional[str]) -> None:
+    """A process already joined to Ray (a notebook, an in-process test) may only be asked for that
+    same cluster: Ray keeps one session per process, and running on the joined one while the user named
+    another would put the run on machines they did not choose."""
+    if not address or address in ("auto", "local"):
+        return
+    import ray
+
+    joined = ray.get_runtime_context().gcs_address or ""
+    asked = address.split("://", 1)[-1]
+    if not _same_host_port(asked, joined):
+        raise ClusterError(f"no Ray cluster at {address!r} for this process: it is already joined to the Ray "
+                           f"cluster at {joined!r}, and Ray keeps one cluster per process. Run from a fresh "
+                           f"process, or call ray.shutdown() first")
+
+
+def _same_host_port(a: str, b: str) -> bool:
+    """Whether two ``host:port`` spellings name one endpoint: hosts resolved, and this machine's
+    loopback and its Ray node address counted as one host."""
+    import socket
+
+    import ray
+
+    here = {ray.util.get_node_ip_address()}
+
+    def norm(x: str) -> tuple[str, str]:
+        host, _, port = x.rpartition(":")
+        try:
+            ip = socket.gethostbyname(host or "127.0.0.1")
+        except OSError:
+            return host, port
+        return ("this machine" if ip.startswith("127.") or ip in here else ip), port
+
+    return norm(a) == norm(b)
+
+
 def connect(address: Optional[str] = None, *, embedded: bool = False, num_cpus: Optional[int] = None,
             resources: Optional[dict] = None) -> str:
     """Initialise Ray; returns 'embedded' or the address joined."""
     import ray
 
     if ray.is_initialized():
+        _same_cluster_or_refuse(address)
         return "existing"
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     if embedded:

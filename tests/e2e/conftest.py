@@ -1,10 +1,9 @@
-import pytest
+def pytest_runtest_teardown(item, nextitem):
+    """The Ray session the e2e tests' in-process runs share (``inproc.py``) ends with the last e2e
+    test, so the tests after them find no Ray in this process. (A package-scoped fixture would not
+    do: tests/e2e is no package, so such a fixture lives to the end of the whole session.)"""
+    here = item.path.parent
+    if nextitem is None or nextitem.path.parent != here:
+        from inproc import shutdown_ray
 
-
-@pytest.fixture(scope="package", autouse=True)
-def _shared_ray_ends_with_the_e2e_tests():
-    """The Ray session the e2e tests' in-process runs share (``inproc.py``) ends with them."""
-    yield
-    from inproc import shutdown_ray
-
-    shutdown_ray()
+        shutdown_ray()
