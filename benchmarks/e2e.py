@@ -11,6 +11,10 @@ same-architecture model, 2 CPU workers) and reports, from the run's metrics.json
 - ``predicted_tps_per_card`` / ``predicted_step_s`` / ``predicted_stage_s``: what ``plan``'s
   step-time model predicts for the same run on the ``cpu`` hardware row (the run's ``plan.json``),
   and ``predicted_over_measured`` against the median above;
+- ``predicted_at_run_lengths``: the same model given the run's own mean response length
+  (``run_response_tokens``, the mean of ``response_length/mean`` from step 1 on) in place of the
+  recipe's ``rollout.expected_response_tokens``: what the model says once the length it was told
+  is taken out of the comparison (a DAPO smoke run's answers shorten as it learns);
 - ``rollout_tokens_per_s`` vs ``generate_tokens_per_s``: the native rollout engine against
   ``transformers`` ``model.generate`` on the same smoke model and batch (single process).
 
@@ -52,6 +56,8 @@ def run_one(recipe: str, steps: int, out: Path) -> dict:
         "reward_first5": round(statistics.fmean(r["reward/mean"] for r in rows[:5]), 4),
         "reward_last5": round(statistics.fmean(r["reward/mean"] for r in rows[-5:]), 4),
         **_predicted(out, statistics.median(r["perf/tps_per_card"] for r in body)),
+        **_predicted_at_run_lengths(recipe, steps, statistics.fmean(r["response_length/mean"] for r in body),
+                                    statistics.median(r["perf/tps_per_card"] for r in body)),
         "run_dir": str(out),
     }
 
@@ -64,6 +70,21 @@ def _predicted(out: Path, measured: float) -> dict:
     return {"predicted_tps_per_card": pred["tps_per_card"], "predicted_step_s": pred["step_s"],
             "predicted_over_measured": round(pred["tps_per_card"] / measured, 3) if measured else None,
             "predicted_stage_s": {k: v["s"] for k, v in pred["stages"].items()}}
+
+
+def _predicted_at_run_lengths(recipe: str, steps: int, response_tokens: float, measured: float) -> dict:
+    """The smoke plan's prediction with the run's measured mean response length as the recipe's."""
+    from rlrecipes.plan import build_plan
+    from rlrecipes.plan.steptime import predict
+    from rlrecipes.recipe import load_recipe
+
+    mean = max(1, round(response_tokens))
+    r = load_recipe(recipe, smoke=True, overrides=[f"trainer.steps={steps}", f"rollout.expected_response_tokens={mean}"])
+    pred = predict(r, build_plan(r, r.resources.nodes, r.resources.devices_per_node))
+    return {"run_response_tokens": round(response_tokens, 2),
+            "predicted_at_run_lengths": {"tps_per_card": round(pred.tps_per_card, 1), "step_s": round(pred.step_s, 4),
+                                         "over_measured": round(pred.tps_per_card / measured, 3) if measured else None,
+                                         "stage_s": {s.name: round(s.seconds, 4) for s in pred.stages}}}
 
 
 def rollout_vs_generate(recipe: str) -> dict:

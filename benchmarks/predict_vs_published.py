@@ -26,7 +26,7 @@ QWEN3_8B = ("model.preset=null", "model.path=null", "model.family=qwen2",
             # Qwen3-8B's published config.json as planner dimensions (the qwen2 family: the same matmuls;
             # Qwen3's q/k norms add no FLOPs worth counting; Qwen2's q/k/v biases, kept, add 0.01 %)
             'model.smoke={"vocab_size": 151936, "hidden_size": 4096, "num_layers": 36, "num_heads": 32, '
-            '"num_kv_heads": 8, "head_dim": 128, "intermediate_size": 12288}')
+            '"num_kv_heads": 8, "head_dim": 128, "intermediate_size": 12288, "max_position_embeddings": 40960}')
 MSRL = "MindSpeed-RL docs/zh/algorithms"
 MSRL_UNIT = "TPS per die (MindSpeed-RL's logged e2e_tps: tokens / actor NPUs / s, an A3 NPU is a die; a card is 2x)"
 

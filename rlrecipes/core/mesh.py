@@ -8,7 +8,7 @@ are contiguous blocks of ranks inside one TP group. The device type comes from :
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -28,59 +28,64 @@ class MeshInfo:
     dp: int
     sp: int = 1
     """Ulysses sequence-parallel ranks per DP group (``layout.sp``): they hold the same samples."""
+    flat: dict = field(default_factory=dict, compare=False, repr=False)
+    """The flattened dimensions (``"tp"``, and with SP ``"mp"``, ``"dpsp"``) as ``_flatten`` returned
+    them. Kept here, not sliced from ``root`` again: a slice is a mesh-layout computation (and, for a
+    flattened name, a deprecation warning) on every call, and the engines ask on every pass."""
 
-    @property
+    def _dim(self, name: str) -> DeviceMesh:
+        return self.flat[name] if name in self.flat else self.root[name]
+
+    # every mesh and rank below is fixed for the mesh's life and asked on every pass: computed once
+    @functools.cached_property
     def dp_mesh(self) -> DeviceMesh:
         return self.root["dp"]
 
-    @property
+    @functools.cached_property
     def grad_mesh(self) -> DeviceMesh:
         """The ranks whose gradients are averaged (FSDP2's shard mesh, replicated DP's all-reduce):
         DP, and the SP ranks inside each DP group."""
-        return self.root["dpsp"] if self.sp > 1 else self.root["dp"]
+        return self._dim("dpsp") if self.sp > 1 else self.dp_mesh
 
     @property
     def grad_size(self) -> int:
         return self.dp * self.sp
 
-    @property
+    @functools.cached_property
     def sp_group(self):
         """The process group of this rank's SP peers (None at SP1)."""
         return self.root["sp"].get_group() if self.sp > 1 else None
 
-    @property
+    @functools.cached_property
     def sp_rank(self) -> int:
-        r = self.__dict__.get("_sp_rank")
-        if r is None:
-            r = self.__dict__["_sp_rank"] = self.root["sp"].get_local_rank() if self.sp > 1 else 0
-        return r
+        return self.root["sp"].get_local_rank() if self.sp > 1 else 0
 
-    @property
+    @functools.cached_property
     def mp_mesh(self) -> DeviceMesh:
         """The ranks that hold the same samples: TP, and SP around it."""
-        return self.root["mp"] if self.sp > 1 else self.root["tp"]
+        return self._dim("mp") if self.sp > 1 else self.tp_mesh
 
     @property
     def mp_size(self) -> int:
         return self.tp * self.sp
 
-    @property
+    @functools.cached_property
     def tp_mesh(self) -> DeviceMesh:
-        return self.root["tp"]
+        return self._dim("tp")
 
-    @property
+    @functools.cached_property
     def ep_mesh(self) -> DeviceMesh:
         return self.root["ep"]
 
-    @functools.cached_property  # fixed for the mesh's life; asked on every call
+    @functools.cached_property
     def tp_rank(self) -> int:
         return self.tp_mesh.get_local_rank()
 
-    @functools.cached_property  # fixed for the mesh's life; asked on every call
+    @functools.cached_property
     def dp_rank(self) -> int:
         return self.dp_mesh.get_local_rank()
 
-    @functools.cached_property  # fixed for the mesh's life; asked on every call
+    @functools.cached_property
     def ep_rank(self) -> int:
         return self.ep_mesh.get_local_rank()
 
@@ -120,13 +125,11 @@ def build_mesh(layout: ParallelLayout, device_type: str) -> MeshInfo:
     mesh_type = devmod.mesh_device_type(device_type)
     if sp == 1:
         root = init_device_mesh(mesh_type, (dp, tp // ep, ep), mesh_dim_names=("dp", "etp", "ep"))
-        root["etp", "ep"]._flatten("tp")
-        return MeshInfo(root=root, tp=tp, ep=ep, dp=dp)
+        return MeshInfo(root=root, tp=tp, ep=ep, dp=dp, flat={"tp": root["etp", "ep"]._flatten("tp")})
     root = init_device_mesh(mesh_type, (dp, sp, tp // ep, ep), mesh_dim_names=("dp", "sp", "etp", "ep"))
-    root["etp", "ep"]._flatten("tp")
-    root["sp", "etp", "ep"]._flatten("mp")
-    root["dp", "sp"]._flatten("dpsp")
-    return MeshInfo(root=root, tp=tp, ep=ep, dp=dp, sp=sp)
+    flat = {"tp": root["etp", "ep"]._flatten("tp"), "mp": root["sp", "etp", "ep"]._flatten("mp"),
+            "dpsp": root["dp", "sp"]._flatten("dpsp")}
+    return MeshInfo(root=root, tp=tp, ep=ep, dp=dp, sp=sp, flat=flat)
 
 
 __all__ = ["MeshInfo", "build_mesh", "world_layout"]

@@ -40,6 +40,7 @@ class SmokeDims(_Strict):
     num_experts: Optional[int] = Field(None, ge=1)
     moe_intermediate_size: Optional[int] = Field(None, ge=1)
     experts_per_token: Optional[int] = Field(None, ge=1)
+    max_position_embeddings: Optional[int] = Field(None, ge=1)
 
 
 class ModelConfig(_Strict):
