@@ -84,6 +84,8 @@ class _Ctx:
     L: float
     Lmax: int
     samples: int
+    image_flops: float = 0.0
+    """The vision tower's forward FLOPs over one sample's image (0: text only; ``plan/vision.py``)."""
 
     @property
     def kind(self) -> str:
@@ -165,14 +167,19 @@ def _eager_at_layout(c: _Ctx, kind: str, role: ParallelLayout, engine: str, laye
 
 
 def _train_pass(c: _Ctx, name: str, role: ParallelLayout, engine: str, fwd_units: float, eager_kind: str,
-                passes_per_step: int = 1, comm_units: float = 1, flushes: int = 1) -> StagePrediction:
+                passes_per_step: int = 1, comm_units: float = 1, flushes: int = 1,
+                vision_units: float = 1) -> StagePrediction:
     """A forward (``fwd_units`` = 1) or a training pass (3 forward-equivalents of FLOPs, 2 with
     LoRA's frozen base, +1 with recompute) over every sample. ``comm_units``: how many times the
     pass moves a forward's TP / EP traffic (a backward moves it once more, a recompute once more).
-    ``flushes``: pipeline flushes per pass (one per optimizer step)."""
+    ``flushes``: pipeline flushes per pass (one per optimizer step). ``vision_units``: the vision
+    tower's forward-equivalents (a frozen tower only runs forward); the tower is replicated over TP,
+    so each device of a TP group runs it for the group's samples (under PP, the first stage: the
+    others wait for it)."""
     r, dims = c.recipe, c.dims
     tokens = c.samples * (c.P + c.L)
     flops = _forward_flops(c, tokens, c.P + c.L) * fwd_units * passes_per_step
+    flops += c.samples / max(1, role.dp or 1) * c.image_flops * vision_units * passes_per_step * role.world
     compute = flops / role.world / (c.hw.bf16_flops * c.mfu(engine))
     dp = max(1, role.dp or 1)
     budget = r.trainer.max_tokens_per_micro_batch
@@ -269,7 +276,8 @@ def _rollout(c: _Ctx, role: ParallelLayout, engine: str, weights_per_device: flo
         host, lat = at_layout, 0.0  # measured at this layout: its collectives are in the iteration
     per_iter = max(mem, comp, host) + lat
     prefill_tok = rows * c.P * groups
-    prefill = _forward_flops(c, prefill_tok, c.P) / role.world / (hw.bf16_flops * c.mfu(engine))
+    images = rows * c.image_flops * role.world  # each device runs the tower for its group's rows
+    prefill = (_forward_flops(c, prefill_tok, c.P) + images) / role.world / (hw.bf16_flops * c.mfu(engine))
     waves = math.ceil(rows / conc)  # the prefill's forward at the layout (the train engine's, measured) or alone
     fwd = _eager_at_layout(c, "forward", role, engine, dims.num_layers, waves, rollout=True)
     prefill = max(prefill, fwd if fwd is not None else _eager(c, "forward", dims.num_layers, waves))
@@ -318,7 +326,16 @@ def predict(recipe: Recipe, plan, factors: Optional[Factors] = None) -> StepPred
         assumptions.append(f"resources.device_memory_gb={r.resources.device_memory_gb:g} (the memory plan's) while "
                            f"{hw.name} has {hw.hbm_gb:g} GB per device")
     samples = plan.global_batch * plan.n_samples
-    c = _Ctx(r, hw, f, dims, P, L, Lmax, samples)
+    from .vision import image_tokens, vision_flops_per_image
+
+    # an image is prompt tokens: at most the processor's cap, and no more than the mean prompt holds
+    per_image = min(image_tokens(dims, r), P) if dims.has_vision else 0
+    c = _Ctx(r, hw, f, dims, P, L, Lmax, samples, vision_flops_per_image(dims, r, per_image))
+    if dims.has_vision:
+        assumptions.append(f"images: one per sample of {per_image:g} image tokens (the processor's cap, "
+                           f"{image_tokens(dims, r)}, or the mean prompt where that is less: it counts them); "
+                           f"{c.image_flops / 1e9:.3g} GFLOP through the vision tower per image, in the rollout's "
+                           "prefill and every train pass")
     roles = roles_of(r, strict=False)
     actor = plan.roles["actor"]
     rollout = plan.roles["rollout"]
@@ -337,14 +354,15 @@ def predict(recipe: Recipe, plan, factors: Optional[Factors] = None) -> StepPred
     units = (2 if r.actor.lora.enabled else 3) + (1 if r.actor.recompute else 0)
     comm_units = 2 + (1 if r.actor.recompute else 0)
     flushes = roles.mini_batches
-    upd = _train_pass(c, "update", actor, train_engine, units, "train", epochs, comm_units, flushes)
+    vision_units = 1 if r.actor.freeze_vision_tower else 3 + (1 if r.actor.recompute else 0)
+    upd = _train_pass(c, "update", actor, train_engine, units, "train", epochs, comm_units, flushes, vision_units)
     sync = _grad_sync(c, actor, train_engine, roles.mini_batches * epochs)
     upd.seconds += sync
     upd.detail += f", DP gradient sync {sync:.3g} s" if sync else ""
     stages.append(upd)
     if roles.critic:
         crit = _train_pass(c, "critic_update", plan.roles.get("critic", actor), train_engine, units, "train", epochs,
-                           comm_units, flushes)
+                           comm_units, flushes, vision_units)
         stages.append(crit)
     # reshard: the bytes the resharder's plan moves, over the link the two layouts span
     span = max(actor.model_parallel * max(1, actor.ep if dims.is_moe else 1), rollout.world // max(1, rollout.dp or 1))

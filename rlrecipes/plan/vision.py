@@ -12,6 +12,8 @@ the model's vision dims:
   saved input either way. The attention runs per window through SDPA's fused kernels, so no
   ``patches^2`` scores (``benchmarks/vision_memory.py``, fp32 on the CPU, Qwen2.5-VL-7B's tower at 2-3 blocks, 448^2 and
   616^2 images: 0.97-1.10 of the measured peak, trained and frozen; benchmarks/results/vision_memory_cpu.jsonl);
+* the tower's FLOPs per image (``vision_flops_per_image``), which the step-time model adds to the
+  rollout's prefill and to every train pass;
 * the KV cache the image tokens occupy: they are prompt tokens (``data.max_prompt_length`` holds
   them), so the rollout's KV check already counts them; the plan reports their share.
 
@@ -55,6 +57,24 @@ def vision_activation_bytes(dims: ModelDims, recipe: Recipe, images: int | None 
     return float(blocks + merger)
 
 
+#: Qwen2.5-VL's tower: every 8th block attends over the whole image, the others inside windows of
+#: 112 x 112 pixels (8 x 8 patches of 14)
+FULL_ATTENTION_EVERY, WINDOW_PATCHES = 8, 64
+
+
+def vision_flops_per_image(dims: ModelDims, recipe: Recipe, tokens: float | None = None) -> float:
+    """Forward FLOPs of the vision tower and merger over one image of ``tokens`` image tokens (default:
+    the processor's area cap, the memory model's image): 2 per parameter per patch (the merger, which
+    runs once per 2 x 2 patches, counted per patch: under 4 % over) and the attention's QK^T and AV,
+    windowed in most blocks (``FULL_ATTENTION_EVERY``). 0 for a text-only model."""
+    if not dims.has_vision:
+        return 0.0
+    patches = (image_tokens(dims, recipe) if tokens is None else tokens) * dims.spatial_merge ** 2
+    full = dims.vision_depth // FULL_ATTENTION_EVERY
+    context = full * patches + (dims.vision_depth - full) * min(patches, WINDOW_PATCHES)
+    return patches * (2 * dims.vision_params() + 4 * dims.vision_hidden * context)
+
+
 def vision_summary(dims: ModelDims, recipe: Recipe, kv_token_bytes: float) -> dict:
     """The plan's image figures: tokens and patches per image, the tower's activations per micro-batch,
     the KV cache bytes of one image's tokens per rollout device."""
@@ -67,4 +87,5 @@ def vision_summary(dims: ModelDims, recipe: Recipe, kv_token_bytes: float) -> di
             "tower": "frozen" if recipe.actor.freeze_vision_tower else "trained"}
 
 
-__all__ = ["image_tokens", "images_per_micro_batch", "vision_activation_bytes", "vision_summary"]
+__all__ = ["image_tokens", "images_per_micro_batch", "vision_activation_bytes", "vision_flops_per_image",
+           "vision_summary"]

@@ -246,3 +246,32 @@ def test_a_benchmarked_device_finds_its_row_by_its_reported_name():
     assert hardware_of_device("Ascend910_9392", "npu") == "atlas-a3"
     assert hardware_of_device("anything", "cpu") == "cpu"
     assert hardware_of_device("NVIDIA A100-SXM4-80GB", "cuda") is None  # no row: no share is claimed
+
+
+def _flops(pred, stage):
+    detail = {s.name: s.detail for s in pred.stages}[stage]
+    return float(detail.split(" PFLOP")[0]) * 1e15
+
+
+def test_a_vision_language_step_pays_the_towers_flops_in_every_pass(monkeypatch):
+    import rlrecipes.plan.vision as vision
+    from rlrecipes.plan.vision import image_tokens, vision_flops_per_image
+
+    base = ("data.expected_prompt_tokens=600", "rollout.expected_response_tokens=400")
+    r, plan, trained = _pred("qwen25_vl_7b", *base, "actor.freeze_vision_tower=false")
+    _, _, frozen = _pred("qwen25_vl_7b", *base, "actor.freeze_vision_tower=true")
+    dims, samples = r.model.dims(), plan.global_batch * plan.n_samples
+    per_image = vision_flops_per_image(dims, r, 600)
+    assert 600 < image_tokens(dims, r) and per_image > 0
+    assert any("600 image tokens" in a for a in trained.assumptions)
+    # the ref pass: one tower forward per sample on each device of the sample's group (TP1: one)
+    with monkeypatch.context() as m:
+        m.setattr(vision, "vision_flops_per_image", lambda *a, **k: 0.0)
+        _, _, blind = _pred("qwen25_vl_7b", *base, "actor.freeze_vision_tower=false")
+    assert _flops(trained, "ref") - _flops(blind, "ref") == pytest.approx(samples * per_image, rel=0.02)
+    # a trained tower runs backward too (3 forward-equivalents, +1 recomputed), a frozen one forward only
+    extra = 2 + (1 if r.actor.recompute else 0)
+    assert _flops(trained, "update") - _flops(frozen, "update") == pytest.approx(extra * samples * per_image, rel=0.02)
+    # the image tokens are the mean prompt's: an image is never counted larger than the prompt
+    _, _, short = _pred("qwen25_vl_7b", "data.expected_prompt_tokens=50", "rollout.expected_response_tokens=400")
+    assert any("50 image tokens" in a for a in short.assumptions)
