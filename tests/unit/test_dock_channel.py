@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -252,3 +253,33 @@ def test_keys_never_print_and_clients_get_no_server_secret():
     assert (c.server_public, c.client_public, c.client_secret) == (k.server_public, k.client_public, k.client_secret)
     p = DockKeys(encrypted=False)
     assert p.client_secret.decode() not in repr(p) and len(p.client_secret) == 64
+
+
+def test_a_channel_left_open_after_its_warehouse_closed_neither_retries_nor_blocks_its_close(served):
+    """A channel nobody closed (the garbage collector's ``__del__`` closes it, on any thread, at any
+    time) whose warehouse went away: its socket retries the connection every 100 ms and posts an event
+    to its monitor each time, and a monitor queue filled to libzmq's limit must not block the close
+    (it did: a test process hung in ``disable_monitor`` inside a garbage collection)."""
+    import zmq
+
+    from rlrecipes.core.dock.channel import _EVENTS, _close
+
+    h, keys, srv = served
+    ch = Channel(srv.address, keys)
+    srv.close()
+    # a socket that does retry, every millisecond, where nothing listens: its monitor's queue of
+    # unread events fills within a second or two
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.RECONNECT_IVL, 1)
+    events = sock.get_monitor_socket(_EVENTS)
+    sock.connect(f"tcp://127.0.0.1:{dead}")
+    time.sleep(3)
+    assert events.poll(0)
+    for closing in (lambda: _close(sock, events), ch.close):
+        t = threading.Thread(target=closing, daemon=True)
+        t.start()
+        t.join(20)
+        assert not t.is_alive(), "the close blocked"

@@ -40,6 +40,7 @@ from .messages import Failed, Request, checked_request, decode, encode
 
 
 _SLICE_MS = 1000      # a caller waiting for an answer checks for a lost connection this often
+_MONITOR_HWM = 1000  # libzmq's default high-water mark: the monitor's queue of unread events
 _EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
            | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_CLOSED | zmq.EVENT_CONNECT_RETRIED
            | zmq.EVENT_DISCONNECTED)
@@ -351,7 +352,15 @@ def _event(events: zmq.Socket) -> int:
 
 
 def _close(sock: zmq.Socket, events: zmq.Socket, linger: int = 0) -> None:
-    sock.disable_monitor()    # first: an event sent to a closed monitor would block libzmq's I/O thread
+    # the monitor's unread events first: stopping it posts one more, which waits for room in the
+    # monitor's queue (1,000 events), so a full queue would block this close (and a ``__del__``
+    # the garbage collector runs) for good
+    for _ in range(_MONITOR_HWM + 1):
+        try:
+            events.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            break
+    sock.disable_monitor()    # then: an event sent to a closed monitor would block libzmq's I/O thread
     events.close()
     sock.close(linger=linger)
 
