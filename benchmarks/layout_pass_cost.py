@@ -10,7 +10,7 @@ AdamW) and the native rollout engine (``decode``: one iteration, prefill cancell
 ``decode_host_cost.py``) in ``world`` gloo processes at each layout, at two layer counts, so a pass
 splits into a per-layer and a fixed part:
 
-    pass_s(layers) = fixed_s + layers * per_layer_s      (rank 0's wall seconds, fastest of the repeats)
+    pass_s(layers) = fixed_s + layers * per_layer_s      (rank 0's wall seconds, median of the repeats)
 
 Each measurement includes that layout's collectives, so the step-time model, where it uses one,
 adds no collective latency of its own for the pass (``plan/steptime.py``, ``_eager_at_layout``).
@@ -25,8 +25,11 @@ response: one packed micro-batch at the smoke budget, 2,048 tokens), and every t
 input shapes no earlier call had (``--shapes new``), as a run's steps do. DTensor caches its
 sharding decisions per input shape: a pass over a shape it has not seen propagates every op's
 sharding again, which on these tiny models costs as much as the math. ``--shapes repeat`` measures
-the cache-hit cost instead. Each figure is the fastest of ``--repeats`` calls: this machine is
-shared with other work, whose bursts only ever add time; ``median_s_at_*`` shows the spread.
+the cache-hit cost instead. Each figure is the median of ``--repeats`` calls, as in
+``host_pass_cost.py`` and ``decode_host_cost.py``: a run's step costs what a typical call costs. (The
+fastest call, ``fastest_s_at_*``, is no estimate of it: on an idle machine two gloo processes on two
+cores still spread by 1.3-2x from call to call, and a smoke run's update took the median, not the
+fastest. Measure on an idle machine: other work only adds time.)
 
 Output: one JSON line per (family, layout, kind), and with ``--out`` a results file
 (``benchmarks/results/layout_pass_cost-cpu-<date>.json``) that ``steptime.load_factors`` reads.
@@ -54,23 +57,28 @@ CASES = ("qwen2:dp2,qwen2:tp2,qwen3_moe:dp2,qwen3_moe:tp2ep2,deepseek_v3:dp2,dee
 LAYOUTS = {"dp2": (1, 1), "tp2": (2, 1), "tp2ep2": (2, 2)}
 
 
-def _batches(vocab: int, samples: int, prompt: int, new: int, seed: int, count: int, shapes: str) -> list:
+def _batches(vocab: int, samples: int, prompt: int, new: int, seed: int, count: int, shapes: str,
+             first: int = 0) -> list:
     """``count`` batches, each response's length drawn from ``new // 2 .. new``. ``shapes="new"``:
-    as a run's steps bring them, every batch packs to a token count no earlier one had (the first
-    prompt is ``i`` tokens longer in batch ``i``). DTensor caches its sharding decisions per input
-    shape (per thread): a TP layout's pass over a shape it has not seen propagates every op's
-    sharding again, which on these tiny models costs more than the math. ``"repeat"``: one batch,
-    repeated: the cache-hit cost."""
+    as a run's steps bring them, every batch has an input shape no earlier one had, at nearly the
+    same token count: batch ``k`` (``first + i``) drops ``k // 4`` samples and pads its rows ``k % 4``
+    tokens longer (its first sample's prompt; that sample's response is the longest). DTensor caches
+    its sharding decisions per op and input shape, for the whole process: a TP layout's pass over a
+    shape it has not seen propagates the first layer's ops again (the later layers' hit what the
+    first one cached), which on these tiny models costs more than the math. ``"repeat"``: one
+    batch, repeated: the cache-hit cost."""
     from rlrecipes.engines.base import SeqBatch
 
     g = torch.Generator().manual_seed(seed)
     out = []
     for i in range(count if shapes == "new" else 1):
-        lens = torch.randint(max(1, new // 2), new + 1, (samples,), generator=g).tolist()
-        out.append(SeqBatch(prompts=[torch.randint(3, vocab, (prompt + (i if j == 0 else 0),), generator=g)
-                                     for j in range(samples)],
-                            responses=[torch.randint(3, vocab, (n,), generator=g) for n in lens],
-                            per_sample={"advantages": torch.randn(samples, generator=g)}))
+        k = first + i if shapes == "new" else 0
+        n = samples - k // 4
+        lens = [new] + torch.randint(max(1, new // 2), new + 1, (n - 1,), generator=g).tolist()
+        out.append(SeqBatch(prompts=[torch.randint(3, vocab, (prompt + (k % 4 if j == 0 else 0),), generator=g)
+                                     for j in range(n)],
+                            responses=[torch.randint(3, vocab, (m,), generator=g) for m in lens],
+                            per_sample={"advantages": torch.randn(n, generator=g)}))
     return out * (count if shapes == "repeat" else 1)
 
 
@@ -79,10 +87,8 @@ def _pg_loss(logp, _ent, mb):
     return -(torch.where(m.bool(), logp * mb["advantages"], 0.0)).sum() / m.sum().clamp(min=1), {}
 
 
-def _fastest(fn, repeats: int, barrier) -> tuple[float, float]:
-    """The fastest of ``repeats`` timed calls ``fn(i)`` after a warm-up ``fn(0)``, the pass's cost
-    on an unloaded machine (this one is shared with other work, whose bursts only ever add time),
-    and their median."""
+def _timed(fn, repeats: int, barrier) -> tuple[float, float]:
+    """The median of ``repeats`` timed calls ``fn(i)`` after a warm-up ``fn(0)``, and the fastest."""
     fn(0)
     out = []
     for i in range(1, repeats + 1):
@@ -91,7 +97,7 @@ def _fastest(fn, repeats: int, barrier) -> tuple[float, float]:
         fn(i)
         barrier()
         out.append(time.perf_counter() - t)
-    return min(out), statistics.median(out)
+    return statistics.median(out), min(out)
 
 
 def measure(family: str, tag: str, layers: int, a) -> dict[str, float]:
@@ -110,14 +116,19 @@ def measure(family: str, tag: str, layers: int, a) -> dict[str, float]:
     seed = dist.get_rank() if tp == 1 else 0
     samples = a.batch // (dist.get_world_size() // tp)  # a rank's share: the batch over the DP ranks
     batches = _batches(dims.vocab_size, samples, a.prompt, a.new, seed, a.repeats + 1, a.shapes)
+    # the train passes on shapes of their own: a run's update meets shapes no forward cached (the
+    # sharding cache is shared by every pass of the process), and repeating the forward's would
+    # price its forward half at cache hits
+    train_batches = _batches(dims.vocab_size, samples, a.prompt, a.new, seed + 1, a.repeats + 1, a.shapes,
+                             first=a.repeats + 1 if a.shapes == "new" else 0)
     spec = dict(model=dims, dtype="fp32", seed=0, lr=1e-4, micro_batch_size=samples,
                 max_tokens_per_micro_batch=a.budget)
     world = dist.get_world_size()
     out = {}
     train = build_train_engine("native", EngineSpec(role="actor", layout=ParallelLayout(
         role="actor", tp=tp, ep=ep, world=world), **spec))
-    out["forward"] = _fastest(lambda i: train.forward(batches[i]), a.repeats, barrier)
-    out["train"] = _fastest(lambda i: train.train_step(batches[i], _pg_loss), a.repeats, barrier)
+    out["forward"] = _timed(lambda i: train.forward(batches[i]), a.repeats, barrier)
+    out["train"] = _timed(lambda i: train.train_step(train_batches[i], _pg_loss), a.repeats, barrier)
     train = None  # frees its model before the rollout engine's
     if tp > 1:
         eng = build_rollout_engine("native", EngineSpec(role="rollout", layout=ParallelLayout(
@@ -131,8 +142,8 @@ def measure(family: str, tag: str, layers: int, a) -> dict[str, float]:
             return lambda i: eng.generate(prompts[i], SamplingParams(max_new_tokens=n, temperature=1.0,
                                                                      eos_token_id=None), seed=i)
 
-        one = _fastest(gen(1), a.decode_repeats, barrier)
-        many = _fastest(gen(a.decode_new), a.decode_repeats, barrier)
+        one = _timed(gen(1), a.decode_repeats, barrier)
+        many = _timed(gen(a.decode_new), a.decode_repeats, barrier)
         out["decode"] = tuple((m - o) / (a.decode_new - 1) for m, o in zip(many, one))
         close = getattr(eng, "close", None)
         if close:
@@ -140,34 +151,35 @@ def measure(family: str, tag: str, layers: int, a) -> dict[str, float]:
     return out
 
 
-def _rank(rank: int, world: int, port: int, out: str, a) -> None:
+def _rank(rank: int, world: int, port: int, out: str, case: str, layers: int, a) -> None:
+    """One measurement in fresh processes: DTensor's sharding cache lives as long as the process, so a
+    case measured after another (or at 6 layers after 2) would meet the shapes it had cached."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)  # a smoke worker's share of the machine
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RLRECIPES_DEVICE="cpu")
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        lo, hi = (int(x) for x in a.layers.split(","))
-        rows = []
-        for case in a.cases.split(","):
-            family, tag = case.split(":")
-            small, big = measure(family, tag, lo, a), measure(family, tag, hi, a)
-            for kind in small:
-                (small_s, small_med), (big_s, big_med) = small[kind], big[kind]
-                per_layer = (big_s - small_s) / (hi - lo)
-                rows.append({"part": "pass", "family": family, "layout": tag, "kind": kind,
-                             "per_layer_s": round(per_layer, 6), "fixed_s": round(small_s - lo * per_layer, 6),
-                             f"s_at_{lo}_layers": round(small_s, 6), f"s_at_{hi}_layers": round(big_s, 6),
-                             f"median_s_at_{lo}_layers": round(small_med, 6), f"median_s_at_{hi}_layers": round(big_med, 6),
-                             "world": world, "samples_per_rank": a.batch // (world // LAYOUTS[tag][0]),
-                             "prompt_tokens": a.prompt, "max_response_tokens": a.new, "shapes": a.shapes,
-                             "engine": "native", "threads": 1, "dtype": "fp32"})
-                if rank == 0:
-                    print(json.dumps(rows[-1]), flush=True)
+        family, tag = case.split(":")
+        res = measure(family, tag, layers, a)
         if rank == 0:
-            Path(out).write_text(json.dumps(rows))
+            Path(out).write_text(json.dumps(res))
     finally:
         dist.destroy_process_group()
+
+
+def _row(case: str, lo: int, hi: int, kind: str, small: tuple, big: tuple, a) -> dict:
+    family, tag = case.split(":")
+    (small_s, small_min), (big_s, big_min) = small, big
+    per_layer = (big_s - small_s) / (hi - lo)
+    world = 2
+    return {"part": "pass", "family": family, "layout": tag, "kind": kind,
+            "per_layer_s": round(per_layer, 6), "fixed_s": round(small_s - lo * per_layer, 6),
+            f"s_at_{lo}_layers": round(small_s, 6), f"s_at_{hi}_layers": round(big_s, 6),
+            f"fastest_s_at_{lo}_layers": round(small_min, 6), f"fastest_s_at_{hi}_layers": round(big_min, 6),
+            "statistic": "median", "world": world, "samples_per_rank": a.batch // (world // LAYOUTS[tag][0]),
+            "prompt_tokens": a.prompt, "max_response_tokens": a.new, "shapes": a.shapes,
+            "engine": "native", "threads": 1, "dtype": "fp32"}
 
 
 def _port() -> int:
@@ -205,10 +217,18 @@ def main(argv=None) -> None:
     import torch.multiprocessing as mp
 
     started = time.strftime("%Y-%m-%dT%H:%M:%S")
+    lo, hi = (int(x) for x in a.layers.split(","))
+    rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        rows_file = str(Path(tmp) / "rows.json")
-        mp.spawn(_rank, args=(2, _port(), rows_file, a), nprocs=2, join=True)
-        rows = json.loads(Path(rows_file).read_text())
+        for case in a.cases.split(","):
+            got = {}
+            for layers in (lo, hi):
+                res_file = str(Path(tmp) / f"{case.replace(':', '_')}_{layers}.json")
+                mp.spawn(_rank, args=(2, _port(), res_file, case, layers, a), nprocs=2, join=True)
+                got[layers] = json.loads(Path(res_file).read_text())
+            for kind in got[lo]:
+                rows.append(_row(case, lo, hi, kind, tuple(got[lo][kind]), tuple(got[hi][kind]), a))
+                print(json.dumps(rows[-1]), flush=True)
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps({"suite": "layout_pass_cost", "hardware": "cpu", "started": started,
