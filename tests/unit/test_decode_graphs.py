@@ -21,7 +21,8 @@ from rlrecipes.models import SMOKE
 pytestmark = pytest.mark.usefixtures("one_rank_group")  # tests/conftest.py
 
 FAMILIES = ["qwen2", "qwen3_moe"]
-SAMPLING = [{"temperature": 0}, {"temperature": 1.0, "seed": 3}, {"temperature": 0.8, "top_p": 0.9, "top_k": 20, "seed": 7}]
+SAMPLING = [{"temperature": 0}, {"temperature": 1.0, "seed": 3},
+            {"temperature": 0.8, "top_p": 0.9, "top_k": 20, "seed": 7}]
 ATOL = 1e-5
 
 
@@ -201,7 +202,8 @@ def test_captured_steps_replay_the_static_step(monkeypatch, family):
     assert [c[0] for c in captures] == [4] and captures[0][1] is None  # one capture: same bucket and storage
     st = a._fast._statics[(4, 15)]
     assert st.graph is not None and st.graph.replays == 3 * 7 - 1  # every step but the warm-up one
-    _same(a.sample(prompts[:2], max_new_tokens=8, temperature=0), b.sample(prompts[:2], max_new_tokens=8, temperature=0))
+    _same(a.sample(prompts[:2], max_new_tokens=8, temperature=0),
+          b.sample(prompts[:2], max_new_tokens=8, temperature=0))
     assert [c[0] for c in captures] == [4, 2] and captures[1][1] == "pool"  # a new bucket shares the pool
     params = SamplingParams(max_new_tokens=5, eos_token_id=None, pad_token_id=0, temperature=1.0)
     xs, _ = _turns(a, prompts, params, seed=4)
