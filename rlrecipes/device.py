@@ -359,6 +359,63 @@ def is_accelerator(device_type: str) -> bool:
     return device_type in ("cuda", "npu")
 
 
+# ----------------------------------------------------------------------------- device graphs
+def _graph_module(device: torch.device | None):
+    """The torch namespace whose ``graph`` context captures work on ``device`` into a replayable graph
+    (``torch.cuda``: ``CUDAGraph``; ``torch.npu``: ``NPUGraph``, where torch_npu offers it), else None:
+    the host and a simulated device have none."""
+    if not _real(device):
+        return None
+    if device.type == "cuda":
+        return torch.cuda
+    if device.type == "npu":
+        mod = getattr(torch, "npu", None)  # torch_npu's graph mode (docs/upstream_contracts.md: unverified here)
+        if mod is not None and all(hasattr(mod, a) for a in ("NPUGraph", "graph", "Stream", "current_stream")):
+            return mod
+    return None
+
+
+def graph_capture_supported(device: torch.device | None) -> bool:
+    """Whether work on ``device`` can be captured into a device graph and replayed (CUDA graphs,
+    the NPU's graph mode); False on the host, where the same static code runs eagerly."""
+    return _graph_module(device) is not None
+
+
+def graph_class(device: torch.device | None):
+    """The graph class of ``device`` (``torch.cuda.CUDAGraph``, ``torch.npu.NPUGraph``), None without one."""
+    mod = _graph_module(device)
+    if mod is None:
+        return None
+    return mod.CUDAGraph if device.type == "cuda" else mod.NPUGraph
+
+
+def capture_graph(device: torch.device, fn, *, pool=None, warmup: int = 0):
+    """Capture one call of ``fn()`` on ``device`` into a graph: ``(graph, output)``.
+
+    ``graph.replay()`` re-runs the captured kernels on the same memory: ``fn`` must read its inputs from
+    and leave its results in tensors that outlive the graph (static buffers); ``output`` is what the
+    captured call returned (tensors in the graph's memory pool, rewritten by every replay). Capturing
+    does not execute ``fn``'s kernels. ``warmup`` eager calls run first on a side stream (they *do*
+    execute: the caller undoes their effects); with 0, the caller has run ``fn`` eagerly before.
+    ``pool``: a previous graph's ``graph.pool()``, so that the graphs of several batch sizes share memory.
+    Raises ``RuntimeError`` on a device without graphs (:func:`graph_capture_supported`) and whatever
+    the capture raises (an operation that syncs with the host, a data-dependent shape)."""
+    mod = _graph_module(device)
+    if mod is None:
+        raise RuntimeError(f"no device graphs on {device}")
+    if warmup:
+        side = mod.Stream(device=device)
+        side.wait_stream(mod.current_stream(device))
+        with mod.stream(side):
+            for _ in range(warmup):
+                fn()
+        mod.current_stream(device).wait_stream(side)
+    graph = graph_class(device)()
+    with mod.graph(graph, pool=pool):
+        out = fn()
+    return graph, out
+
+
 # dense bf16/fp16 tensor-core peak per device (vendor datasheets, without sparsity), by name prefix
 _PEAK_BF16_FLOPS = {"NVIDIA H100": 989.4e12, "NVIDIA H200": 989.4e12, "NVIDIA H800": 989.4e12,
                     "NVIDIA H20": 148.0e12, "NVIDIA A100": 312.0e12, "NVIDIA A800": 312.0e12}

@@ -216,6 +216,19 @@ def case_rollout_ckpt(rank, tmp):
                 raise AssertionError(f"{fam}: fast prefill {a.tolist()} != HF prefill {b.tolist()} under TP")
         for a, b in zip(s.log_probs, s2.log_probs):
             _close(a, b, f"{fam}: fast vs HF prefill log-probs under TP", atol=1e-5, rtol=1e-5)
+        # the static decode step (batch padded to its bucket: 3 -> 4 rows, through the TP/EP collectives)
+        # == the per-call-shaped step
+        if eng.decode_graphs != "static":
+            raise AssertionError(f"{fam}: decode_graphs {eng.decode_graphs!r} under TP, expected 'static'")
+        off = NativeRolloutEngine(dims, layout=layout, device="cpu", seed=0, decode_graphs="off")
+        off.load_shards(eng.local_shards().items())
+        for kw in ({"temperature": 0}, {"temperature": 1.0, "top_p": 0.9, "seed": 3}):
+            s3, s4 = eng.sample(prompts, max_new_tokens=8, **kw), off.sample(prompts, max_new_tokens=8, **kw)
+            for a, b in zip(s3.responses, s4.responses):
+                if not torch.equal(a, b):
+                    raise AssertionError(f"{fam} {kw}: static step {a.tolist()} != shaped step {b.tolist()} under TP")
+            for a, b in zip(s3.log_probs, s4.log_probs):
+                _close(a, b, f"{fam}: static vs shaped step log-probs under TP", atol=1e-5, rtol=1e-5)
 
     # checkpoint (DCP) + export under TP2 EP2
     dims = SMOKE["qwen3_moe"]

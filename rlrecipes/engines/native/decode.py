@@ -23,18 +23,82 @@ the last layer computes its query / MLP on the last position only. When a layer 
 hand-written step (``mode="layers"``, other attention types), prefill falls back to a normal
 ``model.forward`` over a ``DynamicCache``, whose states are then copied in (:meth:`FastDecoder.begin`).
 
+Static steps (``static=True``, the engine's default where every layer has a hand-written step): the
+decode step reads nothing that changes per token from Python. Its inputs and outputs live in
+buffers of a batch-size bucket (:class:`StaticStep`: the tokens, the K/V column written
+``col``, the rotary step index ``t``, both ``[1]`` device tensors advanced by the step itself, the
+keep-mask and the rotary tables), rows past the real batch are padding (their K/V rows exist in
+the storage of :class:`KVBuffers`, their outputs are never read), and attention runs over the
+buffers' whole capacity with a mask (``keep | col0 <= column <= col``) instead of a slice
+``[:n + 1]``. The same step is therefore captured once per bucket and replayed on devices with
+graphs (``device.capture_graph``: CUDA graphs, the NPU's graph mode), after one eager run that
+warms it up; on the host it runs eagerly. The masked full-capacity attention is the same
+arithmetic up to rounding (masked columns weigh exactly 0, but the sums run over another
+length): log-probs agree with the sliced step to ~1e-6, not bitwise.
+
 Supported: decoder stacks under ``model.model`` with ``embed_tokens``, ``layers``, ``norm``,
 ``rotary_emb`` and only full-attention layers. :func:`supports_fast_decode` says whether a model
 qualifies; the engine falls back to ``model.forward`` otherwise.
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from rlrecipes import device as devmod
 from rlrecipes.engines.native.kv_buffers import KVBuffers
 from rlrecipes.engines.native.decode_parts import attention_kind, fast_call, mlp_call, rotate_half, supports_fast_decode
+
+log = logging.getLogger(__name__)
+
+#: largest batch-size bucket (powers of two up to it); a larger batch is its own bucket
+MAX_BUCKET = 512
+
+
+def bucket_rows(batch: int, max_bucket: int = MAX_BUCKET) -> int:
+    """The rows of the static step that runs ``batch`` sequences: the next power of two, up to ``max_bucket``."""
+    if batch > max_bucket:
+        return batch
+    return 1 << max(batch - 1, 0).bit_length()
+
+
+class StaticStep:
+    """The static buffers of one batch-size bucket's decode step, and its captured graph.
+
+    ``tok [R]``: the tokens fed (rows ``>= B`` are padding); ``col, col0, t [1]``: the K/V column the
+    step writes, the first decode column of the call, the rotary step index (``col`` and ``t``
+    advance on the device inside the step); ``keep [R, L]``: the columns before ``col0`` each row
+    attends to; ``cos, sin, sin_signed [R, L, 1, D]``: rotary per step index; ``cols [L]``: column ids.
+    ``ptrs``: the K/V storage the graph was captured on (a new storage means a new capture).
+    """
+
+    def __init__(self, rows: int, capacity: int, device: torch.device):
+        self.rows, self.capacity = rows, capacity
+        self.tok = torch.zeros(rows, dtype=torch.long, device=device)
+        self.col = torch.zeros(1, dtype=torch.long, device=device)
+        self.col0 = torch.zeros(1, dtype=torch.long, device=device)
+        self.t = torch.zeros(1, dtype=torch.long, device=device)
+        self.cols = torch.arange(capacity, device=device)
+        self.keep = torch.ones((rows, capacity), dtype=torch.bool, device=device)
+        self.cos = self.sin = self.sin_signed = None
+        self.graph = None
+        self.logits = None  # the captured step's output
+        self.ptrs: tuple | None = None
+        self.warm = False  # ran eagerly once on this storage (what a capture needs first)
+        self.failed = False  # capture raised: this bucket runs eagerly
+
+    def fill_rotary(self, cos: torch.Tensor, sin: torch.Tensor, sin_signed: torch.Tensor) -> None:
+        """Copy the call's rotary tables ``[B, S, 1, D]`` into the static ones (padding rows: zeros)."""
+        if self.cos is None or self.cos.shape[-1] != cos.shape[-1] or self.cos.dtype != cos.dtype:
+            shape = (self.rows, self.capacity, 1, cos.shape[-1])
+            self.cos, self.sin, self.sin_signed = (cos.new_zeros(shape) for _ in range(3))
+            self.graph, self.warm = None, False
+        B, S = cos.shape[:2]
+        for dst, src in ((self.cos, cos), (self.sin, sin), (self.sin_signed, sin_signed)):
+            dst[:B, :S].copy_(src)
 
 
 class FastDecoder:
@@ -54,7 +118,8 @@ class FastDecoder:
     ``mode="layers"``, calls the HF decoder layer itself with :class:`KVBuffers` as its cache.
     """
 
-    def __init__(self, model: nn.Module, mode: str = "fast"):
+    def __init__(self, model: nn.Module, mode: str = "fast", *, static: bool = False, capture: bool = False,
+                 max_bucket: int = MAX_BUCKET):
         if not supports_fast_decode(model):
             raise ValueError(f"{type(model).__name__}: no fast decode path")
         if mode not in ("fast", "layers"):
@@ -72,6 +137,13 @@ class FastDecoder:
         self._cos = self._sin = self._sin_signed = None
         self._mask = None
         self._plan: list[dict | None] = []
+        # static steps (module docstring): only where every layer has a hand-written step
+        self.static = bool(static) and self.fast_prefill
+        self.capture = bool(capture) and self.static
+        self.max_bucket = max_bucket
+        self._statics: dict[tuple[int, int], StaticStep] = {}
+        self._st: StaticStep | None = None  # the static step the current call's steps run
+        self._pool = None  # the captured graphs' shared memory pool
 
     # ------------------------------------------------------------------------------- setup
     @property
@@ -114,10 +186,12 @@ class FastDecoder:
         self._prepare()
         if "mla" in self.kinds:
             prefill_cache = self._expand_mla_prefill(prefill_cache)
+        self._set_rows(prompt_mask.shape[0])
         self.buffers.load_prefill(prefill_cache, capacity)
         pos = first_pos + torch.arange(max(steps, 1), device=first_pos.device)  # [B, S]
         self._set_rotary(*self.rotary(like, pos))  # [B, S, D] each, in like's dtype
         self._set_decode_mask(prompt_mask, capacity, bool(prompt_mask.all()))
+        self._arm(prompt_mask)
 
     @torch.no_grad()
     def prefill(self, ids: torch.Tensor, prompt_mask: torch.Tensor, pos: torch.Tensor, *, capacity: int,
@@ -157,6 +231,7 @@ class FastDecoder:
         half = psin.shape[-1] // 2
         psin_signed = torch.cat([-psin[..., :half], psin[..., half:]], -1)
         buf = self.buffers
+        self._set_rows(B)
         buf.reset(capacity)
         last = len(self.layers) - 1
         for i, (kind, layer, plan) in enumerate(zip(self.kinds, self.layers, self._plan)):
@@ -171,6 +246,7 @@ class FastDecoder:
             h = h + a
             h = h + plan["mlp"](plan["post_norm"](h))
         buf.advance(P)
+        self._arm(prompt_mask)
         return self._head(self._final_norm(h[:, -1:]))[:, -1]  # [B, V]
 
     # ------------------------------------------------------------------------------- multi-turn
@@ -192,6 +268,7 @@ class FastDecoder:
         if n == 0:
             return self.prefill(ids, keep, pos, capacity=capacity, steps=1)
         self._prepare()
+        self._st = None  # set_steps arms the static step of the decode steps that follow
         B, T = ids.shape
         dev = ids.device
         h = self._embed(ids)  # [B, T, H]
@@ -226,17 +303,12 @@ class FastDecoder:
         pos = first_pos + torch.arange(max(steps, 1), device=first_pos.device)  # [B, S]
         self._set_rotary(*self.rotary(like, pos))
         self._mask = keep[:, None, None, :]  # [B, 1, 1, L], a view: the caller's updates are seen
+        self._arm(keep)
 
     def grow(self, capacity: int) -> None:
         """Re-allocate every layer's buffers with ``capacity`` columns, keeping the filled ones."""
-        buf = self.buffers
-        for li, (k, v) in enumerate(zip(buf.keys, buf.values)):
-            nk = k.new_empty(k.shape[0], k.shape[1], capacity, k.shape[3])
-            nv = v.new_zeros(v.shape[0], v.shape[1], capacity, v.shape[3])
-            nk[:, :, :buf.length].copy_(k[:, :, :buf.length])
-            nv[:, :, :buf.length].copy_(v[:, :, :buf.length])
-            buf.keys[li], buf.values[li] = nk, nv
-        buf.capacity = capacity
+        self.buffers.grow(capacity)
+        self._st = None  # the next set_steps arms a static step of the new capacity
 
     def compact(self, index: torch.Tensor) -> None:
         """Move each row's columns ``index[b]`` (``[B, W]``, in order) to the front: the filled columns
@@ -367,10 +439,92 @@ class FastDecoder:
                 out.layers.append(cl)
         return out
 
+    # ------------------------------------------------------------------------------- static steps
+    def _set_rows(self, batch: int) -> None:
+        """The K/V storage rows of a call of ``batch`` rows: its bucket for static steps, else its own."""
+        self._st = None
+        self.buffers.rows = bucket_rows(batch, self.max_bucket) if self.static else 0
+
+    def _arm(self, keep: torch.Tensor) -> None:
+        """Point the coming decode steps at the static step of this call's bucket and capacity.
+
+        ``keep [B, >= n]``: the filled columns (``n = buffers.length``) each row attends to; the decode
+        columns from ``n`` on are attended by every row (the per-row keep of a multi-turn session
+        only drops rows whose outputs are not read). Fills the static keep-mask, rotary tables and
+        counters; nothing here syncs with the host."""
+        if not self.static:
+            return
+        buf = self.buffers
+        B, n, L = keep.shape[0], buf.length, buf.capacity
+        rows = buf.store_keys[0].shape[0]
+        key = (rows, L)
+        st = self._statics.get(key)
+        if st is None:
+            st = self._statics[key] = StaticStep(rows, L, keep.device)
+        ptrs = tuple(t.data_ptr() for t in buf.store_keys + buf.store_values)
+        if st.ptrs != ptrs:  # new storage: what was captured reads the old one
+            st.ptrs, st.graph, st.warm = ptrs, None, False
+        st.keep[:B].zero_()
+        st.keep[:B, :n] = keep[:, :n].bool()
+        st.keep[B:] = True  # padding rows attend everywhere: finite outputs, never read
+        st.col.fill_(n)
+        st.col0.fill_(n)
+        st.t.zero_()
+        st.fill_rotary(self._cos, self._sin, self._sin_signed)
+        self._st = st
+
+    def _static_forward(self, st: StaticStep) -> torch.Tensor:
+        """One decode step of all ``st.rows`` rows, from and into static buffers: logits ``[R, V]``."""
+        buf = self.buffers
+        h = self._embed(st.tok[:, None])  # [R, 1, H]
+        mask = (st.keep | ((st.cols >= st.col0) & (st.cols <= st.col)))[:, None, None, :]  # [R, 1, 1, L]
+        cos = st.cos.index_select(1, st.t)[:, 0]  # [R, 1, D]
+        sin = st.sin.index_select(1, st.t)[:, 0]
+        sin_signed = st.sin_signed.index_select(1, st.t)[:, 0]
+        for i, (kind, layer, plan) in enumerate(zip(self.kinds, self.layers, self._plan)):
+            a = plan["in_norm"](h)
+            kv = buf.store_keys[i], buf.store_values[i]
+            if kind == "gqa":
+                a = self._gqa(plan, a, i, st.col, cos, sin_signed, mask, kv=kv)
+            else:
+                a = self._mla(layer.self_attn, plan, a, i, st.col, cos, sin, mask, kv=kv)
+            h = h + a
+            h = h + plan["mlp"](plan["post_norm"](h))
+        st.col.add_(1)
+        st.t.add_(1)
+        return self._head(self._final_norm(h))[:, -1]  # [R, V]
+
+    def _step_static(self, tokens: torch.Tensor) -> torch.Tensor:
+        st = self._st
+        B = tokens.shape[0]
+        st.tok[:B].copy_(tokens)
+        if st.graph is None and self.capture and st.warm and not st.failed:
+            try:
+                st.graph, st.logits = devmod.capture_graph(tokens.device, lambda: self._static_forward(st),
+                                                           pool=self._pool)
+                self._pool = st.graph.pool()
+            except Exception as e:  # e.g. an MoE block that syncs with the host: this bucket stays eager
+                log.warning("decode step of %d rows not captured (%s: %s); it runs eagerly", st.rows,
+                            type(e).__name__, e)
+                st.failed, st.graph = True, None
+        if st.graph is not None:
+            st.graph.replay()
+            out = st.logits
+        else:
+            out = self._static_forward(st)
+            st.warm = True
+        self.buffers.advance(1)
+        return out[:B]
+
     # ------------------------------------------------------------------------------- steps
     @torch.no_grad()
     def step(self, tokens: torch.Tensor, t: int) -> torch.Tensor:
-        """Feed ``tokens [B]`` as decode step ``t`` (0-based); returns next-token logits ``[B, V]``."""
+        """Feed ``tokens [B]`` as decode step ``t`` (0-based); returns next-token logits ``[B, V]``.
+
+        With a static step armed (:meth:`_arm`), ``t`` is the step's own device counter (the caller's
+        ``t`` counts the same steps) and the logits are a view of rows ``[:B]`` of its output."""
+        if self._st is not None:
+            return self._step_static(tokens)
         buf = self.buffers
         n = buf.length
         h = self._embed(tokens[:, None])  # [B, 1, H]
@@ -401,8 +555,11 @@ class FastDecoder:
             return torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
         return self._cos[:, t], self._sin[:, t]
 
-    def _gqa(self, plan, x, li, n, cos, sin_signed, mask):
-        """Qwen-style attention of one new position: q/k/v modules, (q/k norm), rope, SDPA, o_proj."""
+    def _gqa(self, plan, x, li, n, cos, sin_signed, mask, kv=None):
+        """Qwen-style attention of one new position: q/k/v modules, (q/k norm), rope, SDPA, o_proj.
+
+        ``n``: the column written (an int: attention over ``[:n + 1]``; a ``[1]`` tensor, the static
+        step: over the whole storage ``kv``, with ``mask`` excluding the columns not attended)."""
         B = x.shape[0]
         D = plan["head_dim"]
         q = plan["q"](x).view(B, -1, D)  # [B, Hq, D] (local heads under TP)
@@ -413,17 +570,22 @@ class FastDecoder:
         Hq, Hk = q.shape[1], k.shape[1]
         qk = torch.cat([q, k], 1)  # [B, Hq + Hk, D]: one rope for both
         qk = qk * cos + qk.roll(D // 2, -1) * sin_signed
-        K, V = self.buffers.keys[li], self.buffers.values[li]  # [B, Hk, L, D]
-        K[:, :, n].copy_(qk[:, Hq:])
-        V[:, :, n].copy_(v)
+        if kv is None:
+            K, V = self.buffers.keys[li], self.buffers.values[li]  # [B, Hk, L, D]
+            K[:, :, n].copy_(qk[:, Hq:])
+            V[:, :, n].copy_(v)
+            K, V = K[:, :, :n + 1], V[:, :, :n + 1]
+        else:
+            K, V = kv  # [R, Hk, L, D]
+            K.index_copy_(2, n, qk[:, Hq:, None])
+            V.index_copy_(2, n, v[:, :, None])
         # GQA without repeating K/V: the Hq // Hk query heads of a KV head act as its query rows
         qg = qk[:, :Hq].reshape(B, Hk, Hq // Hk, D)  # [B, Hk, rep, D]
-        o = F.scaled_dot_product_attention(qg, K[:, :, :n + 1], V[:, :, :n + 1], attn_mask=mask,
-                                           scale=plan["scale"])  # [B, Hk, rep, D]
+        o = F.scaled_dot_product_attention(qg, K, V, attn_mask=mask, scale=plan["scale"])  # [B, Hk, rep, D]
         return plan["o"](o.reshape(B, 1, Hq * D))  # [B, 1, H]
 
-    def _mla(self, attn, plan, x, li, n, cos, sin, mask):
-        """DeepSeek MLA of one new position, with expanded per-head K/V buffers."""
+    def _mla(self, attn, plan, x, li, n, cos, sin, mask, kv=None):
+        """DeepSeek MLA of one new position, with expanded per-head K/V buffers (``n``, ``kv``: as :meth:`_gqa`)."""
         B = x.shape[0]
         if attn.q_lora_rank is None:
             q = plan["q_proj"](x)
@@ -439,18 +601,25 @@ class FastDecoder:
         q_rot, k_rot = self._mla_rope(q_rot, c, s), self._mla_rope(k_rot, c, s)
         query = torch.cat((q_pass, q_rot), dim=-1)  # [B, H, 1, qk]
         key, value = attn.expand_kv(kv_nope, k_rot)  # [B, H, 1, qk], [B, H, 1, v]
-        K, V = self.buffers.keys[li], self.buffers.values[li]
         dv = value.shape[-1]  # V may be zero-padded to the key width (fast prefill): drop those columns
-        K[:, :, n:n + 1].copy_(key)
-        V[:, :, n:n + 1, :dv].copy_(value)
-        o = F.scaled_dot_product_attention(query, K[:, :, :n + 1], V[:, :, :n + 1], attn_mask=mask,
-                                           scale=attn.scaling)[..., :dv]  # [B, H, 1, v]
+        if kv is None:
+            K, V = self.buffers.keys[li], self.buffers.values[li]
+            K[:, :, n:n + 1].copy_(key)
+            V[:, :, n:n + 1, :dv].copy_(value)
+            K, V = K[:, :, :n + 1], V[:, :, :n + 1]
+        else:
+            K, V = kv  # [R, H, L, qk], [R, H, L, >= v]
+            K.index_copy_(2, n, key)
+            V[..., :dv].index_copy_(2, n, value)
+        o = F.scaled_dot_product_attention(query, K, V, attn_mask=mask, scale=attn.scaling)[..., :dv]  # [B, H, 1, v]
         return plan["o"](o.transpose(1, 2).reshape(B, 1, -1))  # [B, 1, H]
 
     def release(self) -> None:
+        """Drop the K/V buffers, the static steps and their captured graphs."""
         self.buffers = KVBuffers(len(self.layers))
         self._cos = self._sin = self._sin_signed = self._mask = None
         self._plan = []
+        self._statics, self._st, self._pool = {}, None, None
 
 
-__all__ = ["FastDecoder", "KVBuffers", "supports_fast_decode"]
+__all__ = ["FastDecoder", "KVBuffers", "StaticStep", "bucket_rows", "supports_fast_decode"]

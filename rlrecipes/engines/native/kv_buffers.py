@@ -4,6 +4,11 @@ One ``[B, heads, L, dim]`` tensor pair per layer (whatever 4-D states the attent
 caches: per-head K/V for Qwen, the compressed latent ``(kv_nope, k_rot)`` for DeepSeek MLA);
 ``update`` slice-assigns the new position and returns views of the filled prefix, the keys a
 ``DynamicCache`` would return. See ``decode.py``.
+
+With ``rows`` set (the static decode step's batch-size bucket), every layer's storage has
+``rows >= B`` rows (``store_keys`` / ``store_values``, zero-initialised: a captured step reads every
+column and every row, so none may hold NaN) and ``keys`` / ``values`` are views of its first ``B``
+rows, the tensors prefill, multi-turn chunks and compaction work on.
 """
 from __future__ import annotations
 
@@ -17,11 +22,29 @@ class KVBuffers:
     (:meth:`advance`), after every layer wrote its states at ``[length, length + T)``.
     """
 
-    def __init__(self, num_layers: int):
-        self.keys: list[torch.Tensor | None] = [None] * num_layers
+    def __init__(self, num_layers: int, rows: int = 0):
+        self.keys: list[torch.Tensor | None] = [None] * num_layers  # [B, H, L, D] (views of the storage)
         self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.store_keys: list[torch.Tensor | None] = [None] * num_layers  # [max(rows, B), H, L, D]
+        self.store_values: list[torch.Tensor | None] = [None] * num_layers
+        self.rows = rows  # storage rows at least (0: the batch's own)
         self.length = 0
         self.capacity = 0
+
+    def _alloc(self, like: torch.Tensor, shape: tuple[int, ...], zeros: bool) -> torch.Tensor:
+        return like.new_zeros(shape) if zeros or self.rows else like.new_empty(shape)
+
+    def _store(self, li: int, key: bool, like: torch.Tensor, shape: tuple[int, ...], zeros: bool) -> torch.Tensor:
+        """Layer ``li``'s key (or value) view ``[B, ...]`` of a storage of ``max(rows, B)`` rows, kept if it fits."""
+        store, views = (self.store_keys, self.keys) if key else (self.store_values, self.values)
+        full = (max(self.rows, shape[0]),) + tuple(shape[1:])
+        t = store[li]
+        if t is None or tuple(t.shape) != full or t.dtype != like.dtype or t.device != like.device:
+            t = store[li] = self._alloc(like, full, zeros)
+            views[li] = None
+        if views[li] is None or views[li].shape[0] != shape[0]:
+            views[li] = t if full[0] == shape[0] else t[: shape[0]]
+        return views[li]
 
     def fits(self, key_shapes: list[tuple[int, ...]], value_shapes: list[tuple[int, ...]], capacity: int,
              dtype: torch.dtype, device: torch.device) -> bool:
@@ -41,13 +64,11 @@ class KVBuffers:
         vs = [layer.values for layer in cache.layers]
         if len(ks) != len(self.keys):
             raise RuntimeError(f"prefill cache has {len(ks)} layers, expected {len(self.keys)}")
-        ref = ks[0]
-        if not self.fits([tuple(k.shape) for k in ks], [tuple(v.shape) for v in vs], capacity, ref.dtype,
-                         ref.device):
-            self.keys = [k.new_empty(k.shape[0], k.shape[1], capacity, k.shape[3]) for k in ks]  # [B, H, L, Dk]
-            self.values = [v.new_empty(v.shape[0], v.shape[1], capacity, v.shape[3]) for v in vs]  # [B, H, L, Dv]
-            self.capacity = capacity
-        n = ref.shape[2]
+        for li, (k, v) in enumerate(zip(ks, vs)):
+            self._store(li, True, k, (k.shape[0], k.shape[1], capacity, k.shape[3]), False)  # [B, H, L, Dk]
+            self._store(li, False, v, (v.shape[0], v.shape[1], capacity, v.shape[3]), False)  # [B, H, L, Dv]
+        self.capacity = capacity
+        n = ks[0].shape[2]
         for dst, src in zip(self.keys, ks):
             dst[:, :, :n].copy_(src)
         for dst, src in zip(self.values, vs):
@@ -61,14 +82,24 @@ class KVBuffers:
         The fast prefill's allocator: states are written straight into the returned tensors.
         ``length`` is reset to 0 by :meth:`reset` (call once per prefill, before the layers).
         """
-        k, v = self.keys[layer_idx], self.values[layer_idx]
         kshape = (key_shape[0], key_shape[1], capacity, key_shape[3])
         vshape = (value_shape[0], value_shape[1], capacity, value_shape[3])
-        if (k is None or tuple(k.shape) != kshape or k.dtype != like.dtype or k.device != like.device):
-            k = self.keys[layer_idx] = like.new_empty(kshape)  # [B, Hk, L, Dk]
-        if (v is None or tuple(v.shape) != vshape or v.dtype != like.dtype or v.device != like.device):
-            v = self.values[layer_idx] = like.new_zeros(vshape)  # [B, Hk, L, Dv] (zeros: padded columns)
+        k = self._store(layer_idx, True, like, kshape, False)  # [B, Hk, L, Dk]
+        v = self._store(layer_idx, False, like, vshape, True)  # [B, Hk, L, Dv] (zeros: padded columns)
         return k, v
+
+    def grow(self, capacity: int) -> None:
+        """Re-allocate every layer's storage with ``capacity`` columns, keeping the filled ones."""
+        for li in range(len(self.keys)):
+            for key in (True, False):
+                store = self.store_keys if key else self.store_values
+                views = self.keys if key else self.values
+                old, B = store[li], views[li].shape[0]
+                new = self._alloc(old, (old.shape[0], old.shape[1], capacity, old.shape[3]), not key)
+                new[:, :, :self.length].copy_(old[:, :, :self.length])
+                store[li] = new
+                views[li] = new if new.shape[0] == B else new[:B]
+        self.capacity = capacity
 
     def reset(self, capacity: int) -> None:
         self.length = 0
@@ -91,4 +122,4 @@ class KVBuffers:
         self.length += n
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.keys + self.values if t is not None)
+        return sum(t.numel() * t.element_size() for t in self.store_keys + self.store_values if t is not None)

@@ -13,6 +13,17 @@ per-step input preparation. Decode steps (``decode=``):
 * ``"layers"``: the HF decoder layers called directly on the same K/V tensors (generic fallback);
 * ``"hf"``: ``model.forward`` on an HF ``StaticCache`` / ``DynamicCache`` (the reference path).
 
+Static / captured steps (``decode_graphs=``, the fast decoder when every layer has a hand-written
+step): ``"auto"`` (default) runs the static decode step (``decode.StaticStep``: inputs, outputs and
+counters in buffers of a power-of-two batch-size bucket, attention over the whole K/V capacity
+with a mask) and captures it once per bucket where the device has graphs
+(``device.graph_capture_supported``: CUDA graphs, the NPU's graph mode), eagerly on the host;
+``"eager"``: the static step, never captured; ``"off"``: the step shaped by the call's batch and
+length (the path before static steps). ``self.decode_graphs`` says which runs: ``"captured"``,
+``"static"`` or ``"off"`` (``"off"`` too for ``decode="layers"``/``"hf"`` and while routing is
+recorded: the recording hooks see every padding row and would not run under a replayed graph).
+Sampling stays outside the step, on the device, with no host sync per token.
+
 Tokens are drawn by the exponential race ``argmax(p / Exp(1))``, which is what
 ``torch.multinomial(p, 1)`` computes (same tokens for the same generator state) without its
 per-call validity check and host sync; with no EOS ids the loop has no host sync at all.
@@ -131,6 +142,8 @@ class NativeRolloutEngine(MeshRanks, base.RolloutEngine):
             DynamicCache, grows by concatenation).
         attn_implementation: HF attention backend (prefill and ``decode="hf"``/``"layers"``).
         decode: ``"fast"`` (default), ``"layers"`` or ``"hf"``; see the module docstring.
+        decode_graphs: ``"auto"`` (default), ``"eager"`` or ``"off"``: static / captured decode steps,
+            see the module docstring.
             ``self.decode_path`` says which one runs (models without ``model.model.layers`` /
             ``rotary_emb`` or with sliding-window layers always run ``"hf"``).
         prefill: ``"fast"`` (default): :meth:`FastDecoder.prefill` -- the prompt goes through the same
@@ -148,13 +161,15 @@ class NativeRolloutEngine(MeshRanks, base.RolloutEngine):
     def __init__(self, model: ModelSource, *, layout: ParallelLayout | tuple[int, int] = (1, 1),
                  device: torch.device | str | None = None, seed: int = 0, dtype: str | torch.dtype = "auto",
                  cache: str = "static", attn_implementation: str = "sdpa", decode: str = "fast",
-                 prefill: str = "fast", lora=None):
+                 prefill: str = "fast", lora=None, decode_graphs: str = "auto"):
         if cache not in ("static", "dynamic"):
             raise ValueError(f"cache={cache!r}: expected 'static' or 'dynamic'")
         if decode not in ("fast", "layers", "hf"):
             raise ValueError(f"decode={decode!r}: expected 'fast', 'layers' or 'hf'")
         if prefill not in ("fast", "hf"):
             raise ValueError(f"prefill={prefill!r}: expected 'fast' or 'hf'")
+        if decode_graphs not in ("auto", "eager", "off"):
+            raise ValueError(f"decode_graphs={decode_graphs!r}: expected 'auto', 'eager' or 'off'")
         layout = world_layout(layout, role="rollout")  # a ParallelLayout, or (tp, ep)
         tp, ep = layout.tp, layout.ep
         self.device = resolve_device(device)
@@ -184,11 +199,21 @@ class NativeRolloutEngine(MeshRanks, base.RolloutEngine):
         self._tp_group = self.mesh.tp_mesh.get_group() if self.mesh.tp > 1 else None
         self._tp_src = dist.get_global_rank(self._tp_group, 0) if self._tp_group is not None else None
         self._vision = vis.vision_spec(self.model)  # a VL model: HF forward with pixels + M-RoPE (vision.py)
-        self._fast = (FastDecoder(self.model, mode=decode)
+        self._fast = (FastDecoder(self.model, mode=decode, static=decode_graphs != "off",
+                                  capture=decode_graphs == "auto" and devmod.graph_capture_supported(self.device))
                       if decode != "hf" and supports_fast_decode(self.model) else None)
         self.decode_path = decode if self._fast is not None else "hf"
         self.prefill_path = ("fast" if prefill == "fast" and self._fast is not None and self._fast.fast_prefill
                              else "hf")
+
+    @property
+    def decode_graphs(self) -> str:
+        """Which decode step runs: ``"captured"`` (replayed device graphs), ``"static"`` (the same static
+        step, eagerly) or ``"off"`` (the step shaped by each call)."""
+        fast = self._fast
+        if fast is None or not fast.static:
+            return "off"
+        return "captured" if fast.capture else "static"
 
     @classmethod
     def create(cls, spec: base.EngineSpec) -> "NativeRolloutEngine":
@@ -203,6 +228,8 @@ class NativeRolloutEngine(MeshRanks, base.RolloutEngine):
         from .routing import attach
 
         self.routing = attach(self.model)
+        if self._fast is not None:  # the hooks record per call: padding rows, and nothing under a replay
+            self._fast.static = self._fast.capture = False
 
     @property
     def weight_dtype(self) -> torch.dtype:
