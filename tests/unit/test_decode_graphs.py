@@ -1,7 +1,8 @@
 """Static (capturable) decode steps of the native rollout engine against the per-call-shaped step.
 
-``decode_graphs="auto"`` (the default) runs :class:`~rlrecipes.engines.native.decode.StaticStep`
-steps: batch padded to a power-of-two bucket, column / rotary step as device tensors, attention over
+``decode_graphs="auto"`` (the default) captures :class:`~rlrecipes.engines.native.decode.StaticStep`
+steps where the device has graphs (on the CPU it is ``"off"``); ``"eager"`` runs them uncaptured, which
+is what these tests compare: batch padded to a power-of-two bucket, column / rotary step as device tensors, attention over
 the whole K/V capacity with a mask; ``"off"`` is the step of before. Tokens must be identical and
 log-probs equal to rounding (the masked attention sums over another length), greedy and seeded,
 dense (qwen2) and MoE (qwen3_moe), with LoRA adapters on and in multi-turn sessions. On the host
@@ -48,7 +49,7 @@ def _lora():
 
 def _pair(family, lora=None, **kw):
     """The static-step engine and the per-call-shaped one, with the same weights (random adapters: B != 0)."""
-    a = NativeRolloutEngine(SMOKE[family], device="cpu", dtype="fp32", seed=0, lora=lora, **kw)
+    a = NativeRolloutEngine(SMOKE[family], device="cpu", dtype="fp32", seed=0, lora=lora, decode_graphs="eager", **kw)
     b = NativeRolloutEngine(SMOKE[family], device="cpu", dtype="fp32", seed=0, lora=lora, decode_graphs="off", **kw)
     if lora is not None:
         g = torch.Generator().manual_seed(1)
@@ -75,7 +76,7 @@ def test_bucket_rows_and_options():
     assert dec.bucket_rows(513) == 513 and dec.bucket_rows(6, max_bucket=4) == 6
     with pytest.raises(ValueError, match="decode_graphs"):
         NativeRolloutEngine(SMOKE["qwen2"], device="cpu", decode_graphs="nope")
-    assert NativeRolloutEngine(SMOKE["qwen2"], device="cpu").decode_graphs == "static"  # the default on CPU
+    assert NativeRolloutEngine(SMOKE["qwen2"], device="cpu").decode_graphs == "off"  # the default on CPU: nothing captures
     assert NativeRolloutEngine(SMOKE["qwen2"], device="cpu", decode_graphs="eager").decode_graphs == "static"
     assert NativeRolloutEngine(SMOKE["qwen2"], device="cpu", decode="layers").decode_graphs == "off"
     assert NativeRolloutEngine(SMOKE["qwen2"], device="cpu", decode="hf").decode_graphs == "off"
@@ -109,7 +110,7 @@ def test_static_step_with_lora_adapters(family):
 
 
 def test_static_steps_are_kept_per_bucket_and_capacity():
-    a = NativeRolloutEngine(SMOKE["qwen2"], device="cpu")
+    a = NativeRolloutEngine(SMOKE["qwen2"], device="cpu", decode_graphs="eager")
     a.sample(_prompts(0, (3, 3, 3)), max_new_tokens=4, temperature=0)
     a.sample(_prompts(1, (3, 3, 3, 3)), max_new_tokens=4, temperature=0)  # same bucket (4) and capacity
     assert list(a._fast._statics) == [(4, 7)]
@@ -121,7 +122,7 @@ def test_static_steps_are_kept_per_bucket_and_capacity():
 
 def test_prefill_hf_then_static_steps():
     """The HF prefill fallback (cache copied into the buffers) also feeds the static steps."""
-    a = NativeRolloutEngine(SMOKE["qwen3_moe"], device="cpu", prefill="hf")
+    a = NativeRolloutEngine(SMOKE["qwen3_moe"], device="cpu", prefill="hf", decode_graphs="eager")
     b = NativeRolloutEngine(SMOKE["qwen3_moe"], device="cpu", prefill="hf", decode_graphs="off")
     prompts = _prompts(3, (2, 6, 4))
     for kw in SAMPLING:

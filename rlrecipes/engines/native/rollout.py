@@ -17,9 +17,11 @@ Static / captured steps (``decode_graphs=``, the fast decoder when every layer h
 step): ``"auto"`` (default) runs the static decode step (``decode.StaticStep``: inputs, outputs and
 counters in buffers of a power-of-two batch-size bucket, attention over the whole K/V capacity
 with a mask) and captures it once per bucket where the device has graphs
-(``device.graph_capture_supported``: CUDA graphs, the NPU's graph mode), eagerly on the host;
-``"eager"``: the static step, never captured; ``"off"``: the step shaped by the call's batch and
-length (the path before static steps). ``self.decode_graphs`` says which runs: ``"captured"``,
+(``device.graph_capture_supported``: CUDA graphs, the NPU's graph mode); where it has none (the
+CPU) ``"auto"`` is ``"off"``, since uncaptured the static step only adds its padding rows and
+full-capacity attention; ``"eager"``: the static step, never captured (what the CPU tests compare
+with ``"off"``: the same step a device captures); ``"off"``: the step shaped by the call's batch
+and length (the path before static steps). ``self.decode_graphs`` says which runs: ``"captured"``,
 ``"static"`` or ``"off"`` (``"off"`` too for ``decode="layers"``/``"hf"`` and while routing is
 recorded: the recording hooks see every padding row and would not run under a replayed graph).
 Sampling stays outside the step, on the device, with no host sync per token.
@@ -199,8 +201,11 @@ class NativeRolloutEngine(MeshRanks, base.RolloutEngine):
         self._tp_group = self.mesh.tp_mesh.get_group() if self.mesh.tp > 1 else None
         self._tp_src = dist.get_global_rank(self._tp_group, 0) if self._tp_group is not None else None
         self._vision = vis.vision_spec(self.model)  # a VL model: HF forward with pixels + M-RoPE (vision.py)
-        self._fast = (FastDecoder(self.model, mode=decode, static=decode_graphs != "off",
-                                  capture=decode_graphs == "auto" and devmod.graph_capture_supported(self.device))
+        # "auto": the static step where it is captured; on a device without graphs (the CPU) it only
+        # costs its padding rows and full-capacity attention (dense smoke decode 10-22 % slower)
+        capture = decode_graphs == "auto" and devmod.graph_capture_supported(self.device)
+        self._fast = (FastDecoder(self.model, mode=decode, static=capture or decode_graphs == "eager",
+                                  capture=capture)
                       if decode != "hf" and supports_fast_decode(self.model) else None)
         self.decode_path = decode if self._fast is not None else "hf"
         self.prefill_path = ("fast" if prefill == "fast" and self._fast is not None and self._fast.fast_prefill
