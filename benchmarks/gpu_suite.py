@@ -77,7 +77,9 @@ def _train_sweep(big_budget: int) -> list[dict]:
             {"max_tokens_per_micro_batch": big_budget, "recompute": True}, {"varied_lengths": True}]
 
 
-DECODE_SWEEP = [{"decode": "layers"}, {"cache": "dynamic"}]   # after the default decode path and cache
+# after the default decode path and cache (captured static steps where the device has graphs): the
+# per-call-shaped step uncaptured, the generic layer loop, the growing cache
+DECODE_SWEEP = [{"decode_graphs": "off"}, {"decode": "layers"}, {"cache": "dynamic"}]
 PROFILES = {
     "gpu": {
         "train": {"samples": 32, "prompt": 512, "response": 512, "budget": 8192, "steps": 3, "warmup": 1,
@@ -519,6 +521,7 @@ def decode_once(eng, batch: int, spec: dict, *, with_generate: bool) -> dict:
 
     t_nat, tok_nat, peak_nat = timed(native)
     out = {"prompt_len": P, "new_tokens": N, "layers": eng.config.num_hidden_layers, "decode": eng.decode_path,
+           "decode_graphs": eng.decode_graphs,
            "prefill": eng.prefill_path,
            "cache": eng.cache_kind, "dtype": str(eng.dtype).replace("torch.", ""), "native_s": round(t_nat, 4),
            "native_tokens": tok_nat, "native_tokens_per_s": round(tok_nat / t_nat, 1), "native_peak_bytes": peak_nat}
