@@ -122,8 +122,8 @@ def _same_cluster_or_refuse(address: Optional[str]) -> None:
     """A process already joined to Ray (a notebook, an in-process test) may only be asked for that
     same cluster: Ray keeps one session per process, and running on the joined one while the user named
     another would put the run on machines they did not choose."""
-    if not address or address in ("auto", "local"):
-        return
+    if not address or address in ("auto", "local") or address.startswith("ray://"):
+        return  # (a Ray Client address names the client server, not the GCS: nothing to compare)
     import ray
 
     joined = ray.get_runtime_context().gcs_address or ""

@@ -411,7 +411,9 @@ def capture_graph(device: torch.device, fn, *, pool=None, warmup: int = 0):
                 fn()
         mod.current_stream(device).wait_stream(side)
     graph = graph_class(device)()
-    with mod.graph(graph, pool=pool):
+    # CUDA: an unsafe call on another thread (a Ray or dock thread) must not invalidate the capture
+    kw = {"capture_error_mode": "thread_local"} if device.type == "cuda" else {}
+    with mod.graph(graph, pool=pool, **kw):
         out = fn()
     return graph, out
 

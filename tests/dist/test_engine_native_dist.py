@@ -149,20 +149,29 @@ def case_dp(rank):
     dims = SMOKE["qwen2"]
     mine = [_batch(dims.vocab_size, 10 + 2 * rank), _batch(dims.vocab_size, 11 + 2 * rank)]
     got = []
-    for hold in (1 << 30, 0):
+    # and explicit prefetch (fsdp_prefetch=2: each layer gathers the next two ahead): the same step
+    from rlrecipes.engines.native.parallel import _decoder_layers
+
+    for hold, prefetch in ((1 << 30, 0), (0, 0), (0, 2)):
         eng = NativeTrainEngine(dims, layout=(1, 1), device="cpu", lr=1e-2, seed=0, eps=EPS, fsdp=True,
-                                small_model_bytes=hold)
+                                small_model_bytes=hold, fsdp_prefetch=prefetch)
         if bool(eng._fsdp_units) != bool(hold):
             raise AssertionError(f"small_model_bytes={hold}: held units {len(eng._fsdp_units)}")
+        ahead = [len(m._get_fsdp_state()._states_to_forward_prefetch) for m in _decoder_layers(eng.model)]
+        n = len(ahead)
+        if ahead != [min(prefetch, n - 1 - i) for i in range(n)]:
+            raise AssertionError(f"fsdp_prefetch={prefetch}: forward prefetch per layer {ahead}")
         m = eng.train_micro_batches(mine, _loss)
         unsharded = [n for n, p in eng.model.named_parameters() if not isinstance(p, DTensor)]
         if unsharded:
             raise AssertionError(f"small_model_bytes={hold}: still gathered after the step: {unsharded[:4]}")
         got.append((m["actor/grad_norm"], eng.full_state_dict()))
-    if got[0][0] != got[1][0]:
-        raise AssertionError(f"held vs per-use FSDP: grad_norm {got[0][0]} != {got[1][0]}")
-    for name, t in got[1][1].items():
-        _close(got[0][1][name], t, f"held vs per-use FSDP {name}", atol=0, rtol=0)
+    for other, what in ((got[1], "held vs per-use FSDP"), (got[2], "per-use vs prefetching FSDP")):
+        base = got[0] if other is got[1] else got[1]
+        if base[0] != other[0]:
+            raise AssertionError(f"{what}: grad_norm {base[0]} != {other[0]}")
+        for name, t in other[1].items():
+            _close(base[1][name], t, f"{what} {name}", atol=0, rtol=0)
 
 
 def case_rollout_ckpt(rank, tmp):

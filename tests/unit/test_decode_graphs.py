@@ -109,13 +109,13 @@ def test_static_step_with_lora_adapters(family):
         _same(a.sample(prompts, max_new_tokens=8, **kw), b.sample(prompts, max_new_tokens=8, **kw), kw)
 
 
-def test_static_steps_are_kept_per_bucket_and_capacity():
+def test_only_the_current_bucket_and_capacitys_static_step_is_kept():
     a = NativeRolloutEngine(SMOKE["qwen2"], device="cpu", decode_graphs="eager")
     a.sample(_prompts(0, (3, 3, 3)), max_new_tokens=4, temperature=0)
     a.sample(_prompts(1, (3, 3, 3, 3)), max_new_tokens=4, temperature=0)  # same bucket (4) and capacity
     assert list(a._fast._statics) == [(4, 7)]
     a.sample(_prompts(2, (3, 3)), max_new_tokens=4, temperature=0)
-    assert sorted(a._fast._statics) == [(2, 7), (4, 7)]
+    assert sorted(a._fast._statics) == [(2, 7)]  # the 4-row step read storage that is gone
     a.sleep()
     assert not a._fast._statics and a._fast.buffers.nbytes() == 0
 
@@ -226,3 +226,17 @@ def test_a_failed_capture_leaves_the_bucket_eager(monkeypatch):
           b.sample(prompts, max_new_tokens=6, temperature=1.0, seed=1))
     st = a._fast._st
     assert st.failed and st.graph is None
+
+
+def test_the_recipes_enforce_eager_turns_static_steps_off_and_an_moe_model_is_never_captured(monkeypatch):
+    from types import SimpleNamespace
+
+    from rlrecipes.engines.base import EngineSpec
+
+    monkeypatch.setattr(devmod, "graph_capture_supported", lambda device: True)  # as on a GPU
+    for eager, want in ((False, "captured"), (True, "off")):
+        eng = NativeRolloutEngine.create(EngineSpec(model=SMOKE["qwen2"], role="rollout", device="cpu",
+                                                    inference=SimpleNamespace(enforce_eager=eager)))
+        assert eng.decode_graphs == want
+    moe = NativeRolloutEngine(SMOKE["qwen3_moe"], device="cpu")
+    assert moe.decode_graphs == "off"  # its expert routing syncs with the host: no capture to fail

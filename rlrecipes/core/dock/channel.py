@@ -40,7 +40,6 @@ from .messages import Failed, Request, checked_request, decode, encode
 
 
 _SLICE_MS = 1000      # a caller waiting for an answer checks for a lost connection this often
-_MONITOR_HWM = 1000  # libzmq's default high-water mark: the monitor's queue of unread events
 _EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
            | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_CLOSED | zmq.EVENT_CONNECT_RETRIED
            | zmq.EVENT_DISCONNECTED)
@@ -353,9 +352,9 @@ def _event(events: zmq.Socket) -> int:
 
 def _close(sock: zmq.Socket, events: zmq.Socket, linger: int = 0) -> None:
     # the monitor's unread events first: stopping it posts one more, which waits for room in the
-    # monitor's queue (1,000 events), so a full queue would block this close (and a ``__del__``
-    # the garbage collector runs) for good
-    for _ in range(_MONITOR_HWM + 1):
+    # monitor's queue (libzmq's high-water marks), so a full queue would block this close (and a
+    # ``__del__`` the garbage collector runs) for good
+    while True:  # to the end: an inproc pipe holds both ends' high-water marks
         try:
             events.recv_multipart(zmq.NOBLOCK)
         except zmq.Again:

@@ -458,12 +458,16 @@ class FastDecoder:
         B, n, L = keep.shape[0], buf.length, buf.capacity
         rows = buf.store_keys[0].shape[0]
         key = (rows, L)
+        # only this key's step can replay: the K/V storage of any other bucket or capacity is gone
+        # (this call's storage replaced it), so its graph would read freed memory; kept, they pile up
+        for stale in [k for k in self._statics if k != key]:
+            del self._statics[stale]
         st = self._statics.get(key)
         if st is None:
             st = self._statics[key] = StaticStep(rows, L, keep.device)
         ptrs = tuple(t.data_ptr() for t in buf.store_keys + buf.store_values)
         if st.ptrs != ptrs:  # new storage: what was captured reads the old one
-            st.ptrs, st.graph, st.warm = ptrs, None, False
+            st.ptrs, st.graph, st.warm, st.logits = ptrs, None, False, None
         st.keep[:B].zero_()
         st.keep[:B, :n] = keep[:, :n].bool()
         st.keep[B:] = True  # padding rows attend everywhere: finite outputs, never read

@@ -216,13 +216,17 @@ def tp_plan(model: nn.Module, *, vocab_parallel_head: bool = False) -> dict[str,
 
 def parallelize(model: nn.Module, mesh: MeshInfo, *, fsdp: bool, mp_dtype: torch.dtype | None = None,
                 replicate_head: bool = False, vocab_parallel_head: bool = False,
-                moe_grouped_mm: bool = False) -> nn.Module:
+                moe_grouped_mm: bool = False, fsdp_prefetch: int = 0) -> nn.Module:
     """TP (DTensor plans over ``mesh.tp_mesh``), EP (``EPExperts`` over ``mesh.ep_mesh``), then FSDP2.
 
     ``fsdp``: wrap every decoder layer and the root with ``fully_shard`` over ``mesh.dp_mesh``;
     ``mp_dtype``: FSDP2 mixed precision compute dtype (params stay in their own dtype as masters);
     ``replicate_head``: keep ``lm_head`` replicated (a critic's ``Linear(hidden, 1)`` value head);
-    ``vocab_parallel_head``: under TP, ``lm_head`` returns local vocabulary shards (see :func:`tp_plan`).
+    ``vocab_parallel_head``: under TP, ``lm_head`` returns local vocabulary shards (see :func:`tp_plan`);
+    ``fsdp_prefetch``: with ``fsdp``, each decoder layer issues the all-gathers of the next this many
+    layers in forward (the previous ones in backward) as soon as its own are copied out
+    (:func:`set_layer_prefetch`); 0 leaves FSDP2's own overlap (the next unit's all-gather issued
+    when the host reaches it).
     """
     from torch.distributed.tensor.parallel import parallelize_module
 
@@ -253,8 +257,10 @@ def parallelize(model: nn.Module, mesh: MeshInfo, *, fsdp: bool, mp_dtype: torch
         kw = {"mesh": mesh.grad_mesh}
         if mp is not None:
             kw["mp_policy"] = mp
-        for layer in _decoder_layers(model):
+        layers = list(_decoder_layers(model))
+        for layer in layers:
             fully_shard(layer, **kw)
+        set_layer_prefetch(layers, fsdp_prefetch)
         if not shares_head and hasattr(model, "lm_head"):
             # untied: the embedding and the head are units of their own, gathered only around
             # their use (in the root they would stay gathered from forward through backward and
@@ -264,6 +270,24 @@ def parallelize(model: nn.Module, mesh: MeshInfo, *, fsdp: bool, mp_dtype: torch
                 fully_shard(model.lm_head, **kw)
         fully_shard(model, **kw)
     return model
+
+
+def set_layer_prefetch(layers: list, depth: int) -> None:
+    """FSDP2 explicit prefetch over ``layers`` (each already ``fully_shard``-ed): in forward, layer
+    ``i`` prefetches layers ``i+1 .. i+depth``; in backward, ``i-1 .. i-depth`` (nearest first).
+    Depth 1 is FSDP2's default order issued earlier from the host (what helps a host-bound step);
+    2 and more overlap further at the cost of that many gathered layers held at once."""
+    if depth < 0:
+        raise ValueError(f"fsdp_prefetch={depth}: a number of layers, 0 or more")
+    if depth == 0:
+        return
+    for i, layer in enumerate(layers):
+        ahead = layers[i + 1:i + 1 + depth]
+        behind = layers[max(0, i - depth):i][::-1]
+        if ahead:
+            layer.set_modules_to_forward_prefetch(ahead)
+        if behind:
+            layer.set_modules_to_backward_prefetch(behind)
 
 
 def _mla_rope_key_grad_hooks(model: nn.Module, tp_group) -> None:

@@ -139,15 +139,17 @@ class NativeRolloutEngine(MeshRanks, base.RolloutEngine):
         device: ``torch.device``, a type name or None (auto, ``LOCAL_RANK``-indexed).
         seed: sampling seed; TP ranks of one rollout group share it, DP groups offset it.
         dtype: ``"auto"`` (bf16 on accelerators, fp32 on CPU), ``"bf16"``, ``"fp32"``... or a dtype.
-        cache: ``"static"`` (K/V pre-allocated and kept across calls of the same batch shape) or
+        cache: ``"static"`` (K/V pre-allocated and kept across calls of the same batch shape, or of
+            the same bucket and capacity under static decode steps) or
             ``"dynamic"`` (allocated per call and released at its end; with ``decode="hf"``: HF
             DynamicCache, grows by concatenation).
         attn_implementation: HF attention backend (prefill and ``decode="hf"``/``"layers"``).
         decode: ``"fast"`` (default), ``"layers"`` or ``"hf"``; see the module docstring.
-        decode_graphs: ``"auto"`` (default), ``"eager"`` or ``"off"``: static / captured decode steps,
-            see the module docstring.
             ``self.decode_path`` says which one runs (models without ``model.model.layers`` /
             ``rotary_emb`` or with sliding-window layers always run ``"hf"``).
+        decode_graphs: ``"auto"`` (default), ``"eager"`` or ``"off"``: static / captured decode steps,
+            see the module docstring (an MoE model is never captured: its routing syncs with the
+            host); ``create`` passes ``"off"`` for a recipe's ``rollout.inference.enforce_eager``.
         prefill: ``"fast"`` (default): :meth:`FastDecoder.prefill` -- the prompt goes through the same
             hand-written attention (causal + left-padding mask) as the fast decode steps, writing
             K/V straight into the engine's buffers; ``"hf"``: ``model.forward`` on a DynamicCache
@@ -203,7 +205,11 @@ class NativeRolloutEngine(MeshRanks, base.RolloutEngine):
         self._vision = vis.vision_spec(self.model)  # a VL model: HF forward with pixels + M-RoPE (vision.py)
         # "auto": the static step where it is captured; on a device without graphs (the CPU) it only
         # costs its padding rows and full-capacity attention (dense smoke decode 10-22 % slower)
-        capture = decode_graphs == "auto" and devmod.graph_capture_supported(self.device)
+        # not an MoE model: its expert routing syncs with the host (HF's experts loop, EPExperts' splits),
+        # which no capture survives; a capture that fails is not left to torch to recover from
+        layers = getattr(getattr(self.model, "model", self.model), "layers", None) or []
+        moe = any(hasattr(getattr(layer, "mlp", None), "experts") for layer in layers)
+        capture = decode_graphs == "auto" and devmod.graph_capture_supported(self.device) and not moe
         self._fast = (FastDecoder(self.model, mode=decode, static=capture or decode_graphs == "eager",
                                   capture=capture)
                       if decode != "hf" and supports_fast_decode(self.model) else None)
@@ -222,8 +228,9 @@ class NativeRolloutEngine(MeshRanks, base.RolloutEngine):
 
     @classmethod
     def create(cls, spec: base.EngineSpec) -> "NativeRolloutEngine":
+        eager = bool(getattr(spec.inference, "enforce_eager", False))  # the recipe's switch off graphs
         eng = cls(spec.model, layout=spec.layout, device=spec.device, seed=spec.seed, dtype=spec.dtype,
-                  lora=spec.lora)
+                  lora=spec.lora, decode_graphs="off" if eager else "auto")
         if spec.routing_replay:
             eng.record_routing()
         return eng

@@ -102,6 +102,9 @@ class NativeTrainEngine(TokenScores, EngineState, MeshRanks, base.TrainEngine):
             :mod:`.ulysses`): they hold the same samples, each runs ``1 / sp`` of every row.
         head_chunk_tokens: tokens per chunk of the LM head (:mod:`.head`; 0: the HF head's logits).
         moe_grouped_mm: under EP, the local experts as grouped GEMMs (:class:`.parallel.EPExperts`).
+        fsdp_prefetch: under FSDP2, layers whose all-gathers each layer prefetches ahead in forward and
+            backward (:func:`.parallel.set_layer_prefetch`); 0 (default): FSDP2's own overlap. The
+            default stays 0 until a GPU measurement says otherwise (``gpu_suite.py`` sweeps it).
     """
 
     metric_prefix = "actor"
@@ -118,7 +121,7 @@ class NativeTrainEngine(TokenScores, EngineState, MeshRanks, base.TrainEngine):
                  max_tokens_per_micro_batch: int | None = None, recompute: bool = False,
                  offload_optimizer: bool = False, small_model_bytes: int = SMALL_MODEL_BYTES, lora: Any = None,
                  sp: int = 1, head_chunk_tokens: int = head_ops.DEFAULT_CHUNK_TOKENS, moe_grouped_mm: bool = False,
-                 freeze_vision_tower: bool = True):
+                 freeze_vision_tower: bool = True, fsdp_prefetch: int = 0):
         if role not in self.serves:
             raise ValueError(f"role={role!r}: {type(self).__name__} builds {' or '.join(map(repr, self.serves))}"
                              + (" (the critic is NativeValueEngine)" if role == "critic" else ""))
@@ -176,7 +179,7 @@ class NativeTrainEngine(TokenScores, EngineState, MeshRanks, base.TrainEngine):
         self.model = par.parallelize(hf_model, self.mesh, fsdp=self.fsdp,
                                      mp_dtype=self.compute_dtype if low_precision else None,
                                      replicate_head=role == "critic", vocab_parallel_head=self._vocab_parallel,
-                                     moe_grouped_mm=moe_grouped_mm)
+                                     moe_grouped_mm=moe_grouped_mm, fsdp_prefetch=fsdp_prefetch if self.fsdp else 0)
         if self._vocab_parallel:
             self._vocab_start = self.mesh.tp_rank * -(-self.dims.vocab_size // self.mesh.tp)
         if self.mesh.sp > 1:  # every attention module learns its SP group (recompute in backward finds it)
