@@ -227,12 +227,14 @@ def case_rollout_ckpt(rank, tmp):
             _close(a, b, f"{fam}: fast vs HF prefill log-probs under TP", atol=1e-5, rtol=1e-5)
         # the static decode step (batch padded to its bucket: 3 -> 4 rows, through the TP/EP collectives)
         # == the per-call-shaped step
-        if eng.decode_graphs != "static":
-            raise AssertionError(f"{fam}: decode_graphs {eng.decode_graphs!r} under TP, expected 'static'")
+        static = NativeRolloutEngine(dims, layout=layout, device="cpu", seed=0, decode_graphs="eager")
+        static.load_shards(eng.local_shards().items())
         off = NativeRolloutEngine(dims, layout=layout, device="cpu", seed=0, decode_graphs="off")
         off.load_shards(eng.local_shards().items())
+        if static.decode_graphs != "static" or off.decode_graphs != "off":
+            raise AssertionError(f"{fam}: decode_graphs {static.decode_graphs!r} / {off.decode_graphs!r} under TP")
         for kw in ({"temperature": 0}, {"temperature": 1.0, "top_p": 0.9, "seed": 3}):
-            s3, s4 = eng.sample(prompts, max_new_tokens=8, **kw), off.sample(prompts, max_new_tokens=8, **kw)
+            s3, s4 = static.sample(prompts, max_new_tokens=8, **kw), off.sample(prompts, max_new_tokens=8, **kw)
             for a, b in zip(s3.responses, s4.responses):
                 if not torch.equal(a, b):
                     raise AssertionError(f"{fam} {kw}: static step {a.tolist()} != shaped step {b.tolist()} under TP")
