@@ -360,6 +360,9 @@ def is_accelerator(device_type: str) -> bool:
 
 
 # ----------------------------------------------------------------------------- device graphs
+_GRAPH_CLASS = {"cuda": "CUDAGraph", "npu": "NPUGraph"}  # in torch.cuda / torch.npu
+
+
 def _graph_module(device: torch.device | None):
     """The torch namespace whose ``graph`` context captures work on ``device`` into a replayable graph
     (``torch.cuda``: ``CUDAGraph``; ``torch.npu``: ``NPUGraph``, where torch_npu offers it), else None:
@@ -370,7 +373,7 @@ def _graph_module(device: torch.device | None):
         return torch.cuda
     if device.type == "npu":
         mod = getattr(torch, "npu", None)  # torch_npu's graph mode (docs/upstream_contracts.md: unverified here)
-        if mod is not None and all(hasattr(mod, a) for a in ("NPUGraph", "graph", "Stream", "current_stream")):
+        if mod is not None and all(hasattr(mod, a) for a in (_GRAPH_CLASS["npu"], "graph", "Stream", "current_stream")):
             return mod
     return None
 
@@ -384,9 +387,7 @@ def graph_capture_supported(device: torch.device | None) -> bool:
 def graph_class(device: torch.device | None):
     """The graph class of ``device`` (``torch.cuda.CUDAGraph``, ``torch.npu.NPUGraph``), None without one."""
     mod = _graph_module(device)
-    if mod is None:
-        return None
-    return mod.CUDAGraph if device.type == "cuda" else mod.NPUGraph
+    return None if mod is None else getattr(mod, _GRAPH_CLASS[device.type])
 
 
 def capture_graph(device: torch.device, fn, *, pool=None, warmup: int = 0):

@@ -1,6 +1,6 @@
 """Static (capturable) decode steps of the native rollout engine against the per-call-shaped step.
 
-``decode_graphs="auto"`` (the default) captures :class:`~rlrecipes.engines.native.decode.StaticStep`
+``decode_graphs="auto"`` (the default) captures :class:`~rlrecipes.engines.native.static_step.StaticStep`
 steps where the device has graphs (on the CPU it is ``"off"``); ``"eager"`` runs them uncaptured, which
 is what these tests compare: batch padded to a power-of-two bucket, column / rotary step as device tensors, attention over
 the whole K/V capacity with a mask; ``"off"`` is the step of before. Tokens must be identical and

@@ -50,56 +50,10 @@ import torch.nn.functional as F
 
 from rlrecipes import device as devmod
 from rlrecipes.engines.native.kv_buffers import KVBuffers
+from rlrecipes.engines.native.static_step import MAX_BUCKET, StaticStep, bucket_rows
 from rlrecipes.engines.native.decode_parts import attention_kind, fast_call, mlp_call, rotate_half, supports_fast_decode
 
 log = logging.getLogger(__name__)
-
-#: largest batch-size bucket (powers of two up to it); a larger batch is its own bucket
-MAX_BUCKET = 512
-
-
-def bucket_rows(batch: int, max_bucket: int = MAX_BUCKET) -> int:
-    """The rows of the static step that runs ``batch`` sequences: the next power of two, up to ``max_bucket``."""
-    if batch > max_bucket:
-        return batch
-    return 1 << max(batch - 1, 0).bit_length()
-
-
-class StaticStep:
-    """The static buffers of one batch-size bucket's decode step, and its captured graph.
-
-    ``tok [R]``: the tokens fed (rows ``>= B`` are padding); ``col, col0, t [1]``: the K/V column the
-    step writes, the first decode column of the call, the rotary step index (``col`` and ``t``
-    advance on the device inside the step); ``keep [R, L]``: the columns before ``col0`` each row
-    attends to; ``cos, sin, sin_signed [R, L, 1, D]``: rotary per step index; ``cols [L]``: column ids.
-    ``ptrs``: the K/V storage the graph was captured on (a new storage means a new capture).
-    """
-
-    def __init__(self, rows: int, capacity: int, device: torch.device):
-        self.rows, self.capacity = rows, capacity
-        self.tok = torch.zeros(rows, dtype=torch.long, device=device)
-        self.col = torch.zeros(1, dtype=torch.long, device=device)
-        self.col0 = torch.zeros(1, dtype=torch.long, device=device)
-        self.t = torch.zeros(1, dtype=torch.long, device=device)
-        self.cols = torch.arange(capacity, device=device)
-        self.keep = torch.ones((rows, capacity), dtype=torch.bool, device=device)
-        self.cos = self.sin = self.sin_signed = None
-        self.graph = None
-        self.logits = None  # the captured step's output
-        self.ptrs: tuple | None = None
-        self.warm = False  # ran eagerly once on this storage (what a capture needs first)
-        self.failed = False  # capture raised: this bucket runs eagerly
-
-    def fill_rotary(self, cos: torch.Tensor, sin: torch.Tensor, sin_signed: torch.Tensor) -> None:
-        """Copy the call's rotary tables ``[B, S, 1, D]`` into the static ones (padding rows: zeros)."""
-        if self.cos is None or self.cos.shape[-1] != cos.shape[-1] or self.cos.dtype != cos.dtype:
-            shape = (self.rows, self.capacity, 1, cos.shape[-1])
-            self.cos, self.sin, self.sin_signed = (cos.new_zeros(shape) for _ in range(3))
-            self.graph, self.warm = None, False
-        B, S = cos.shape[:2]
-        for dst, src in ((self.cos, cos), (self.sin, sin), (self.sin_signed, sin_signed)):
-            dst[:B, :S].copy_(src)
-
 
 class FastDecoder:
     """Runs 1-token decode steps of an HF causal LM on its own KV buffers (see module docstring).
@@ -485,15 +439,9 @@ class FastDecoder:
         cos = st.cos.index_select(1, st.t)[:, 0]  # [R, 1, D]
         sin = st.sin.index_select(1, st.t)[:, 0]
         sin_signed = st.sin_signed.index_select(1, st.t)[:, 0]
-        for i, (kind, layer, plan) in enumerate(zip(self.kinds, self.layers, self._plan)):
-            a = plan["in_norm"](h)
-            kv = buf.store_keys[i], buf.store_values[i]
-            if kind == "gqa":
-                a = self._gqa(plan, a, i, st.col, cos, sin_signed, mask, kv=kv)
-            else:
-                a = self._mla(layer.self_attn, plan, a, i, st.col, cos, sin, mask, kv=kv)
-            h = h + a
-            h = h + plan["mlp"](plan["post_norm"](h))
+        for i in range(len(self.layers)):
+            h = self._layer_step(i, h, st.col, cos, sin, sin_signed, mask,
+                                 kv=(buf.store_keys[i], buf.store_values[i]))
         st.col.add_(1)
         st.t.add_(1)
         return self._head(self._final_norm(h))[:, -1]  # [R, V]
@@ -536,21 +484,27 @@ class FastDecoder:
         cos, sin = self._cos[:, t], self._sin[:, t]  # [B, 1, D]
         sin_signed = self._sin_signed[:, t]
         pe = None
-        for i, (kind, layer, plan) in enumerate(zip(self.kinds, self.layers, self._plan)):
+        for i, (kind, layer) in enumerate(zip(self.kinds, self.layers)):
             if kind == "layer":
                 if pe is None:
                     pe = self._hf_position_embeddings(t)
                 h = layer(h, attention_mask=mask, position_embeddings=pe, past_key_values=buf, use_cache=True)
                 continue
-            a = plan["in_norm"](h)
-            if kind == "gqa":
-                a = self._gqa(plan, a, i, n, cos, sin_signed, mask)
-            else:
-                a = self._mla(layer.self_attn, plan, a, i, n, cos, sin, mask)
-            h = h + a
-            h = h + plan["mlp"](plan["post_norm"](h))
+            h = self._layer_step(i, h, n, cos, sin, sin_signed, mask)
         buf.advance(1)
         return self._head(self._final_norm(h))[:, -1]  # [B, V]
+
+    def _layer_step(self, i: int, h: torch.Tensor, col, cos, sin, sin_signed, mask, kv=None) -> torch.Tensor:
+        """Decoder layer ``i``'s hand-written decode step on ``h [B, 1, H]``, writing K/V column ``col``
+        (an int, or the static step's ``[1]`` device counter, with ``kv`` its storage)."""
+        plan = self._plan[i]
+        a = plan["in_norm"](h)
+        if self.kinds[i] == "gqa":
+            a = self._gqa(plan, a, i, col, cos, sin_signed, mask, kv=kv)
+        else:
+            a = self._mla(self.layers[i].self_attn, plan, a, i, col, cos, sin, mask, kv=kv)
+        h = h + a
+        return h + plan["mlp"](plan["post_norm"](h))
 
     def _hf_position_embeddings(self, t: int):
         """(cos, sin) ``[B, 1, D]`` in the rotary module's own layout, for the HF layer path."""

@@ -46,18 +46,6 @@ class KVBuffers:
             views[li] = t if full[0] == shape[0] else t[: shape[0]]
         return views[li]
 
-    def fits(self, key_shapes: list[tuple[int, ...]], value_shapes: list[tuple[int, ...]], capacity: int,
-             dtype: torch.dtype, device: torch.device) -> bool:
-        """Whether the allocated buffers have exactly these per-layer (B, H, *, D) shapes and capacity."""
-        if self.capacity != capacity or any(k is None for k in self.keys):
-            return False
-        for k, v, ks, vs in zip(self.keys, self.values, key_shapes, value_shapes):
-            if (k.shape[:2], k.shape[3]) != (ks[:2], ks[3]) or (v.shape[:2], v.shape[3]) != (vs[:2], vs[3]):
-                return False
-            if k.dtype != dtype or k.device != device:
-                return False
-        return True
-
     def load_prefill(self, cache, capacity: int) -> None:
         """Copy a prefilled HF ``DynamicCache`` into the buffers (re-allocating only on shape change)."""
         ks = [layer.keys for layer in cache.layers]

@@ -14,7 +14,7 @@ per-step input preparation. Decode steps (``decode=``):
 * ``"hf"``: ``model.forward`` on an HF ``StaticCache`` / ``DynamicCache`` (the reference path).
 
 Static / captured steps (``decode_graphs=``, the fast decoder when every layer has a hand-written
-step): ``"auto"`` (default) runs the static decode step (``decode.StaticStep``: inputs, outputs and
+step): ``"auto"`` (default) runs the static decode step (``static_step.StaticStep``: inputs, outputs and
 counters in buffers of a power-of-two batch-size bucket, attention over the whole K/V capacity
 with a mask) and captures it once per bucket where the device has graphs
 (``device.graph_capture_supported``: CUDA graphs, the NPU's graph mode); where it has none (the
