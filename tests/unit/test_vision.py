@@ -226,3 +226,55 @@ def test_resharder_plans_the_vision_weights():
     assert all(co.rollout_bytes(r) == sum(s.numel for s in specs) * 4 for r in range(2))
     dis = plan_reshard(ParallelLayout.of(1, dp=2), ParallelLayout.of(1), specs, dtype_bytes=4, placement="disaggregated")
     assert dis.recv_bytes(2) == sum(s.numel for s in specs) * 4
+
+
+def _vl_batch(tok, n=4):
+    """Image prompts of different lengths (one with two images, one with text before its image) and
+    ragged random responses."""
+    from rlrecipes.engines.base import SeqBatch
+
+    rows = vision_smoke_dataset(n, seed=3)
+    rows[1]["prompt"] = "ab<image>?="
+    rows[2]["images"] = rows[2]["images"] * 2
+    ds = PromptDataset(rows, tok, vision=VisionSettings())
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.tensor(ds[i]["prompt_ids"]) for i in range(n)]
+    responses = [torch.randint(3, 30, (r,), generator=g) for r in (5, 2, 15, 1)[:n]]
+    return SeqBatch(prompts, responses, per_sample={"advantages": torch.randn(n, generator=g)},
+                    images=[ds[i]["vision"] for i in range(n)])
+
+
+@pytest.mark.usefixtures("one_rank_group")
+@pytest.mark.parametrize("budget", [45, 200])  # two micro-batches; one of three rows, one holding two samples
+def test_packed_micro_batches_carry_each_samples_images_and_positions(tok, budget):
+    """Token-budget packing on a VL model: the pixels follow the samples' layout order and each sample
+    keeps its own M-RoPE positions, so log-probs and gradients equal the padded micro-batches'."""
+    from rlrecipes.engines.native.batching import packed_micro_batches
+    from rlrecipes.engines.native.train import NativeTrainEngine
+
+    batch = _vl_batch(tok)
+    packed = NativeTrainEngine(DIMS, device="cpu", max_tokens_per_micro_batch=budget, seed=0, dtype="fp32",
+                               freeze_vision_tower=False)
+    padded_tower = NativeTrainEngine(DIMS, device="cpu", micro_batch_size=4, seed=0, dtype="fp32",
+                                     freeze_vision_tower=False)
+    mbs = packed_micro_batches(batch, budget, 0, collective=False, vision=packed._vision)
+    assert all(mb["mrope_position_ids"].shape[0] == 4 for mb in mbs)  # text positions + 3 M-RoPE axes
+    if budget == 200:
+        assert any(mb["input_ids"].shape[0] > 1 and len(mb["sample_index"]) > mb["input_ids"].shape[0]
+                   for mb in mbs)  # some row holds two samples
+    want, _ = padded_tower.forward(batch)
+    got, _ = packed.forward(batch)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+    def loss(logp, ent, mb):
+        m = mb["response_mask"]
+        return -(logp * mb["advantages"] * m).sum(), {}
+
+    before = {n: p.detach().clone() for n, p in packed.model.named_parameters() if "visual.blocks" in n}
+    got_m, want_m = packed.train_step(batch, loss), padded_tower.train_step(batch, loss)
+    assert got_m["actor/loss"] * got_m["actor/micro_batches"] == pytest.approx(
+        want_m["actor/loss"] * want_m["actor/micro_batches"], rel=1e-5)  # the same summed loss
+    assert got_m["actor/grad_norm"] == pytest.approx(want_m["actor/grad_norm"], rel=1e-5)
+    # the trained tower learned through the packed pixels
+    assert any(not torch.equal(p, before[n]) for n, p in packed.model.named_parameters() if n in before)

@@ -189,7 +189,7 @@ def token_bins(lengths: Sequence[int], budget: int, *, padded: bool = False) -> 
 
 
 def packed_micro_batch(batch: SeqBatch, pad_id: int = 0, row_tokens: int | None = None, *,
-                       one_per_row: bool = False) -> dict:
+                       one_per_row: bool = False, vision=None) -> dict:
     """The samples of ``batch`` concatenated without padding (see the module docstring).
 
     ``row_tokens=None``: one row ``[1, N]`` (the layout for varlen attention kernels). Otherwise the
@@ -202,6 +202,8 @@ def packed_micro_batch(batch: SeqBatch, pad_id: int = 0, row_tokens: int | None 
     ``one_per_row``: every sample a row of its own (padded to the longest): plain causal attention is
     then exact (trailing padding is never attended to, its outputs never read), so no ``[rows, T, T]``
     mask is needed and the attention kernel keeps its fused path; ``mb["one_per_row"]`` says so.
+    ``vision``: a VL model's ``vision.VisionSpec``: the samples' pixels in layout order and their
+    ``[4, rows, L]`` positions (``vision.add_packed_images``).
     """
     plen, rlen = _lengths(batch.prompts), _lengths(batch.responses)  # [n]
     lengths = (plen + rlen).tolist()
@@ -258,6 +260,10 @@ def packed_micro_batch(batch: SeqBatch, pad_id: int = 0, row_tokens: int | None 
     _columns(mb, batch, R)
     if routed is not None:
         mb["routed_experts"] = routed
+    if vision is not None:
+        from .vision import add_packed_images
+
+        add_packed_images(mb, batch, vision, order, row_of, offset_of)
     return mb
 
 
@@ -272,7 +278,7 @@ def _empty_packed(batch: SeqBatch, pad_id: int, one_per_row: bool = False) -> di
 
 def packed_micro_batches(batch: SeqBatch, max_tokens: int, pad_id: int, *, collective: bool = True,
                          varlen: bool = False, one_per_row: bool = False,
-                         device: torch.device = HOST) -> list[dict]:
+                         device: torch.device = HOST, vision=None) -> list[dict]:
     """Micro-batches of at most ``max_tokens`` prompt + response tokens each (a longer sample alone),
     on ``device``; the count is the max over all ranks (collective). ``varlen``: the attention kernel
     takes packed rows natively, so each micro-batch is one row; otherwise rows are as long as its
@@ -287,7 +293,7 @@ def packed_micro_batches(batch: SeqBatch, max_tokens: int, pad_id: int, *, colle
         idx = bins[k] if k < len(bins) else []
         if idx:
             row = None if varlen else max(lengths[i] for i in idx)
-            mb = packed_micro_batch(batch.subset(idx), pad_id, row, one_per_row=one_per_row)
+            mb = packed_micro_batch(batch.subset(idx), pad_id, row, one_per_row=one_per_row, vision=vision)
         else:
             mb = _empty_packed(batch, pad_id, one_per_row)
         mb["sample_index"] = idx

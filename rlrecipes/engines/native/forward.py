@@ -14,7 +14,7 @@ import torch
 
 from rlrecipes.algos.logprobs import logprobs_and_entropy, vocab_parallel_logprobs_and_entropy
 from rlrecipes.engines.native import head as head_ops
-from rlrecipes.engines.native.vision import forward_inputs as vision_inputs, touch_vision
+from rlrecipes.engines.native.vision import decoder_columns, forward_inputs as vision_inputs, pad_positions, touch_vision
 
 
 def response_len_of(mb: Mapping[str, Any]) -> int:
@@ -79,10 +79,11 @@ class TokenScores:
         ``[rows, L]``, the head only at the response columns; the results are scattered back to the
         closure's ``[b, R]`` layout (zeros at padding)."""
         keep = (mb["keep_rows"], mb["keep_cols"])  # [rows, U, .] -> [1, M, .]
+        images = vision_inputs(mb)  # a VL model's pixels in layout order and [4, rows, L] positions
+        position_ids = images.pop("position_ids", mb["position_ids"])
         out, ent = self._scores(mb, mb["targets"][None], temperature, with_entropy,
                                 select=lambda x: x[keep][None], input_ids=mb["input_ids"],
-                                position_ids=mb["position_ids"],
-                                logits_to_keep=mb["logit_index"])
+                                position_ids=position_ids, logits_to_keep=mb["logit_index"], **images)
         return self._unpack(mb, out[0]), (self._unpack(mb, ent[0]) if ent is not None else None)
 
     def _unpack(self, mb: Mapping[str, Any], t: torch.Tensor) -> torch.Tensor:
@@ -115,8 +116,15 @@ class TokenScores:
         targets = pad_to(torch.cat([ids[:, 1:], ids[:, :1]], 1), sp, self.pad_token_id)  # [b, Tp]: token t + 1
         w = ids_p.shape[1] // sp
         cols = slice(rank * w, (rank + 1) * w)
-        out, ent = self._scores(mb, targets[:, cols], temperature, with_entropy, input_ids=ids_p[:, cols],
-                                position_ids=pos_p[:, cols], attention_mask=mask)  # [b, w]
+        images = vision_inputs(mb)
+        if images:  # a VL model: the whole row embedded (images scattered in), the decoder on this rank's columns
+            mrope = images.pop("position_ids")[-3:]  # [3, b, T] (a packed row's text positions are in pos_p)
+            with decoder_columns(self.model, cols):
+                out, ent = self._scores(mb, targets[:, cols], temperature, with_entropy, input_ids=ids_p,
+                                        position_ids=pad_positions(mrope, sp), attention_mask=mask, **images)
+        else:
+            out, ent = self._scores(mb, targets[:, cols], temperature, with_entropy, input_ids=ids_p[:, cols],
+                                    position_ids=pos_p[:, cols], attention_mask=mask)  # [b, w]
         out = gather_sequence(out, group, sp, rank)[:, :T]  # [b, T]: position t scores token t + 1
         ent = gather_sequence(ent, group, sp, rank)[:, :T] if ent is not None else None
         if "position_ids" in mb:  # each response token's (row, column) in the packed rows

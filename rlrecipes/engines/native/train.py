@@ -216,7 +216,7 @@ class NativeTrainEngine(TokenScores, EngineState, MeshRanks, base.TrainEngine):
         self.micro_batch_size, self.pad_token_id = int(micro_batch_size), int(pad_token_id)
         self.max_tokens_per_micro_batch = int(max_tokens_per_micro_batch or 0)
         # flash-attention kernels take one packed row natively; dense masks (sdpa, eager) want short rows
-        self._varlen_attention = attn_implementation.startswith("flash")
+        self._varlen_attention = str(attn_implementation).startswith("flash")  # (SP: a dict, no varlen kernel)
         self.offload_optimizer = bool(offload_optimizer)
         self._opt_parked: SwappedStorages | None = None
         self._tp_partial: list[torch.Tensor] | None = None  # q/k-norm weights whose grads sum over TP
@@ -285,10 +285,10 @@ class NativeTrainEngine(TokenScores, EngineState, MeshRanks, base.TrainEngine):
         # Replicated DP runs no collective in a forward: inference needs no agreement; training
         # keeps it, so "mean" loss scaling divides by the same count everywhere
         collective = self.mesh.grad_size > 1 and (training or not self._replicated)
-        if self.max_tokens_per_micro_batch and self._vision is None:  # VL: padded rows (M-RoPE positions)
+        if self.max_tokens_per_micro_batch:
             return packed_micro_batches(batch, self.max_tokens_per_micro_batch, self.pad_token_id,
                                         varlen=self._varlen_attention, collective=collective, device=self.device,
-                                        one_per_row=self.mesh.sp > 1)
+                                        one_per_row=self.mesh.sp > 1, vision=self._vision)
         return micro_batches(batch, self.micro_batch_size, self.pad_token_id, collective=collective,
                              device=self.device, vision=self._vision)
 

@@ -178,14 +178,17 @@ def _no_mask(*args, **kwargs):
     return None
 
 
-def register() -> str:
-    """Register the attention (and its mask function) with transformers; returns its name."""
+def register() -> dict[str, str]:
+    """Register the attention (and its mask function) with transformers; returns the model's
+    ``attn_implementation``: the decoder's attention by this name, a vision-language model's vision
+    tower on plain SDPA (it runs whole images on every rank of the group: only the decoder's
+    sequence is split, see ``vision.decoder_columns``)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(ATTENTION, ulysses_attention)
     AttentionMaskInterface.register(ATTENTION, _no_mask)
-    return ATTENTION
+    return {"": ATTENTION, "text_config": ATTENTION, "vision_config": "sdpa"}
 
 
 def pad_to(t: torch.Tensor, multiple: int, value=None) -> torch.Tensor:

@@ -23,6 +23,7 @@ decoder stacks, and a VL model's decoder sits under ``model.model.language_model
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Any, Mapping, Optional, Sequence
 
 import torch
@@ -96,6 +97,56 @@ def add_images(mb: dict, batch, spec: Optional[VisionSpec]) -> None:
         mb["pixel_values"], mb["image_grid_thw"] = images.pixel_values, images.grid_thw
 
 
+def add_packed_images(mb: dict, batch, spec: Optional[VisionSpec], order: Sequence[int],
+                      rows: Sequence[int], offsets: Sequence[int]) -> None:
+    """A packed micro-batch's image inputs: ``[4, rows, L]`` positions (the packed text positions,
+    from which transformers reads the samples' boundaries, then the three M-RoPE axes, each sample's
+    placed at its row and offset, 0 at row padding) and the pixels in the order the samples are laid
+    out (row by row): the model scatters image features into the image tokens in that order."""
+    if spec is None or batch.images is None or not any(v is not None for v in batch.images):
+        return
+    text = mb["position_ids"]  # [rows, L]
+    mrope = torch.zeros((3, *text.shape), dtype=torch.long)
+    for i, r, off in zip(order, rows, offsets):
+        p = batch.prompts[i].reshape(-1).long()
+        pos = spec.positions(p, batch.images[i], int(batch.responses[i].numel()))  # [3, P_i + R_i]
+        mrope[:, r, off:off + pos.shape[1]] = pos
+    mb["mrope_position_ids"] = torch.cat([text[None], mrope])  # [4, rows, L]
+    images = cat_inputs([batch.images[i] for i in order])
+    if images is not None:
+        mb["pixel_values"], mb["image_grid_thw"] = images.pixel_values, images.grid_thw
+
+
+def pad_positions(pos: torch.Tensor, multiple: int) -> torch.Tensor:
+    """``[3, b, T]`` M-RoPE positions right-padded along ``T`` to a multiple of ``multiple``, each axis
+    continuing its row's last position (as ``ulysses.pad_to`` does for text positions)."""
+    extra = -pos.shape[-1] % multiple
+    if not extra:
+        return pos
+    tail = pos[..., -1:] + torch.arange(1, extra + 1, device=pos.device, dtype=pos.dtype)
+    return torch.cat([pos, tail], dim=-1)
+
+
+@contextmanager
+def decoder_columns(model: nn.Module, cols: slice):
+    """Sequence parallelism on a VL model: the model embeds the whole row and scatters the image
+    features into it (an image's tokens may straddle two ranks' slices, and the vision tower runs
+    whole images), then its text decoder runs only on columns ``cols`` of the embeddings and of
+    the ``[3, b, T]`` positions. Gradients reach the vision tower and merger from this rank's
+    columns only; the SP group's sum is the whole gradient, as for every other parameter."""
+    def take(module, args, kwargs):
+        kwargs["inputs_embeds"] = kwargs["inputs_embeds"][:, cols]
+        if kwargs.get("position_ids") is not None:
+            kwargs["position_ids"] = kwargs["position_ids"][..., cols]
+        return args, kwargs
+
+    handle = model.model.language_model.register_forward_pre_hook(take, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
 def forward_inputs(mb: Mapping[str, Any]) -> dict:
     """The model's image keyword arguments of a micro-batch (positions under ``position_ids``)."""
     out = {}
@@ -134,5 +185,5 @@ def image_inputs(images: Sequence[Any], device: torch.device, dtype: torch.dtype
     return {"pixel_values": got.pixel_values.to(device, dtype), "image_grid_thw": got.grid_thw.to(device)}
 
 
-__all__ = ["VisionSpec", "add_images", "forward_inputs", "freeze_vision_tower", "image_inputs", "prefill_positions", "prepare",
+__all__ = ["VisionSpec", "add_images", "add_packed_images", "decoder_columns", "forward_inputs", "pad_positions", "freeze_vision_tower", "image_inputs", "prefill_positions", "prepare",
            "touch_vision", "vision_spec", "visual_of"]
