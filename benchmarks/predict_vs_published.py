@@ -115,6 +115,15 @@ POINTS = [
         "rollout 1050 s", assumed=["mean prompt 150 (DAPO-Math-17k; not published)",
                                    "pp_layers 5 x 11 + 6 (61 layers over PP12; not published)"],
         stages={"rollout": 1050, "step": 1700}),
+    Point("mm_grpo_qwen25_vl_7b_a2", "qwen25_vl_7b", 1, 16, ("data.expected_prompt_tokens=200",),
+        142.42, "TPS per A2 NPU (one NPU per card)", "MindSpeed-MM verl_plugin/README.md performance table (commit "
+        "57069cd): Atlas 200T A2 Box16, 512 x 5, 1024 / 2048, geo3k; launch script train_qwen2_5_vl_7b_grpo_full.sh: "
+        "rollout TP4 graph mode, actor and ref Ulysses SP4, 16 prompts per update, micro-batch 2, recompute "
+        "(the recipe's own settings)",
+        assumed=["16 NPUs (the table's Box16; the launch script defaults to 8)",
+                 "mean prompt 200 tokens with its image (geometry3k's small diagrams, about 100 image tokens at "
+                 "28x28 pixels per token, and the question; not published)",
+                 "mean response: 0.5 x 2048 (not published)"]),
 ]
 
 
