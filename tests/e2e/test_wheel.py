@@ -1,4 +1,5 @@
 """The wheel carries recipes/ as rlrecipes/_recipes, so an installed package finds them."""
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -11,8 +12,16 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.e2e
 def test_wheel_ships_recipes_and_registry_finds_them(tmp_path):
+    # built from a copy: setuptools writes build/ and *.egg-info next to the sources it builds, and the
+    # tree may be in use (CI installs the optional tiers from it while the tests run)
+    src = tmp_path / "src"
+    ignore = shutil.ignore_patterns("__pycache__", "*.egg-info", "build", "runs")
+    for name in ("rlrecipes", "recipes"):
+        shutil.copytree(ROOT / name, src / name, ignore=ignore)
+    for name in ("pyproject.toml", "setup.py", "README.md"):
+        shutil.copy2(ROOT / name, src / name)
     out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                          "-w", str(tmp_path / "whl"), str(ROOT)], capture_output=True, text=True, timeout=300)
+                          "-w", str(tmp_path / "whl"), str(src)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     wheel = next((tmp_path / "whl").glob("rlrecipes-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
