@@ -226,3 +226,27 @@ def test_resharder_plans_the_vision_weights():
     assert all(co.rollout_bytes(r) == sum(s.numel for s in specs) * 4 for r in range(2))
     dis = plan_reshard(ParallelLayout.of(1, dp=2), ParallelLayout.of(1), specs, dtype_bytes=4, placement="disaggregated")
     assert dis.recv_bytes(2) == sum(s.numel for s in specs) * 4
+
+
+def test_vllm_placeholders_and_image_hashes():
+    """What the vLLM rollout tells vLLM about a prompt's images (rlrecipes/engines/vllm/vision.py, no
+    vLLM needed): where each image's tokens are, split like mrope_positions splits them, and a hash
+    that changes with the pixels."""
+    from rlrecipes.engines.vllm.vision import image_hashes, placeholder_ranges
+
+    vs = VisionSettings()
+    a = vs.process(np.zeros((56, 56, 3), dtype=np.uint8))  # 4 tokens
+    b = vs.process(np.full((56, 84, 3), 200, dtype=np.uint8))  # 6 tokens
+    pad, start, end = DIMS.image_token_id, DIMS.vision_start_token_id, DIMS.vision_end_token_id
+    grid = torch.cat([a.grid_thw, b.grid_thw])
+    ids = [1, start] + [pad] * 4 + [end, 5, start] + [pad] * 6 + [end, 7]
+    assert placeholder_ranges(ids, grid, pad, 2) == [(2, 4), (9, 6)]
+    assert placeholder_ranges([pad] * 10, grid, pad, 2) == [(0, 4), (4, 6)]  # one run, two images
+    with pytest.raises(ValueError, match="grid"):
+        placeholder_ranges([1, 2, 3], a.grid_thw, pad, 2)
+    with pytest.raises(ValueError, match="needs 6 image tokens"):
+        placeholder_ranges([pad] * 4 + [5] + [pad] * 4, grid, pad, 2)
+    two = image_hashes(torch.cat([a.pixel_values, b.pixel_values]), grid)
+    assert len(set(two)) == 2 and image_hashes(a.pixel_values, a.grid_thw)[0] == two[0]
+    blank = vs.process(np.full((56, 56, 3), 1, dtype=np.uint8))
+    assert image_hashes(blank.pixel_values, blank.grid_thw) != image_hashes(a.pixel_values, a.grid_thw)
