@@ -18,7 +18,7 @@ CAPABILITIES = Capabilities(
     expert_tensor_parallel=True,  # EP 1: its fused-MoE layers split every expert over the TP ranks
     multi_turn_multi_rank=False,  # DP-attention ranks step together; mirrored turn calls untested here
     lora=True,  # adapters built on the worker from the synced tensors (lora.py); limits: args.lora_problem
-    image_prompts=True,  # Qwen2.5-VL: our processed pixels as vLLM processed inputs (vision.py); limits: args.vision_problem
+    image_prompts=True,  # Qwen2.5-VL: our pixels as vLLM processed inputs (vision.py); args.vision_problem
     image_activations_profiled=False,  # skip_mm_profiling: no processor makes vLLM's dummy images (vision.py)
     dtypes=("auto", "bf16", "fp16", "fp32"), requires=("vllm",),
     requires_by_device=(("npu", ("vllm_ascend", "torch_npu")),),

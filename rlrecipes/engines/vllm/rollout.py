@@ -36,6 +36,9 @@ Images (vision-language models, Qwen2.5-VL): each prompt's :class:`~rlrecipes.mo
 (pixels our processor made, the grids) goes to vLLM as an already-processed multimodal input, so
 vLLM's vision tower sees the trainer's pixels and positions; see ``vision.py``. The weight sync then
 also drops vLLM's cached image embeddings (``LLMEngine.reset_encoder_cache``): the merger trains.
+As the native sampler, a VL model never samples its image / video tokens (a -100 logit bias); at
+temperature 1 it reports vLLM's raw log-probs, the full-vocabulary ones the trainer computes
+(:meth:`VllmRolloutEngine._serve_logprobs_mode`).
 
 Log-probs: ``logprobs_mode="processed_logprobs"`` (vLLM >= 0.11) so the reported log-probs are
 ``log_softmax(logits / T)``, the trainer's; sampling settings they cannot match are refused
@@ -315,7 +318,8 @@ class VllmRolloutEngine(base.RolloutEngine):
         self._banned: tuple[int, ...] = ()  # a VL model's image / video tokens: never sampled
         if self.vision is not None:
             hf = self.llm.llm_engine.model_config.hf_config
-            self._banned = tuple(sorted({int(hf.image_token_id), int(getattr(hf, "video_token_id", hf.image_token_id))}))
+            video = getattr(hf, "video_token_id", hf.image_token_id)
+            self._banned = tuple(sorted({int(hf.image_token_id), int(video)}))
         self._tp_group = self._make_tp_groups() if self.tp > 1 else None
         self._asleep = self._weights_awake = False
         self._checked_sampling: set = set()
