@@ -312,8 +312,9 @@ def build_plan(recipe: Recipe, nodes: Optional[int] = None, devices_per_node: Op
                           f"{v['images_per_micro_batch']} images, {v['image_kv_cache_mib_per_image']} MiB of KV cache "
                           "per image per rollout device (counted in the prompt)")
         rollout_caps = capabilities(recipe.rollout.engine)
-        if (rollout_caps.image_prompts and not rollout_caps.image_activations_profiled
-                and res.device not in ("cpu", "auto")):
+        from ..device import is_accelerator
+
+        if rollout_caps.image_prompts and not rollout_caps.image_activations_profiled and is_accelerator(res.device):
             from .vision import vision_activation_bytes
 
             per_image = max(1, int(v["image_tokens_per_image"]))
