@@ -213,6 +213,11 @@ class EngineSpec:
     freeze_vision_tower: bool = True
     """Vision-language actors: keep the vision tower (patch embedding and blocks) frozen; the merger
     trains (``actor.freeze_vision_tower``)."""
+    vision: Any = None
+    """Vision-language models: the processor settings every stage shares
+    (:class:`~rlrecipes.models.vision.VisionSettings`, ``data.min_pixels`` / ``data.max_pixels``): a
+    rollout engine that budgets its image tokens up front (vLLM's encoder cache) reads the pixel
+    budget here; None: the model's defaults."""
 
 
 class _Parallel(abc.ABC):

@@ -73,6 +73,10 @@ class Capabilities:
     """A rollout engine that generates from prompts with images (vision-language models: the
     pixels and their positions reach its forward). ``plan`` notes a VL recipe whose rollout engine
     cannot, since such a run stops at its first rollout."""
+    image_activations_profiled: bool = True
+    """A rollout engine with ``image_prompts`` that measures its vision tower's activation peak when it
+    sizes its caches. False (vLLM: no dummy images, ``skip_mm_profiling``): ``plan`` notes how much the
+    memory setting must leave for them on an accelerator."""
     lora: bool = False
     """LoRA adapters (``actor.lora``): a train engine trains them with its base frozen and serves the
     base as the reference policy; a rollout engine applies adapters synced from the trainer."""

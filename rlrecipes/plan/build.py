@@ -311,7 +311,21 @@ def build_plan(recipe: Recipe, nodes: Optional[int] = None, devices_per_node: Op
                           f"tower), its activations {v['vision_activations_gib']} GiB per micro-batch of "
                           f"{v['images_per_micro_batch']} images, {v['image_kv_cache_mib_per_image']} MiB of KV cache "
                           "per image per rollout device (counted in the prompt)")
-        if not capabilities(recipe.rollout.engine).image_prompts:  # e.g. vllm: refuses image prompts
+        rollout_caps = capabilities(recipe.rollout.engine)
+        from ..device import is_accelerator
+
+        if rollout_caps.image_prompts and not rollout_caps.image_activations_profiled and is_accelerator(res.device):
+            from .vision import vision_activation_bytes
+
+            per_image = max(1, int(v["image_tokens_per_image"]))
+            budget = recipe.rollout.inference.max_num_batched_tokens or recipe.data.max_prompt_length
+            n = max(1, int(budget) // per_image)  # the images one encoder pass runs (vLLM's encoder budget)
+            gib = vision_activation_bytes(dims, recipe, n, inference=True) / GiB
+            plan.notes.append(f"rollout.engine={recipe.rollout.engine} does not measure the vision tower's "
+                              "activations when it sizes its KV cache (no dummy images); leave about "
+                              f"{gib:.2f} GiB per rollout device (one encoder pass of {n} image(s)) outside "
+                              "rollout.inference.gpu_memory_utilization")
+        if not rollout_caps.image_prompts:  # an engine that refuses image prompts
             plan.notes.append(f"rollout.engine={recipe.rollout.engine}: image prompts do not reach its "
                               "multi_modal_data in this release, so a run stops at its first rollout; "
                               f"set rollout.engine to one that takes images: "

@@ -42,9 +42,11 @@ def images_per_micro_batch(recipe: Recipe) -> int:
     return max(1, int(recipe.trainer.micro_batch))
 
 
-def vision_activation_bytes(dims: ModelDims, recipe: Recipe, images: int | None = None) -> float:
+def vision_activation_bytes(dims: ModelDims, recipe: Recipe, images: int | None = None, *,
+                            inference: bool = False) -> float:
     """The vision tower's activation bytes in one train micro-batch of ``images`` images (see the
-    module docstring); 0 for a text-only model."""
+    module docstring); ``inference``: a forward without grad (one block's activations live at a time,
+    as with a frozen tower); 0 for a text-only model."""
     if not dims.has_vision:
         return 0.0
     c = devmod.compute_bytes(recipe.resources.device, recipe.model.dtype)
@@ -53,7 +55,7 @@ def vision_activation_bytes(dims: ModelDims, recipe: Recipe, images: int | None 
     block = patches * c * (10 * dims.vision_hidden + 4 * dims.vision_intermediate)
     merged = patches // dims.spatial_merge ** 2
     merger = merged * c * (3 * dims.vision_hidden * dims.spatial_merge ** 2 + dims.hidden_size)
-    blocks = block if recipe.actor.freeze_vision_tower else block * (dims.vision_depth + 1)
+    blocks = block if inference or recipe.actor.freeze_vision_tower else block * (dims.vision_depth + 1)
     return float(blocks + merger)
 
 

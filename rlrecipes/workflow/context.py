@@ -270,6 +270,17 @@ def build_agent(r: Recipe, tokenizer, tools: "ToolRegistry") -> "AgentLoop":
                      limits, eos_ids=[tokenizer.eos_token_id])
 
 
+def vision_settings(r: Recipe):
+    """A vision-language recipe's processor settings (``data.min_pixels`` / ``data.max_pixels``), which the
+    dataset and every engine share; None for a text model."""
+    dims = r.model.dims()
+    if not dims.has_vision:
+        return None
+    from ..models.vision import settings_of
+
+    return settings_of(dims, min_pixels=r.data.min_pixels, max_pixels=r.data.max_pixels)
+
+
 def load_data(r: Recipe, run_dir: Path) -> WorkerData:
     """Tokenizer, prompt rows, dataset, sampler and reward function (identical on every rank)."""
     from transformers import AutoTokenizer
@@ -282,12 +293,7 @@ def load_data(r: Recipe, run_dir: Path) -> WorkerData:
     with reading(tok_dir, "tokenizer folder", FIX_TOKENIZER):  # a damaged file is named, with the fix
         tokenizer = AutoTokenizer.from_pretrained(tok_dir, local_files_only=True)
     skipped = 0
-    dims = r.model.dims()
-    vision = None
-    if dims.has_vision:  # the processor every stage shares: patches, grids, image tokens
-        from ..models.vision import settings_of
-
-        vision = settings_of(dims, min_pixels=r.data.min_pixels, max_pixels=r.data.max_pixels)
+    vision = vision_settings(r)  # the processor every stage shares: patches, grids, image tokens
     if r.data.synthetic:
         rows = smoke_task_dataset(r.data.synthetic_size, seed=r.trainer.seed, task=r.data.synthetic,
                                   num_digits=r.data.synthetic_digits)
@@ -320,7 +326,8 @@ def _spec(r: Recipe, device: torch.device, pad_id: int, role: str, **kw) -> Engi
                       device=device, dtype=r.model.dtype, seed=r.trainer.seed,
                       micro_batch_size=r.trainer.micro_batch,
                       max_tokens_per_micro_batch=r.trainer.max_tokens_per_micro_batch,
-                      pad_token_id=pad_id, freeze_vision_tower=r.actor.freeze_vision_tower, **kw)
+                      pad_token_id=pad_id, freeze_vision_tower=r.actor.freeze_vision_tower,
+                      vision=vision_settings(r), **kw)
 
 
 def select_stages(recipe: Recipe, role: str, *, use_ref: bool, skip_old: bool) -> list[Stage]:

@@ -278,3 +278,27 @@ def test_packed_micro_batches_carry_each_samples_images_and_positions(tok, budge
     assert got_m["actor/grad_norm"] == pytest.approx(want_m["actor/grad_norm"], rel=1e-5)
     # the trained tower learned through the packed pixels
     assert any(not torch.equal(p, before[n]) for n, p in packed.model.named_parameters() if n in before)
+
+
+def test_vllm_placeholders_and_image_hashes():
+    """What the vLLM rollout tells vLLM about a prompt's images (rlrecipes/engines/vllm/vision.py, no
+    vLLM needed): where each image's tokens are, split like mrope_positions splits them, and a hash
+    that changes with the pixels."""
+    from rlrecipes.engines.vllm.vision import image_hashes, placeholder_ranges
+
+    vs = VisionSettings()
+    a = vs.process(np.zeros((56, 56, 3), dtype=np.uint8))  # 4 tokens
+    b = vs.process(np.full((56, 84, 3), 200, dtype=np.uint8))  # 6 tokens
+    pad, start, end = DIMS.image_token_id, DIMS.vision_start_token_id, DIMS.vision_end_token_id
+    grid = torch.cat([a.grid_thw, b.grid_thw])
+    ids = [1, start] + [pad] * 4 + [end, 5, start] + [pad] * 6 + [end, 7]
+    assert placeholder_ranges(ids, grid, pad, 2) == [(2, 4), (9, 6)]
+    assert placeholder_ranges([pad] * 10, grid, pad, 2) == [(0, 4), (4, 6)]  # one run, two images
+    with pytest.raises(ValueError, match="grid"):
+        placeholder_ranges([1, 2, 3], a.grid_thw, pad, 2)
+    with pytest.raises(ValueError, match="needs 6 image tokens"):
+        placeholder_ranges([pad] * 4 + [5] + [pad] * 4, grid, pad, 2)
+    two = image_hashes(torch.cat([a.pixel_values, b.pixel_values]), grid)
+    assert len(set(two)) == 2 and image_hashes(a.pixel_values, a.grid_thw)[0] == two[0]
+    blank = vs.process(np.full((56, 56, 3), 1, dtype=np.uint8))
+    assert image_hashes(blank.pixel_values, blank.grid_thw) != image_hashes(a.pixel_values, a.grid_thw)

@@ -174,3 +174,38 @@ def test_engine_args_for_each_shipped_recipe(name, nodes):
         renv = rank_env(rank=200, tp=2, ep=128, world=768, moe=True, platform="ascend", vllm_ascend_version=ASCEND_PIN)
         assert renv["RANK"] == str(200 % 128)  # the rank inside its instance: DP rank = RANK // tp
     assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+
+
+def test_engine_args_for_a_vision_language_model():
+    """Qwen2.5-VL: served under the engine's own architecture name (vLLM's Qwen2.5-VL with a processing
+    description that loads no HF processor), the pixel budget as the processor settings, no dummy-image
+    profiling, no processed-input cache; LoRA refused with the fix."""
+    from types import SimpleNamespace
+
+    from rlrecipes.engines.vllm.vision import VL_ARCHITECTURE
+    from rlrecipes.models.vision import VisionSettings
+
+    kw = engine_args(tp=1, ep=1, world=1, platform="cpu", dtype="float32", seed=0, load_format="dummy", model="/m",
+                     distributed=False, vision=VisionSettings(min_pixels=3136, max_pixels=12544))
+    assert kw["hf_overrides"] == {"architectures": [VL_ARCHITECTURE]}
+    assert kw["mm_processor_kwargs"] == {"min_pixels": 3136, "max_pixels": 12544}
+    assert kw["skip_mm_profiling"] is True and kw["mm_processor_cache_gb"] == 0 and kw["skip_tokenizer_init"] is True
+    lora = SimpleNamespace(enabled=True, rank=8, target_modules=["q_proj"])
+    with pytest.raises(ValueError, match="actor.lora.enabled: false"):
+        engine_args(tp=1, ep=1, world=1, platform="cpu", dtype="float32", seed=0, load_format="dummy", model="/m",
+                    distributed=False, vision=VisionSettings(), lora=lora)
+
+
+def test_plan_takes_image_prompts_on_vllm_and_refuses_vl_lora():
+    """The vLLM rollout takes images: no 'image prompts do not reach' note; on an accelerator the plan
+    says how much room the unprofiled vision tower needs; LoRA on the VL model is a plan error naming
+    the key and the fixes."""
+    plan = build_plan(load_recipe("qwen25_vl_7b", smoke=True, overrides=["rollout.engine=vllm"]))
+    assert plan.ok, format_violations(plan)
+    assert not [n for n in plan.notes if "do not reach" in n]
+    assert not [n for n in plan.notes if "does not measure the vision tower" in n]  # CPU: no profiling to miss
+    full = build_plan(load_recipe("qwen25_vl_7b"), nodes=1)
+    assert [n for n in full.notes if "does not measure the vision tower" in n and "gpu_memory_utilization" in n]
+    lora = build_plan(load_recipe("qwen25_vl_7b", smoke=True, overrides=["rollout.engine=vllm", "actor.lora.rank=8"]))
+    bad = [v.detail for v in lora.violations if "vision-language" in v.detail]
+    assert len(bad) == 1 and "actor.lora.enabled: false" in bad[0] and "rollout.engine: native" in bad[0], bad

