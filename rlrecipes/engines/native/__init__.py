@@ -17,6 +17,17 @@ FSDP all-gathers and reduce-scatters. ``plan`` applies the same rule (``Capabili
 HEAD_CHUNK_TOKENS = 1024
 """Tokens per chunk of the native engines' head (``head.chunked_logprobs``)."""
 
+MOE_GROUPED_MM = True
+"""The native engines' default for ``moe_grouped_mm`` (MoE experts as grouped GEMMs, ``experts.py``).
+Measured on the CPU (``benchmarks/train_options.py``, docs/engines.md "Train efficiency options"):
+grouped is faster than the loop over experts; on a GPU unmeasured (``gpu_suite.py`` sweeps it)."""
+
+COMPILE_LAYERS = False
+"""The native train engine's default for ``compile_layers`` (``torch.compile`` of each decoder layer,
+``compiled.py``). Off: on the CPU every new mode or shape costs tens of seconds of inductor code
+generation, which a step never pays back at the sizes a CPU trains; on a GPU unmeasured
+(``gpu_suite.py`` sweeps it)."""
+
 CAPABILITIES = Capabilities(
     name="native", roles=frozenset({"train", "rollout"}), pipeline_parallel=False, expert_parallel=True,
     ep_groups="within_tp", expert_tensor_parallel=False, separate_ref_layout=False, critic=True, routing_replay=True,
