@@ -167,3 +167,16 @@ def test_a_model_that_cannot_switch_is_an_error():
     with pytest.raises(NotImplementedError, match="cannot switch its experts implementation"):
         ex.select_implementation(NoSwitch(), True)
     assert ex.select_implementation(torch.nn.Linear(2, 2), True) is None  # a dense model: nothing to set
+
+
+def test_lora_wrapped_experts_are_switched_too():
+    """PEFT's LoRA wraps ``mlp.experts`` when its targets match the experts' parameter names
+    (``down_proj``): the option still reaches transformers' experts inside the wrapper."""
+    pytest.importorskip("peft")
+    from rlrecipes.engines.native.train import NativeTrainEngine
+    from rlrecipes.recipe.schema import LoraConfig
+
+    for grouped in (False, True):
+        eng = NativeTrainEngine(SMOKE["qwen3_moe"], device="cpu", lora=LoraConfig(rank=4), moe_grouped_mm=grouped)
+        assert ex.fused_experts(eng.model)
+        assert eng.model.config._experts_implementation == ("grouped_mm" if grouped else "eager")

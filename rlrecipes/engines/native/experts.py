@@ -86,8 +86,10 @@ def local_experts(x: torch.Tensor, weights: torch.Tensor, tok: torch.Tensor, slo
 
 
 def fused_experts(model: nn.Module) -> list[nn.Module]:
-    """The fused HF experts modules of ``model`` (those with a ``gate_up_proj``)."""
-    return [m for n, m in model.named_modules() if n.endswith("mlp.experts") and hasattr(m, "gate_up_proj")]
+    """The fused experts modules of ``model``: those holding a ``gate_up_proj`` parameter ``[E, 2I, H]``
+    (found by attribute, not by name: PEFT's LoRA wraps ``mlp.experts`` when its target names match the
+    experts' parameters, and the module then sits at ``mlp.experts.base_layer...``)."""
+    return [m for m in model.modules() if isinstance(getattr(m, "gate_up_proj", None), nn.Parameter)]
 
 
 def select_implementation(model: nn.Module, grouped: bool) -> str | None:
