@@ -45,6 +45,9 @@ def test_compiled_layers_train_like_eager(family, recompute):
     """Under FSDP2 (a 1-rank group), recompute on (dense) and off (MoE, grouped experts)."""
     from rlrecipes.engines.native.train import NativeTrainEngine
 
+    import torch._dynamo
+
+    torch._dynamo.reset()  # no compiled graph left by another test: the count below is this test's
     dims = SMOKE[family]
     mbs = [_batch(dims.vocab_size, 1), _batch(dims.vocab_size, 2)]  # one shape: one compiled train graph
     got = {}
