@@ -30,6 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from rlrecipes.core.mesh import MeshInfo
+from rlrecipes.engines.native import MOE_GROUPED_MM
 from rlrecipes.engines.native.experts import local_experts, select_implementation
 from rlrecipes.models.sharding import kind_of, tp_dim_of
 
@@ -115,7 +116,7 @@ class EPExperts(nn.Module):
     (:func:`.experts.local_experts`); the same values (tests check forward and gradients).
     """
 
-    def __init__(self, experts: nn.Module, ep_mesh: DeviceMesh, grouped_mm: bool = True):
+    def __init__(self, experts: nn.Module, ep_mesh: DeviceMesh, grouped_mm: bool = MOE_GROUPED_MM):
         super().__init__()
         self.grouped_mm = bool(grouped_mm) and hasattr(torch, "_grouped_mm")
         gate_up = experts.gate_up_proj.detach()  # [E, 2I, H]
@@ -196,7 +197,7 @@ def tp_plan(model: nn.Module, *, vocab_parallel_head: bool = False) -> dict[str,
 
 def parallelize(model: nn.Module, mesh: MeshInfo, *, fsdp: bool, mp_dtype: torch.dtype | None = None,
                 replicate_head: bool = False, vocab_parallel_head: bool = False,
-                moe_grouped_mm: bool = True, fsdp_prefetch: int = 0) -> nn.Module:
+                moe_grouped_mm: bool = MOE_GROUPED_MM, fsdp_prefetch: int = 0) -> nn.Module:
     """TP (DTensor plans over ``mesh.tp_mesh``), EP (``EPExperts`` over ``mesh.ep_mesh``), then FSDP2.
 
     ``fsdp``: wrap every decoder layer and the root with ``fully_shard`` over ``mesh.dp_mesh``;
