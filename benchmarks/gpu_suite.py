@@ -69,12 +69,21 @@ MOE = {"qwen3-moe-2b": ("preset", "qwen3-30b-a3b", dict(num_layers=8, num_expert
        "tiny-moe": ("smoke", "qwen3_moe", dict(vocab_size=512, max_position_embeddings=4096))}
 
 
-def _train_sweep(big_budget: int) -> list[dict]:
+def _train_sweep(big_budget: int, compile_backend: bool | str) -> list[dict]:
     """The train part's option sets: the defaults (no recompute, the profile's micro-batch budget,
-    chunked head), then one change each; the doubled budget only with recompute (without it plan puts
-    the 1.5B peak at 69 GiB of an H100's 79). The CPU mode sweeps the same sets at tiny sizes."""
+    chunked head, eager layers), then one change each; the doubled budget only with recompute (without
+    it plan puts the 1.5B peak at 69 GiB of an H100's 79); the compiled decoder layers last (their
+    first step carries the compilation). The CPU mode sweeps the same sets at tiny sizes, compiling
+    with ``aot_eager`` (dynamo and AOTAutograd without inductor's C++ code generation, minutes here)."""
     return [{}, {"recompute": True}, {"head_chunk_tokens": 0},
-            {"max_tokens_per_micro_batch": big_budget, "recompute": True}, {"varied_lengths": True}]
+            {"max_tokens_per_micro_batch": big_budget, "recompute": True}, {"varied_lengths": True},
+            {"compile_layers": compile_backend}]
+
+
+def _moe_sweep(compile_backend: bool | str | None) -> list[dict]:
+    """The MoE shape's option sets: the defaults (experts as grouped GEMMs), the loop over experts, and
+    (GPU) the compiled decoder layers."""
+    return [{}, {"moe_grouped_mm": False}] + ([{"compile_layers": compile_backend}] if compile_backend else [])
 
 
 # after the default decode path and cache (captured static steps where the device has graphs): the
@@ -83,7 +92,7 @@ DECODE_SWEEP = [{"decode_graphs": "off"}, {"decode": "layers"}, {"cache": "dynam
 PROFILES = {
     "gpu": {
         "train": {"samples": 32, "prompt": 512, "response": 512, "budget": 8192, "steps": 3, "warmup": 1,
-                  "shapes": {"qwen2.5-1.5b": _train_sweep(16384), "qwen3-moe-2b": [{}]},
+                  "shapes": {"qwen2.5-1.5b": _train_sweep(16384, True), "qwen3-moe-2b": _moe_sweep(True)},
                   "megatron_shape": "1.5b"},
         # batch 1 (latency) runs the sampler alone; 64 and 256 beside `generate`
         "decode": {"shape": "qwen2.5-1.5b", "batches": [1, 64, 256], "generate_batches": [64, 256], "prompt": 512,
@@ -104,7 +113,7 @@ PROFILES = {
     },
     "cpu": {
         "train": {"samples": 2, "prompt": 16, "response": 16, "budget": 64, "steps": 1, "warmup": 1,
-                  "shapes": {"tiny-dense": _train_sweep(32), "tiny-moe": [{}]},
+                  "shapes": {"tiny-dense": _train_sweep(32, "aot_eager"), "tiny-moe": _moe_sweep(None)},
                   "megatron_shape": None},
         "decode": {"shape": "tiny-dense", "batches": [1, 2, 4], "generate_batches": [2, 4], "prompt": 8, "new": 8,
                    "warm_tokens": 2,
@@ -341,10 +350,12 @@ def train_once(spec: dict, opts: dict, folder: Path, dims, shape: dict | None, d
     """engine_throughput.py's measurement: load through the sharded loader, one warm-up step, then the
     median of ``steps`` timed train steps of ``samples`` sequences packed into token-budgeted micro-batches."""
     import torch
+    from engine_memory import pg_loss
     from engine_throughput import plan_memory, timed_train_steps
 
     from rlrecipes import device as devmod
     from rlrecipes.engines.base import SeqBatch
+    from rlrecipes.engines.native import COMPILE_LAYERS, MOE_GROUPED_MM
     from rlrecipes.engines.native.head import DEFAULT_CHUNK_TOKENS
     from rlrecipes.engines.native.train import NativeTrainEngine
 
@@ -352,11 +363,13 @@ def train_once(spec: dict, opts: dict, folder: Path, dims, shape: dict | None, d
     recompute = bool(opts.get("recompute", False))
     head_chunk = int(opts.get("head_chunk_tokens", DEFAULT_CHUNK_TOKENS))
     attn = opts.get("attn_implementation", "sdpa")
+    grouped = bool(opts.get("moe_grouped_mm", MOE_GROUPED_MM))
+    compile_layers = opts.get("compile_layers", COMPILE_LAYERS)
     devmod.reset_peak_memory(dev)
     t0 = time.perf_counter()
     eng = NativeTrainEngine(str(folder), layout=(1, 1), device=dev, dtype=spec.get("dtype", "auto"), lr=1e-5,
                             max_tokens_per_micro_batch=budget, recompute=recompute, head_chunk_tokens=head_chunk,
-                            attn_implementation=attn)
+                            attn_implementation=attn, moe_grouped_mm=grouped, compile_layers=compile_layers)
     devmod.synchronize(dev)
     load_s = time.perf_counter() - t0
     loaded = devmod.memory_stats(dev).allocated_bytes
@@ -370,7 +383,12 @@ def train_once(spec: dict, opts: dict, folder: Path, dims, shape: dict | None, d
     batch = SeqBatch(prompts=[torch.randint(0, v, (p,), generator=g) for _ in range(n)],
                      responses=[torch.randint(0, v, (k,), generator=g) for k in rlens],
                      per_sample={"advantages": torch.randn(n, generator=g)})
-    step_s, metrics, stats = timed_train_steps(eng, batch, dev, warmup=spec["warmup"], steps=spec["steps"])
+    t0 = time.perf_counter()  # the first step apart: with compile_layers it carries the compilation
+    first = eng.train_step(batch, pg_loss)
+    devmod.synchronize(dev)
+    first_step_s = time.perf_counter() - t0
+    step_s, metrics, stats = timed_train_steps(eng, batch, dev, warmup=max(0, spec["warmup"] - 1),
+                                               steps=spec["steps"])
     lengths = [p + k for k in rlens]
     flops = model_flops(dims, shape, lengths)
     peak = devmod.peak_flops(dev)
@@ -379,6 +397,9 @@ def train_once(spec: dict, opts: dict, folder: Path, dims, shape: dict | None, d
                       (stats.total_bytes or 64 * 2**30) / 2**30, "native")
     out = {"dtype": dtype, "params": sum(x.numel() for x in eng.model.parameters()),
            "active_params": int(dims.active_params()), "recompute": recompute, "head_chunk_tokens": head_chunk,
+           "moe_grouped_mm": grouped, "experts_implementation": getattr(eng.config, "_experts_implementation", None)
+           if dims.num_experts else None, "compile_layers": eng.compile_backend or False,
+           "first_step_s": round(first_step_s, 3), "grad_norm_first": first.get("actor/grad_norm"),
            "attn_implementation": attn, "max_tokens_per_micro_batch": budget, "samples": n, "prompt": p,
            "response": r, "varied_lengths": varied, "tokens_per_step": sum(lengths),
            "micro_batches": metrics.get("actor/micro_batches"),
@@ -893,6 +914,11 @@ class Suite:
                 "shape": shape, "sweep": sweep, "cache": self.args.cache}
         self.child("train", spec, part="train", name=f"native {shape}", cap=self.profile["timeouts"]["train"],
                    device_type=kind)
+        if shape in DENSE:
+            # the third option of issue 49's item 3: FSDP2 explicit prefetch acts between ranks only
+            self.emit({"part": "train", "name": f"native {shape} fsdp_prefetch", "not_run":
+                       "fsdp_prefetch acts at DP > 1 only; this part trains one process on one device "
+                       f"({self.env.get('device_count')} visible); tests/dist checks its values on gloo"})
 
     def train_megatron(self, kind: str) -> None:
         """megatron-core through ``engine_throughput.py --engine megatron`` (TP1 PP1, padded micro-batches

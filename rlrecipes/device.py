@@ -419,6 +419,35 @@ def capture_graph(device: torch.device, fn, *, pool=None, warmup: int = 0):
     return graph, out
 
 
+# ----------------------------------------------------------------------------- torch.compile
+def compile_problem(device: torch.device, backend: str = "inductor") -> str | None:
+    """Why ``torch.compile(..., backend=backend)`` cannot generate code for ``device`` here, or None.
+
+    Only the ``inductor`` backend generates code: on the host it builds C++ kernels (a C++ compiler:
+    inductor's own search, ``$CXX`` else ``g++``), on CUDA Triton kernels (``triton`` must import).
+    Other backends (``aot_eager``, ``eager``: graph capture without code generation) run anywhere
+    torch does. NPU: torch_npu brings its own backends; not checked here."""
+    if device.type == SIMULATED_TORCH_TYPE:
+        return f"a simulated {_simulated} device (host tensors under an accelerator's name) cannot compile"
+    if backend != "inductor":
+        return None
+    if device.type == "cpu":
+        try:
+            from torch._inductor import cpp_builder
+
+            cpp_builder.get_cpp_compiler()  # raises when no compiler is found
+        except Exception as e:  # noqa: BLE001 - the reason is reported, whatever it is
+            return (f"inductor on the CPU needs a C++ compiler ({type(e).__name__}: {e}); install g++ "
+                    "(apt-get install g++) or set CXX")
+        return None
+    if device.type == "cuda":
+        try:
+            import triton  # noqa: F401
+        except Exception as e:  # noqa: BLE001
+            return f"inductor on CUDA needs triton ({type(e).__name__}: {e}); pip install triton"
+    return None
+
+
 # dense bf16/fp16 tensor-core peak per device (vendor datasheets, without sparsity), by name prefix
 _PEAK_BF16_FLOPS = {"NVIDIA H100": 989.4e12, "NVIDIA H200": 989.4e12, "NVIDIA H800": 989.4e12,
                     "NVIDIA H20": 148.0e12, "NVIDIA A100": 312.0e12, "NVIDIA A800": 312.0e12}

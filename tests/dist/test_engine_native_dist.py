@@ -74,7 +74,10 @@ def case_tp(rank):
     from rlrecipes.engines.native.train import NativeTrainEngine
     from rlrecipes.models import SMOKE
 
-    for fam, layouts in (("qwen2", [(2, 1)]), ("qwen3_moe", [(2, 1), (2, 2)]), ("deepseek_v3", [(2, 2)])):
+    # (tp, ep, moe_grouped_mm): EP2's local experts as grouped GEMMs (the default) and as the loop over
+    # experts, both equal to the unsharded model
+    for fam, layouts in (("qwen2", [(2, 1, True)]), ("qwen3_moe", [(2, 1, True), (2, 2, True), (2, 2, False)]),
+                         ("deepseek_v3", [(2, 2, True), (2, 2, False)])):
         dims = SMOKE[fam]
         ref, _ = build_model(dims, seed=0)
         full0 = {k: v.clone() for k, v in ref.state_dict().items()}
@@ -82,9 +85,13 @@ def case_tp(rank):
         with torch.no_grad():
             ref_lp = torch.cat([_ref_logp(ref, mb) for mb in mbs])
         ref_after, ref_norm = _ref_step(dims, mbs, lr=1e-2, clip=0.5)
-        for tp, ep in layouts:
-            tag = f"{fam} tp{tp} ep{ep}"
-            eng = NativeTrainEngine(dims, layout=(tp, ep), device="cpu", lr=1e-2, weight_decay=0.01, grad_clip=0.5, seed=0, eps=EPS)
+        for tp, ep, grouped in layouts:
+            tag = f"{fam} tp{tp} ep{ep}" + ("" if grouped else " (loop over experts)")
+            eng = NativeTrainEngine(dims, layout=(tp, ep), device="cpu", lr=1e-2, weight_decay=0.01, grad_clip=0.5,
+                                    seed=0, eps=EPS, moe_grouped_mm=grouped)
+            ep_experts = [m for m in eng.model.modules() if type(m).__name__ == "EPExperts"]
+            if ep > 1 and (not ep_experts or any(m.grouped_mm != grouped for m in ep_experts)):
+                raise AssertionError(f"{tag}: EPExperts grouped_mm {[m.grouped_mm for m in ep_experts]}")
             shards = eng.local_shards()
             missing = set(full0) - set(shards)
             if missing:
@@ -149,12 +156,15 @@ def case_dp(rank):
     dims = SMOKE["qwen2"]
     mine = [_batch(dims.vocab_size, 10 + 2 * rank), _batch(dims.vocab_size, 11 + 2 * rank)]
     got = []
-    # and explicit prefetch (fsdp_prefetch=2: each layer gathers the next two ahead): the same step
+    # and explicit prefetch (fsdp_prefetch=2: each layer gathers the next two ahead): the same step;
+    # and the decoder layers compiled after FSDP2 wrapping (compile_layers, with prefetch and
+    # recompute; the aot_eager backend, tests/unit/test_compile_layers.py says why): the same step
     from rlrecipes.engines.native.parallel import _decoder_layers
 
-    for hold, prefetch in ((1 << 30, 0), (0, 0), (0, 2)):
+    for hold, prefetch, comp in ((1 << 30, 0, False), (0, 0, False), (0, 2, False), (0, 2, "aot_eager")):
         eng = NativeTrainEngine(dims, layout=(1, 1), device="cpu", lr=1e-2, seed=0, eps=EPS, fsdp=True,
-                                small_model_bytes=hold, fsdp_prefetch=prefetch)
+                                small_model_bytes=hold, fsdp_prefetch=prefetch, compile_layers=comp,
+                                recompute=bool(comp))
         if bool(eng._fsdp_units) != bool(hold):
             raise AssertionError(f"small_model_bytes={hold}: held units {len(eng._fsdp_units)}")
         ahead = [len(m._get_fsdp_state()._states_to_forward_prefetch) for m in _decoder_layers(eng.model)]
@@ -166,12 +176,16 @@ def case_dp(rank):
         if unsharded:
             raise AssertionError(f"small_model_bytes={hold}: still gathered after the step: {unsharded[:4]}")
         got.append((m["actor/grad_norm"], eng.full_state_dict()))
-    for other, what in ((got[1], "held vs per-use FSDP"), (got[2], "per-use vs prefetching FSDP")):
-        base = got[0] if other is got[1] else got[1]
+    for base, other, what in ((got[0], got[1], "held vs per-use FSDP"),
+                              (got[1], got[2], "per-use vs prefetching FSDP")):
         if base[0] != other[0]:
             raise AssertionError(f"{what}: grad_norm {base[0]} != {other[0]}")
         for name, t in other[1].items():
             _close(base[1][name], t, f"{what} {name}", atol=0, rtol=0)
+    if abs(got[3][0] - got[2][0]) > 1e-5 * max(1.0, got[2][0]):
+        raise AssertionError(f"compiled layers under FSDP2 dp2: grad_norm {got[3][0]} != eager {got[2][0]}")
+    for name, t in got[3][1].items():
+        _close(t, got[2][1][name], f"compiled vs eager layers under FSDP2 dp2: {name}", atol=1e-6, rtol=1e-5)
 
 
 def case_rollout_ckpt(rank, tmp):

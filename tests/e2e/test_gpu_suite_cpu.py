@@ -18,13 +18,16 @@ SUITE = ROOT / "benchmarks" / "gpu_suite.py"
 sys.path.insert(0, str(SUITE.parent))
 import gpu_suite  # noqa: E402  (the orchestrator imports no torch)
 
+from rlrecipes.engines.native import MOE_GROUPED_MM  # noqa: E402  (no torch either)
+
 pytestmark = pytest.mark.e2e
 
 TRAIN_KEYS = {"part", "name", "engine", "shape", "options", "dtype", "params", "active_params", "recompute",
               "head_chunk_tokens", "attn_implementation", "max_tokens_per_micro_batch", "samples", "prompt", "response",
               "varied_lengths", "tokens_per_step", "micro_batches", "step_s", "tokens_per_s", "model_tflops_per_s",
               "mfu", "peak_bytes", "loaded_bytes", "plan_total_bytes", "peak_over_plan", "plan_breakdown_gib",
-              "grad_norm", "load_s", "steps", "write_s", "seconds"}
+              "grad_norm", "load_s", "steps", "write_s", "seconds", "moe_grouped_mm", "experts_implementation",
+              "compile_layers", "first_step_s", "grad_norm_first"}
 DECODE_KEYS = {"part", "name", "shape", "batch", "prompt_len", "new_tokens", "decode", "prefill", "cache", "dtype",
                "native_s", "native_tokens", "native_tokens_per_s", "native_peak_bytes", "speedup", "seconds"}
 GENERATE_KEYS = {"hf_generate_s", "hf_generate_tokens", "hf_generate_tokens_per_s", "hf_generate_peak_bytes"}
@@ -81,8 +84,16 @@ def test_cpu_mode_runs_every_part_and_writes_its_results(tmp_path):
         assert x["recompute"] == opts.get("recompute", False)
         assert x["max_tokens_per_micro_batch"] == opts.get("max_tokens_per_micro_batch", prof["train"]["budget"])
         assert x["head_chunk_tokens"] == opts.get("head_chunk_tokens", x["head_chunk_tokens"])
+        # issue 49's options: compiled layers (aot_eager on the CPU) and the experts' implementation
+        assert x["compile_layers"] == (opts.get("compile_layers") or False) and x["first_step_s"] > 0
+        assert x["moe_grouped_mm"] == opts.get("moe_grouped_mm", MOE_GROUPED_MM)
+        if x["shape"] == "tiny-moe":
+            assert x["experts_implementation"] == ("grouped_mm" if x["moe_grouped_mm"] else "eager")
     moe = [x for x in train if x["shape"] == "tiny-moe"]
     assert moe and all(x["active_params"] < x["params"] for x in moe)
+    assert {x["moe_grouped_mm"] for x in moe} == {True, False}
+    assert any(x["compile_layers"] for x in train)
+    assert any(x.get("not_run") for x in by(lines, "train") if x["name"].endswith("fsdp_prefetch"))
     assert any(x.get("not_run") for x in by(lines, "train") if x["name"].startswith("megatron"))
 
     decode = by(lines, "decode")

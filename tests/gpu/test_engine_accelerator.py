@@ -54,3 +54,45 @@ def test_bf16_mixed_precision_step_from_a_folder(tmp_path, accel_group, random_s
     assert torch.isfinite(torch.tensor(m["actor/grad_norm"]))
     after = eng.full_state_dict()
     assert sum(not torch.equal(before[k], after[k]) for k in before) == len(before)
+
+
+def _two_steps(dims, dev, **kw):
+    """bf16 engine (FSDP2, fp32 masters): no-grad log-probs, then one train step (issue 49's options)."""
+    from rlrecipes.engines.native.train import NativeTrainEngine
+
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(1, dims.vocab_size, (4, 48), generator=g)  # [B, T]
+    mb = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "response_mask": torch.ones(4, 16, dtype=torch.long)}
+
+    def loss(logp, _ent, m):
+        mask = m["response_mask"].to(logp.dtype)
+        return -(logp * mask).sum() / mask.sum(), {}
+
+    eng = NativeTrainEngine(dims, layout=(1, 1), device=dev, dtype="bf16", lr=1e-3, seed=0, **kw)
+    logp = eng.log_probs(mb)[0].float().cpu()
+    m = eng.train_micro_batches([mb], loss)
+    return logp, m["actor/grad_norm"], m["actor/skipped_step"]
+
+
+def test_grouped_experts_equal_the_loop_in_bf16(accel_group):
+    """MoE experts as grouped GEMMs (bf16: CUTLASS's grouped kernel on sm90 / sm100, ATen's loop below)
+    against the loop over experts, within bf16 rounding."""
+    from rlrecipes.models import SMOKE
+
+    (lp_g, n_g, s_g), (lp_l, n_l, s_l) = (_two_steps(SMOKE["qwen3_moe"], accel_group, moe_grouped_mm=g)
+                                          for g in (True, False))
+    assert s_g == s_l == 0.0
+    assert float((lp_g - lp_l).abs().max()) < 0.05
+    assert abs(n_g - n_l) <= 0.02 * n_l, (n_g, n_l)
+
+
+def test_inductor_compiled_layers_equal_eager(accel_group):
+    """``compile_layers=True`` (inductor: Triton kernels on CUDA) on a 1-layer model, bf16 under FSDP2:
+    eager's log-probs and gradient norm within bf16 rounding (the CPU tests compile with aot_eager)."""
+    from rlrecipes.models import SMOKE
+
+    dims = dataclasses.replace(SMOKE["qwen2"], num_layers=1)
+    (lp_c, n_c, s_c), (lp_e, n_e, s_e) = (_two_steps(dims, accel_group, compile_layers=c) for c in (True, False))
+    assert s_c == s_e == 0.0
+    assert float((lp_c - lp_e).abs().max()) < 0.05
+    assert abs(n_c - n_e) <= 0.02 * n_e, (n_c, n_e)

@@ -17,6 +17,18 @@ FSDP all-gathers and reduce-scatters. ``plan`` applies the same rule (``Capabili
 HEAD_CHUNK_TOKENS = 1024
 """Tokens per chunk of the native engines' head (``head.chunked_logprobs``)."""
 
+MOE_GROUPED_MM = True
+"""The native engines' default for ``moe_grouped_mm`` (MoE experts as grouped GEMMs, ``experts.py``).
+Measured on the CPU (``benchmarks/train_options.py``, docs/engines.md "Train efficiency options"): a
+step 1.30x faster than the loop over experts at a small Qwen3-MoE shape, EPExperts alone 2.4x; on a
+GPU unmeasured (``gpu_suite.py`` sweeps it)."""
+
+COMPILE_LAYERS = False
+"""The native train engine's default for ``compile_layers`` (``torch.compile`` of each decoder layer,
+``compiled.py``). Off: on the CPU the compiled step was within 3-5 % of eager (either way) after a
+first step of 18-30 s of inductor code generation per mode and shape, which a CPU run never pays
+back; on a GPU unmeasured (``gpu_suite.py`` sweeps it)."""
+
 CAPABILITIES = Capabilities(
     name="native", roles=frozenset({"train", "rollout"}), pipeline_parallel=False, expert_parallel=True,
     ep_groups="within_tp", expert_tensor_parallel=False, separate_ref_layout=False, critic=True, routing_replay=True,

@@ -26,11 +26,12 @@ import re
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from rlrecipes.core.mesh import MeshInfo
+from rlrecipes.engines.native import MOE_GROUPED_MM
+from rlrecipes.engines.native.experts import local_experts, select_implementation
 from rlrecipes.models.sharding import kind_of, tp_dim_of
 
 # ---------------------------------------------------------------------------------------------
@@ -111,12 +112,11 @@ class EPExperts(nn.Module):
     experts' contribution and a sum-all-reduce over the group combines them.
 
     ``grouped_mm``: the local experts as two grouped GEMMs (``torch._grouped_mm``) over the tokens
-    sorted by expert, instead of a loop of two GEMMs per expert; the same values (a test checks
-    forward and gradients). Off by default: on this CPU the loop is faster (12.3 vs 15.4 ms for 4
-    experts, 50 tokens, H 64); on a GPU the grouped kernel is the one to measure (issue 49).
+    sorted by expert, instead of a loop of two GEMMs per expert, where the op takes the operands
+    (:func:`.experts.local_experts`); the same values (tests check forward and gradients).
     """
 
-    def __init__(self, experts: nn.Module, ep_mesh: DeviceMesh, grouped_mm: bool = False):
+    def __init__(self, experts: nn.Module, ep_mesh: DeviceMesh, grouped_mm: bool = MOE_GROUPED_MM):
         super().__init__()
         self.grouped_mm = bool(grouped_mm) and hasattr(torch, "_grouped_mm")
         gate_up = experts.gate_up_proj.detach()  # [E, 2I, H]
@@ -144,33 +144,14 @@ class EPExperts(nn.Module):
         H = hidden_states.shape[-1]
         xw = _CopyToGroup.apply(torch.cat([hidden_states, top_k_weights.to(hidden_states.dtype)], -1), self.group)
         x, w = xw[:, :H], xw[:, H:]  # [N, H], [N, k]
-        gate_up = _local(self.gate_up_proj)  # [E_local, 2I, H]
-        down = _local(self.down_proj)  # [E_local, H, I]
-        out = torch.zeros_like(x) + 0.0 * xw.sum()  # [N, H]
         local_idx = top_k_index - self.first  # [N, k]
         hit = (local_idx >= 0) & (local_idx < self.num_local)  # [N, k]
         tok, slot = hit.nonzero(as_tuple=True)  # [M], [M]
-        if tok.numel():
-            e_of = local_idx[tok, slot]  # [M]
-            order = torch.argsort(e_of, stable=True)
-            tok, slot, e_of = tok[order], slot[order], e_of[order]
-            if self.grouped_mm:  # the local experts in two grouped GEMMs over the tokens sorted by expert
-                offs = torch.bincount(e_of, minlength=self.num_local).cumsum(0).to(torch.int32)
-                gate, up = torch._grouped_mm(x[tok], gate_up.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
-                y = torch._grouped_mm(self.act_fn(gate) * up, down.transpose(-2, -1), offs=offs)  # [M, H]
-                out.index_add_(0, tok, (y * w[tok, slot, None]).to(out.dtype))
-                return _ReduceFromGroup.apply(out, self.group)
-            counts = torch.bincount(e_of, minlength=self.num_local).tolist()
-            start = 0
-            for e, c in enumerate(counts):
-                if c == 0:
-                    continue
-                t, s = tok[start:start + c], slot[start:start + c]  # [c]
-                start += c
-                gate, up = F.linear(x[t], gate_up[e]).chunk(2, dim=-1)  # [c, I] each
-                y = F.linear(self.act_fn(gate) * up, down[e])  # [c, H]
-                out.index_add_(0, t, (y * w[t, s, None]).to(out.dtype))
-        return _ReduceFromGroup.apply(out, self.group)
+        e_of = local_idx[tok, slot]  # [M]
+        order = torch.argsort(e_of, stable=True)
+        out = local_experts(x, w, tok[order], slot[order], e_of[order], _local(self.gate_up_proj),
+                            _local(self.down_proj), self.act_fn, grouped=self.grouped_mm)  # [N, H]
+        return _ReduceFromGroup.apply(out + 0.0 * xw.sum(), self.group)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -216,13 +197,15 @@ def tp_plan(model: nn.Module, *, vocab_parallel_head: bool = False) -> dict[str,
 
 def parallelize(model: nn.Module, mesh: MeshInfo, *, fsdp: bool, mp_dtype: torch.dtype | None = None,
                 replicate_head: bool = False, vocab_parallel_head: bool = False,
-                moe_grouped_mm: bool = False, fsdp_prefetch: int = 0) -> nn.Module:
+                moe_grouped_mm: bool = MOE_GROUPED_MM, fsdp_prefetch: int = 0) -> nn.Module:
     """TP (DTensor plans over ``mesh.tp_mesh``), EP (``EPExperts`` over ``mesh.ep_mesh``), then FSDP2.
 
     ``fsdp``: wrap every decoder layer and the root with ``fully_shard`` over ``mesh.dp_mesh``;
     ``mp_dtype``: FSDP2 mixed precision compute dtype (params stay in their own dtype as masters);
     ``replicate_head``: keep ``lm_head`` replicated (a critic's ``Linear(hidden, 1)`` value head);
     ``vocab_parallel_head``: under TP, ``lm_head`` returns local vocabulary shards (see :func:`tp_plan`);
+    ``moe_grouped_mm``: MoE experts as grouped GEMMs, else a loop over the experts (:mod:`.experts`):
+    transformers' own implementation at EP 1, :class:`EPExperts`' under EP;
     ``fsdp_prefetch``: with ``fsdp``, each decoder layer issues the all-gathers of the next this many
     layers in forward (the previous ones in backward) as soon as its own are copied out
     (:func:`set_layer_prefetch`); 0 leaves FSDP2's own overlap (the next unit's all-gather issued
@@ -245,6 +228,7 @@ def parallelize(model: nn.Module, mesh: MeshInfo, *, fsdp: bool, mp_dtype: torch
             # the embedding is vocab-parallel Shard(0): the same DTensor serves as a column-parallel head
             model.lm_head.weight = model.get_input_embeddings().weight
             _attach_colwise_hooks(model.lm_head, mesh.tp_mesh, gather=not vocab_parallel_head)
+    select_implementation(model, moe_grouped_mm)  # EP 1: transformers' experts; under EP, EPExperts' below
     if mesh.ep > 1:
         for fqn, mod in list(model.named_modules()):
             if fqn.endswith("mlp.experts") and hasattr(mod, "gate_up_proj"):

@@ -53,7 +53,7 @@ from rlrecipes.engines.native import parallel as par
 from rlrecipes.engines.native import shards as shard_ops
 from rlrecipes.engines import base
 from rlrecipes.engines.base import RolloutOutput, SamplingParams
-from rlrecipes.engines.native import CAPABILITIES
+from rlrecipes.engines.native import CAPABILITIES, MOE_GROUPED_MM
 from rlrecipes.engines.native.batching import MeshRanks
 from rlrecipes.engines.native import vision as vis
 from rlrecipes.engines.native.decode import FastDecoder, supports_fast_decode
@@ -155,6 +155,9 @@ class NativeRolloutEngine(MeshRanks, base.RolloutEngine):
             K/V straight into the engine's buffers; ``"hf"``: ``model.forward`` on a DynamicCache
             copied into the buffers. ``self.prefill_path`` says which one runs (``"hf"`` whenever
             the decode path is not ``"fast"`` or a layer has no hand-written step).
+        moe_grouped_mm: MoE experts as grouped GEMMs, else a loop over the experts, in prefill and decode
+            (the train engine's option of the same name, :mod:`.experts`; default
+            :data:`~rlrecipes.engines.native.MOE_GROUPED_MM`).
 
     Weights arrive from the resharder through :meth:`load_shards` in the ROLLOUT layout
     (docs/conventions.md slices for this rank); :meth:`shard_shapes` says what each rank expects.
@@ -165,7 +168,8 @@ class NativeRolloutEngine(MeshRanks, base.RolloutEngine):
     def __init__(self, model: ModelSource, *, layout: ParallelLayout | tuple[int, int] = (1, 1),
                  device: torch.device | str | None = None, seed: int = 0, dtype: str | torch.dtype = "auto",
                  cache: str = "static", attn_implementation: str = "sdpa", decode: str = "fast",
-                 prefill: str = "fast", lora=None, decode_graphs: str = "auto"):
+                 prefill: str = "fast", lora=None, decode_graphs: str = "auto",
+                 moe_grouped_mm: bool = MOE_GROUPED_MM):
         if cache not in ("static", "dynamic"):
             raise ValueError(f"cache={cache!r}: expected 'static' or 'dynamic'")
         if decode not in ("fast", "layers", "hf"):
@@ -189,7 +193,7 @@ class NativeRolloutEngine(MeshRanks, base.RolloutEngine):
 
             hf_model = inject(hf_model, lora)
         hf_model.to(self.device)
-        self.model = par.parallelize(hf_model, self.mesh, fsdp=False)
+        self.model = par.parallelize(hf_model, self.mesh, fsdp=False, moe_grouped_mm=moe_grouped_mm)
         self.model.eval()
         self.model.requires_grad_(False)
         self.config = self.model.config

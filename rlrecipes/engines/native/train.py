@@ -40,7 +40,9 @@ from rlrecipes.core.parallel import ParallelLayout
 from rlrecipes.core.swap import SwappedStorages
 from rlrecipes.engines import base
 from rlrecipes.engines.base import LossFn, SeqBatch
-from rlrecipes.engines.native import CAPABILITIES, SMALL_MODEL_BYTES, small_model
+from rlrecipes.engines.native import (CAPABILITIES, COMPILE_LAYERS, MOE_GROUPED_MM, SMALL_MODEL_BYTES,
+                                      small_model)
+from rlrecipes.engines.native import compiled
 from rlrecipes.engines.native import parallel as par
 from rlrecipes.engines.native import grads as grad_ops
 from rlrecipes.engines.native import head as head_ops
@@ -101,7 +103,15 @@ class NativeTrainEngine(TokenScores, EngineState, MeshRanks, base.TrainEngine):
         sp: with a ``(tp, ep)`` layout, Ulysses sequence-parallel ranks per DP group (``layout.sp``,
             :mod:`.ulysses`): they hold the same samples, each runs ``1 / sp`` of every row.
         head_chunk_tokens: tokens per chunk of the LM head (:mod:`.head`; 0: the HF head's logits).
-        moe_grouped_mm: under EP, the local experts as grouped GEMMs (:class:`.parallel.EPExperts`).
+        moe_grouped_mm: MoE experts as grouped GEMMs (``torch._grouped_mm``) instead of a loop over the
+            experts (:mod:`.experts`): transformers' ``grouped_mm`` experts at EP 1, :class:`.parallel.EPExperts`'
+            under EP; the loop runs where the op cannot take the operands. Default
+            :data:`~rlrecipes.engines.native.MOE_GROUPED_MM` (measured on the CPU; a GPU run of
+            ``gpu_suite.py`` sweeps it).
+        compile_layers: ``torch.compile`` each decoder layer after FSDP2 wrapping (:mod:`.compiled`):
+            False, True (inductor) or a backend name; TP1 EP1 SP1 only. A device where the backend cannot
+            generate code (no C++ compiler on the CPU, no Triton on CUDA) is an error at construction.
+            Default :data:`~rlrecipes.engines.native.COMPILE_LAYERS`.
         fsdp_prefetch: under FSDP2, layers whose all-gathers each layer prefetches ahead in forward and
             backward (:func:`.parallel.set_layer_prefetch`); 0 (default): FSDP2's own overlap. The
             default stays 0 until a GPU measurement says otherwise (``gpu_suite.py`` sweeps it).
@@ -120,13 +130,19 @@ class NativeTrainEngine(TokenScores, EngineState, MeshRanks, base.TrainEngine):
                  attn_implementation: str = "sdpa", micro_batch_size: int = 4, pad_token_id: int = 0,
                  max_tokens_per_micro_batch: int | None = None, recompute: bool = False,
                  offload_optimizer: bool = False, small_model_bytes: int = SMALL_MODEL_BYTES, lora: Any = None,
-                 sp: int = 1, head_chunk_tokens: int = head_ops.DEFAULT_CHUNK_TOKENS, moe_grouped_mm: bool = False,
-                 freeze_vision_tower: bool = True, fsdp_prefetch: int = 0):
+                 sp: int = 1, head_chunk_tokens: int = head_ops.DEFAULT_CHUNK_TOKENS,
+                 moe_grouped_mm: bool = MOE_GROUPED_MM, freeze_vision_tower: bool = True, fsdp_prefetch: int = 0,
+                 compile_layers: bool | str = COMPILE_LAYERS):
         if role not in self.serves:
             raise ValueError(f"role={role!r}: {type(self).__name__} builds {' or '.join(map(repr, self.serves))}"
                              + (" (the critic is NativeValueEngine)" if role == "critic" else ""))
         layout = world_layout(layout, role=role, sp=sp)  # a ParallelLayout, or (tp, ep) with sp
         tp, ep, sp = layout.tp, layout.ep, layout.sp
+        self.compile_backend = compiled.backend_of(compile_layers)  # None: eager layers
+        if self.compile_backend is not None and (tp > 1 or ep > 1 or int(sp) > 1):
+            raise ValueError(f"{role}: compile_layers with TP{tp} EP{ep} SP{sp}: the native engine compiles the "
+                             "decoder layers at TP1 EP1 SP1 (FSDP2 / data parallel) in this release; set "
+                             "compile_layers=False or the layout to tp: 1, ep: 1, sp: 1")
         self.role, self.device, self.seed = role, resolve_device(device), seed
         self.trainable = role != "ref"
         self.compute_dtype = _resolve_dtype(self.device, dtype)
@@ -180,6 +196,8 @@ class NativeTrainEngine(TokenScores, EngineState, MeshRanks, base.TrainEngine):
                                      mp_dtype=self.compute_dtype if low_precision else None,
                                      replicate_head=role == "critic", vocab_parallel_head=self._vocab_parallel,
                                      moe_grouped_mm=moe_grouped_mm, fsdp_prefetch=fsdp_prefetch if self.fsdp else 0)
+        if self.compile_backend is not None:  # after FSDP2: its hooks stay outside the compiled forward
+            compiled.compile_layers(self.model, self.device, self.compile_backend)
         if self._vocab_parallel:
             self._vocab_start = self.mesh.tp_rank * -(-self.dims.vocab_size // self.mesh.tp)
         if self.mesh.sp > 1:  # every attention module learns its SP group (recompute in backward finds it)
