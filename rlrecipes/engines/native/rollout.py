@@ -248,6 +248,14 @@ class NativeRolloutEngine(MeshRanks, base.RolloutEngine):
         """The fast prefill's layout (``"packed"`` / ``"padded"``); ``"padded"`` for the HF prefill."""
         return self._fast.prefill_layout if self.prefill_path == "fast" else "padded"
 
+    @prefill_layout.setter
+    def prefill_layout(self, layout: str) -> None:
+        """Switch the fast prefill's layout between calls (the benchmarks compare both on one engine)."""
+        if layout not in PREFILL_LAYOUTS:
+            raise ValueError(f"prefill_layout={layout!r}: expected one of {PREFILL_LAYOUTS}")
+        if self._fast is not None:
+            self._fast.prefill_layout = layout
+
     @classmethod
     def create(cls, spec: base.EngineSpec) -> "NativeRolloutEngine":
         eager = bool(getattr(spec.inference, "enforce_eager", False))  # the recipe's switch off graphs
