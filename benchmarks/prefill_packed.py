@@ -9,6 +9,8 @@ one batch:
 
 * ``skewed``: one prompt of ``--max-len`` tokens, the rest 1 to ``--max-len / 16`` tokens;
 * ``spread``: lengths uniform in ``[1, --max-len]``;
+* ``tight``: lengths uniform in ``[15/16 --max-len, --max-len]`` (little padding: the packed row's
+  own costs, its index scatter and one attention call per prompt, against little saved work);
 * ``equal``: every prompt ``--max-len`` tokens (no padding: the packed layout runs the square).
 
 A measurement is one ``sample(prompts, max_new_tokens=1)`` call (left-padding, the prefill, one
@@ -54,6 +56,8 @@ def lengths_of(dist: str, batch: int, max_len: int, seed: int = 0) -> list[int]:
         return [max_len] * batch
     if dist == "spread":
         return torch.randint(1, max_len + 1, (batch,), generator=g).tolist()
+    if dist == "tight":
+        return torch.randint(max_len - max_len // 16, max_len + 1, (batch,), generator=g).tolist()
     if dist == "skewed":
         short = max(1, max_len // 16)
         return [max_len] + torch.randint(1, short + 1, (batch - 1,), generator=g).tolist()
@@ -103,7 +107,7 @@ def measure(eng, lengths: list[int], *, repeats: int = 3, seed: int = 0,
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default="qwen2-gqa,qwen3_moe-gqa", help=f"comma list of {sorted(SHAPES)}")
-    ap.add_argument("--dists", default="skewed,spread,equal")
+    ap.add_argument("--dists", default="skewed,spread,tight,equal")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--max-len", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=3)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 import os
 import resource
 from dataclasses import dataclass
@@ -450,12 +451,18 @@ def _npu_fusion_attention():
     return getattr(torch_npu, "npu_fusion_attention", None)
 
 
+_VARLEN_FAILED: dict = {}  # device type -> why its kernel raised once (it then runs the per-sequence SDPA)
+
+
 def varlen_attention_backend(device: torch.device | None, dtype: torch.dtype, head_dim: int = 128) -> str:
     """The kernel :func:`varlen_attention` runs for ``dtype`` tensors with ``head_dim``-wide heads on
     ``device``: ``"flash"`` (CUDA: FlashAttention's varlen forward through torch, fp16 / bf16, head
     dims up to 256 in multiples of 8), ``"npu_fusion"`` (Ascend: ``torch_npu.npu_fusion_attention``
     with the ``TND`` layout), ``"sdpa"`` (one ``scaled_dot_product_attention`` per sequence: the host,
-    a simulated device, and whatever the kernels above do not take)."""
+    a simulated device, whatever the kernels above do not take, and a device whose kernel raised
+    once: the call then falls back, with a warning, rather than fail a rollout)."""
+    if _real(device) and device.type in _VARLEN_FAILED:
+        return "sdpa"
     if _real(device) and device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) \
             and head_dim <= 256 and head_dim % 8 == 0 and _cuda_varlen() is not None:
         return "flash"
@@ -475,20 +482,17 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     T, Hq, D = q.shape
     Hk, Dv = k.shape[1], v.shape[2]
     kind = varlen_attention_backend(q.device, q.dtype, D)
-    if kind == "flash":
-        return _flash_varlen(q, k, v, cu_seqlens, max(lengths), scale, causal)[..., :Dv]
-    if kind == "npu_fusion":
-        cum = list(itertools.accumulate(int(n) for n in lengths))  # each sequence's end, no leading 0 (host ints)
-        mask, mode = None, 0
-        if causal:
-            mask = _NPU_CAUSAL_MASKS.get(q.device)
-            if mask is None:
-                mask = _NPU_CAUSAL_MASKS[q.device] = torch.triu(
-                    torch.ones((2048, 2048), dtype=torch.bool, device=q.device), diagonal=1)  # True: masked out
-            mode = 3  # rightDownCausal over each (q, kv) sequence pair
-        out = _npu_fusion_attention()(q.contiguous(), k.contiguous(), v.contiguous(), Hq, "TND", atten_mask=mask,
-                                      scale=scale, actual_seq_qlen=cum, actual_seq_kvlen=cum, sparse_mode=mode)
-        return out[0]
+    try:
+        if kind == "flash":
+            return _flash_varlen(q, k, v, cu_seqlens, max(lengths), scale, causal)[..., :Dv]
+        if kind == "npu_fusion":
+            return _npu_varlen(q, k, v, lengths, scale, causal)
+    except torch.OutOfMemoryError:
+        raise
+    except (RuntimeError, NotImplementedError, TypeError) as e:  # not run on hardware here: do not fail a rollout
+        _VARLEN_FAILED[q.device.type] = f"{type(e).__name__}: {e}"
+        logging.getLogger(__name__).warning("varlen attention (%s) raised on %s, the per-sequence SDPA runs "
+                                            "instead from now on: %s", kind, q.device, _VARLEN_FAILED[q.device.type])
     # one SDPA per sequence, written into one output: the work of the sequences themselves, no padding
     out = q.new_empty((T, Hq, Dv))
     qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, T, D] views
@@ -502,6 +506,23 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
             out[start:end] = o[0].transpose(0, 1)
         start = end
     return out
+
+
+def _npu_varlen(q, k, v, lengths, scale, causal):
+    """``torch_npu.npu_fusion_attention`` in the ``TND`` layout (docs/upstream_contracts.md): cumulative
+    sequence ends as host ints, the causal mask as ``sparse_mode=3`` (rightDownCausal) over its
+    2048 x 2048 compressed mask; ``Dk >= Dv`` is allowed, GQA by head counts."""
+    cum = list(itertools.accumulate(int(n) for n in lengths))  # each sequence's end, no leading 0
+    mask, mode = None, 0
+    if causal:
+        mask = _NPU_CAUSAL_MASKS.get(q.device)
+        if mask is None:
+            mask = _NPU_CAUSAL_MASKS[q.device] = torch.triu(
+                torch.ones((2048, 2048), dtype=torch.bool, device=q.device), diagonal=1)  # True: masked out
+        mode = 3
+    out = _npu_fusion_attention()(q.contiguous(), k.contiguous(), v.contiguous(), q.shape[1], "TND", atten_mask=mask,
+                                  scale=scale, actual_seq_qlen=cum, actual_seq_kvlen=cum, sparse_mode=mode)
+    return out[0]
 
 
 def _flash_varlen(q, k, v, cu_seqlens, max_len, scale, causal):

@@ -86,6 +86,62 @@ def test_varlen_attention_on_the_host_is_per_sequence_attention():
     torch.testing.assert_close(got, _reference_varlen(q, k, v, lengths, 0.3), atol=1e-5, rtol=1e-5)
 
 
+def _varlen_case(Dv=6):
+    g = torch.Generator().manual_seed(1)
+    lengths = [3, 1, 5]
+    T = sum(lengths)
+    q, k = torch.randn(T, 4, 8, generator=g), torch.randn(T, 2, 8, generator=g)
+    v = torch.randn(T, 2, Dv, generator=g)
+    return q, k, v, torch.tensor([0, 3, 4, 9], dtype=torch.int32), lengths
+
+
+def test_varlen_attention_calls_the_cuda_kernel_as_read(monkeypatch):
+    """The CUDA path's call (torch 2.13's ``varlen_attn``, docs/upstream_contracts.md) against a stand-in
+    kernel that checks what it is given: int32 offsets, the causal window, GQA, value heads padded to D."""
+    q, k, v, cu, lengths = _varlen_case()
+    seen = {}
+
+    def varlen_attn(q_, k_, v_, cu_q, cu_k, max_q, max_k, *, scale, window_size, enable_gqa):
+        seen.update(dtype=cu_q.dtype, same=cu_q is cu_k, max=(max_q, max_k), window=window_size, gqa=enable_gqa,
+                    v=v_.shape[-1])
+        out = _reference_varlen(q_, k_, v_, lengths, scale)
+        return out
+
+    monkeypatch.setattr(devmod, "varlen_attention_backend", lambda *a: "flash")
+    monkeypatch.setattr(devmod, "_cuda_varlen", lambda: ("public", varlen_attn))
+    got = devmod.varlen_attention(q, k, v, cu, lengths, scale=0.5)
+    assert seen == {"dtype": torch.int32, "same": True, "max": (5, 5), "window": (-1, 0), "gqa": True, "v": 8}
+    torch.testing.assert_close(got, _reference_varlen(q, k, v, lengths, 0.5), atol=1e-5, rtol=1e-5)
+    # a kernel that raises (an unsupported GPU, a changed signature): the per-sequence SDPA, recorded, not a failure
+    monkeypatch.setattr(devmod, "_VARLEN_FAILED", {})
+    monkeypatch.setattr(devmod, "_cuda_varlen", lambda: ("aten", lambda *a, **kw: (_ for _ in ()).throw(
+        RuntimeError("FlashAttention only supports Ampere GPUs or newer."))))
+    got = devmod.varlen_attention(q, k, v, cu, lengths, scale=0.5)
+    torch.testing.assert_close(got, _reference_varlen(q, k, v, lengths, 0.5), atol=1e-5, rtol=1e-5)
+    assert "Ampere" in devmod._VARLEN_FAILED["cpu"]
+
+
+def test_varlen_attention_calls_npu_fusion_attention_as_read(monkeypatch):
+    """The Ascend path's call (op-plugin 26.0.0's ``npu_fusion_attention``, docs/upstream_contracts.md) against
+    a stand-in: TND layout, cumulative sequence ends as host ints, rightDownCausal over the 2048 mask."""
+    q, k, v, cu, lengths = _varlen_case()
+    seen = {}
+
+    def npu_fusion_attention(q_, k_, v_, head_num, input_layout, *, atten_mask, scale, actual_seq_qlen,
+                             actual_seq_kvlen, sparse_mode):
+        seen.update(heads=head_num, layout=input_layout, q=actual_seq_qlen, kv=actual_seq_kvlen, mode=sparse_mode,
+                    mask=(tuple(atten_mask.shape), atten_mask.dtype, bool(atten_mask[0, 1]), bool(atten_mask[1, 0])))
+        return (_reference_varlen(q_, k_, v_, lengths, scale), None, None, None, 0, 0, 0)
+
+    monkeypatch.setattr(devmod, "varlen_attention_backend", lambda *a: "npu_fusion")
+    monkeypatch.setattr(devmod, "_npu_fusion_attention", lambda: npu_fusion_attention)
+    monkeypatch.setattr(devmod, "_NPU_CAUSAL_MASKS", {})
+    got = devmod.varlen_attention(q, k, v, cu, lengths, scale=0.5)
+    assert seen == {"heads": 4, "layout": "TND", "q": [3, 4, 9], "kv": [3, 4, 9], "mode": 3,
+                    "mask": ((2048, 2048), torch.bool, True, False)}
+    torch.testing.assert_close(got, _reference_varlen(q, k, v, lengths, 0.5), atol=1e-5, rtol=1e-5)
+
+
 def test_packed_prompt_index():
     pk = prefill_mod.PackedPrompts([2, 1, 3], 3, torch.device("cpu"))
     assert pk.rows.tolist() == [0, 0, 1, 2, 2, 2] and pk.cols.tolist() == [1, 2, 2, 0, 1, 2]
