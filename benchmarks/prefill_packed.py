@@ -40,13 +40,19 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 
-#: a small GQA shape (Qwen2, 8 query heads of 64 over 2 KV heads) and the smoke Qwen3-MoE widened the same way
+#: a small GQA shape (Qwen2, 8 query heads of 64 over 2 KV heads), the smoke Qwen3-MoE widened the same way, and
+#: the smoke DeepSeek-V3 widened
 SHAPES = {
     "qwen2-gqa": ("qwen2", dict(vocab_size=2048, hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=2,
                                 head_dim=64, intermediate_size=1408, max_position_embeddings=8192)),
     "qwen3_moe-gqa": ("qwen3_moe", dict(vocab_size=2048, hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=2,
                                         head_dim=64, moe_intermediate_size=256, max_position_embeddings=8192)),
-    "deepseek_v3": ("deepseek_v3", dict(vocab_size=2048, max_position_embeddings=8192)),
+    # MLA: 8 heads of 64 + 32 rope dims over a 128-wide latent, one dense layer then MoE layers
+    "deepseek_v3-mla": ("deepseek_v3", dict(vocab_size=2048, hidden_size=512, num_layers=4, num_heads=8,
+                                            num_kv_heads=8, head_dim=96, q_lora_rank=192, kv_lora_rank=128,
+                                            qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64,
+                                            intermediate_size=1408, moe_intermediate_size=256,
+                                            max_position_embeddings=8192)),
 }
 
 

@@ -493,8 +493,11 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         _VARLEN_FAILED[q.device.type] = f"{type(e).__name__}: {e}"
         logging.getLogger(__name__).warning("varlen attention (%s) raised on %s, the per-sequence SDPA runs "
                                             "instead from now on: %s", kind, q.device, _VARLEN_FAILED[q.device.type])
-    # one SDPA per sequence, written into one output: the work of the sequences themselves, no padding
-    out = q.new_empty((T, Hq, Dv))
+    # one SDPA per sequence, written into one output: the work of the sequences themselves, no padding;
+    # narrower value heads (MLA) zero-padded to the key width, so SDPA takes its fused kernel, not the math one
+    out = q.new_empty((T, Hq, D))
+    if Dv != D:
+        v = torch.nn.functional.pad(v, (0, D - Dv))
     qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, T, D] views
     start = 0
     for n in lengths:
@@ -502,10 +505,10 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         if n:
             o = torch.nn.functional.scaled_dot_product_attention(
                 qt[None, :, start:end], kt[None, :, start:end], vt[None, :, start:end], is_causal=causal and n > 1,
-                scale=scale, enable_gqa=Hq != Hk)  # [1, Hq, n, Dv]
+                scale=scale, enable_gqa=Hq != Hk)  # [1, Hq, n, D]
             out[start:end] = o[0].transpose(0, 1)
         start = end
-    return out
+    return out[..., :Dv]
 
 
 def _npu_varlen(q, k, v, lengths, scale, causal):

@@ -257,6 +257,20 @@ def test_a_prompt_does_not_see_the_prompts_packed_before_it(model, monkeypatch):
         check(a.sample(batch, max_new_tokens=6, temperature=0))
 
 
+def test_packed_prefill_on_a_simulated_device():
+    """The packed prefill under device-strict mode (a simulated CUDA device): no operation mixes host and
+    device tensors (that would raise), and the tokens are the padded host engine's."""
+    from rlrecipes import device_strict
+
+    prompts = _prompts(40, (1, 20, 3))
+    want = NativeRolloutEngine(SMOKE["qwen3_moe"], device="cpu", dtype="fp32", seed=0, prefill_layout="padded")
+    want = want.sample(prompts, max_new_tokens=5, temperature=0)
+    with device_strict.simulate("cuda") as device:
+        eng = NativeRolloutEngine(SMOKE["qwen3_moe"], device=device, dtype="fp32", seed=0, prefill_layout="packed")
+        got = eng.sample(prompts, max_new_tokens=5, temperature=0)
+    _same(got, want)
+
+
 # ------------------------------------------------------------------------------------- multi-turn, routing
 def _turns(eng, prompts, params, seed):
     """All rows first (the packed prefill), then single rows and subsets with observations (extend, grow, compact)."""
