@@ -1,7 +1,8 @@
 """Native rollout engine: a lean batched sampler over an HF model with a pre-allocated KV cache.
 
 The loop is one prefill over the prompt (``prefill=``: the fast decoder's own layer loop writing
-straight into its K/V buffers, or HF ``model.forward``), then one 1-token decode step per generated
+straight into its K/V buffers, over the prompts packed into one row or the left-padded square
+(``prefill_layout=``), or HF ``model.forward``), then one 1-token decode step per generated
 token, plus the sampling arithmetic; none of ``generate()``'s logits processors, stopping criteria or
 per-step input preparation. Decode steps (``decode=``):
 
