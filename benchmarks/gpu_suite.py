@@ -17,7 +17,8 @@ recorded as a JSON line with ``error`` and the suite goes on):
   ``engine_throughput.py --engine megatron`` where it imports;
 - ``decode``: the native sampler (``NativeRolloutEngine.sample``) against ``transformers``' ``generate``
   on the same model, weights and device: tokens/s at batch 64 and 256, 512-token prompts, 1,024-token
-  responses; the sampler's decode / cache options at batch 256;
+  responses; the sampler's decode / cache options at batch 256; first, its prefill packed vs padded
+  (``prefill_layout``) on batches of skewed prompt lengths (``benchmarks/prefill_packed.py``);
 - ``rl``: whole RL steps on one device with the native engines (the workflow's own worker, in this
   process tree, no Ray), one line per case of RL_CASES (GRPO, DAPO and PPO for 2 steps, multi-turn
   and LoRA for 1): seconds per stage, TPS, the share of the step outside model compute.
@@ -97,7 +98,9 @@ PROFILES = {
         # batch 1 (latency) runs the sampler alone; 64 and 256 beside `generate`
         "decode": {"shape": "qwen2.5-1.5b", "batches": [1, 64, 256], "generate_batches": [64, 256], "prompt": 512,
                    "new": 1024, "warm_tokens": 16,
-                   "sweep_batch": 256, "sweep": DECODE_SWEEP},
+                   "sweep_batch": 256, "sweep": DECODE_SWEEP,
+                   # the prefill alone, packed vs padded (prefill_packed.py): one engine, about 10 prefills a line
+                   "prefill": {"batch": 64, "max_len": 2048, "dists": ["skewed", "spread"], "repeats": 3}},
         # RL_CASES' shapes: the 0.5B folder at 16 x 4 prompts, 128 / 128 tokens, and per case what differs;
         # GRPO at 64 x 8, 512 / 256 (docs/gpu_suite.md: the estimate of about 2.5 minutes for all five)
         "rl": {"shape": "qwen2.5-0.5b", "digits": 126, "max_prompt": 128, "new": 128, "prompts": 16, "n": 4,
@@ -117,7 +120,8 @@ PROFILES = {
                   "megatron_shape": None},
         "decode": {"shape": "tiny-dense", "batches": [1, 2, 4], "generate_batches": [2, 4], "prompt": 8, "new": 8,
                    "warm_tokens": 2,
-                   "sweep_batch": 4, "sweep": DECODE_SWEEP},
+                   "sweep_batch": 4, "sweep": DECODE_SWEEP,
+                   "prefill": {"batch": 4, "max_len": 32, "dists": ["skewed"], "repeats": 1}},
         "rl": {"shape": "tiny-dense", "digits": 14, "max_prompt": 16, "new": 8, "prompts": 2, "n": 2,
                "budget": 256,
                "cases": {"dapo": {"shape": "tiny-moe"},
@@ -415,7 +419,8 @@ def train_once(spec: dict, opts: dict, folder: Path, dims, shape: dict | None, d
 
 
 def child_decode(spec: dict) -> None:
-    """The native sampler vs ``generate`` at each batch size, then the sampler's options at one batch."""
+    """The prefill packed vs padded, the native sampler vs ``generate`` at each batch size, then the
+    sampler's options at one batch."""
     import gc
 
     from rlrecipes import device as devmod
@@ -430,6 +435,20 @@ def child_decode(spec: dict) -> None:
     _process_group(dev.type)
     hf_at: dict[int, float] = {}
     eng = None
+    pre = spec.get("prefill")
+    for dist_name in (pre or {}).get("dists", []):
+        line = {"part": "decode", "name": f"prefill packed vs padded {dist_name} batch={pre['batch']}",
+                "shape": spec["shape"], "dist": dist_name}
+        t0 = time.perf_counter()
+        try:
+            if eng is None:
+                eng = NativeRolloutEngine(str(folder), layout=(1, 1), device=dev, seed=0,
+                                          dtype=spec.get("dtype", "auto"))
+            line.update(prefill_once(eng, pre, dist_name))
+        except Exception as e:  # noqa: BLE001
+            line.update(failure(e))
+        line["seconds"] = round(time.perf_counter() - t0, 2)
+        emit(line)
     for batch in spec["batches"]:
         with_generate = batch in spec.get("generate_batches", spec["batches"])
         line = {"part": "decode", "name": f"native vs generate batch={batch}" if with_generate else
@@ -471,6 +490,20 @@ def child_decode(spec: dict) -> None:
         gc.collect()
         devmod.empty_cache(dev)
         emit(line)
+
+
+def prefill_once(eng, pre: dict, dist_name: str) -> dict:
+    """``benchmarks/prefill_packed.py``'s measurement on the suite's engine: one prefill
+    (``sample(..., max_new_tokens=1)``) of ``pre["batch"]`` prompts of the distribution's lengths, in
+    each layout of the same engine (its ``prefill_layout`` switched between calls, the layouts taking
+    turns), the median of ``repeats`` after a warm-up, with the greedy tokens' agreement."""
+    sys.path.insert(0, str(HERE))
+    from prefill_packed import lengths_of, measure
+
+    out = {"batch": pre["batch"], "decode": eng.decode_path, "prefill": eng.prefill_path, "cache": eng.cache_kind,
+           "dtype": str(eng.dtype).replace("torch.", "")}
+    out.update(measure(eng, lengths_of(dist_name, pre["batch"], pre["max_len"]), repeats=pre["repeats"]))
+    return out
 
 
 def decode_bytes_per_iteration(model, batch: int, context: float) -> tuple[int, int]:
@@ -543,7 +576,7 @@ def decode_once(eng, batch: int, spec: dict, *, with_generate: bool) -> dict:
     t_nat, tok_nat, peak_nat = timed(native)
     out = {"prompt_len": P, "new_tokens": N, "layers": eng.config.num_hidden_layers, "decode": eng.decode_path,
            "decode_graphs": eng.decode_graphs,
-           "prefill": eng.prefill_path,
+           "prefill": eng.prefill_path, "prefill_layout": eng.prefill_layout,
            "cache": eng.cache_kind, "dtype": str(eng.dtype).replace("torch.", ""), "native_s": round(t_nat, 4),
            "native_tokens": tok_nat, "native_tokens_per_s": round(tok_nat / t_nat, 1), "native_peak_bytes": peak_nat}
     # one decode iteration against the memory-bandwidth limit: a short call of W tokens timed too, so
@@ -1119,6 +1152,9 @@ def result_text(x: dict) -> str:
     if part == "train" and "tokens_per_s" in x:
         return (f"{x['tokens_per_s']:.0f} tok/s, MFU {_pct(x.get('mfu'))}, peak {_gib(x.get('peak_bytes'))} GiB "
                 f"vs plan {_gib(x.get('plan_total_bytes'))} GiB ({x.get('dtype')})")
+    if part == "decode" and "packed_s" in x:
+        return (f"prefill of {x['tokens']} tokens ({x['padded_tokens']} padded): packed {x['packed_s']:.3f} s, "
+                f"padded {x['padded_s']:.3f} s, x{x.get('speedup')} ({x.get('attention_backend')})")
     if part == "decode" and "native_tokens_per_s" in x:
         s = f"native {x['native_tokens_per_s']:.0f} tok/s ({x.get('decode')}/{x.get('cache')})"
         if x.get("hf_generate_tokens_per_s"):

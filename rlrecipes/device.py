@@ -9,6 +9,8 @@ A test greps the package: no other module may name ``torch.cuda``/``torch.npu``.
 from __future__ import annotations
 
 import functools
+import itertools
+import logging
 import os
 import resource
 from dataclasses import dataclass
@@ -446,6 +448,128 @@ def compile_problem(device: torch.device, backend: str = "inductor") -> str | No
         except Exception as e:  # noqa: BLE001
             return f"inductor on CUDA needs triton ({type(e).__name__}: {e}); pip install triton"
     return None
+
+
+# ----------------------------------------------------------------------------- packed (varlen) attention
+_NPU_CAUSAL_MASKS: dict = {}  # device -> the 2048 x 2048 compressed causal mask npu_fusion_attention reads
+
+
+@functools.lru_cache(maxsize=1)
+def _cuda_varlen():
+    """``("public", torch.nn.attention.varlen.varlen_attn)`` when the installed torch has it with the
+    keywords read in torch 2.13 (``scale``, ``window_size``, ``enable_gqa``), else ``("aten", op)``:
+    ``torch.ops.aten._flash_attention_forward`` (what ``varlen_attn`` calls), else None."""
+    import inspect
+
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+
+        if {"scale", "window_size", "enable_gqa"} <= set(inspect.signature(varlen_attn).parameters):
+            return "public", varlen_attn
+    except Exception:  # noqa: BLE001  (an older torch: no such module)
+        pass
+    op = getattr(torch.ops.aten, "_flash_attention_forward", None)
+    return ("aten", op) if op is not None else None
+
+
+def _npu_fusion_attention():
+    try:
+        import torch_npu
+    except Exception:  # noqa: BLE001
+        return None
+    return getattr(torch_npu, "npu_fusion_attention", None)
+
+
+_VARLEN_FAILED: dict = {}  # device type -> why its kernel raised once (it then runs the per-sequence SDPA)
+
+
+def varlen_attention_backend(device: torch.device | None, dtype: torch.dtype, head_dim: int = 128) -> str:
+    """The kernel :func:`varlen_attention` runs for ``dtype`` tensors with ``head_dim``-wide heads on
+    ``device``: ``"flash"`` (CUDA: FlashAttention's varlen forward through torch, fp16 / bf16, head
+    dims up to 256 in multiples of 8), ``"npu_fusion"`` (Ascend: ``torch_npu.npu_fusion_attention``
+    with the ``TND`` layout), ``"sdpa"`` (one ``scaled_dot_product_attention`` per sequence: the host,
+    a simulated device, whatever the kernels above do not take, and a device whose kernel raised
+    once: the call then falls back, with a warning, rather than fail a rollout)."""
+    if _real(device) and device.type in _VARLEN_FAILED:
+        return "sdpa"
+    if _real(device) and device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) \
+            and head_dim <= 256 and head_dim % 8 == 0 and _cuda_varlen() is not None:
+        return "flash"
+    if _real(device) and device.type == "npu" and dtype in (torch.float16, torch.bfloat16, torch.float32) \
+            and head_dim <= 768 and _npu_fusion_attention() is not None:
+        return "npu_fusion"
+    return "sdpa"
+
+
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                     lengths: list[int], *, scale: float, causal: bool = True) -> torch.Tensor:
+    """Attention within each sequence of a packed row: ``q [T, Hq, D]``, ``k [T, Hk, D]``, ``v [T, Hk, Dv]``
+    hold ``len(lengths)`` sequences one after the other (``cu_seqlens [N + 1]``: their offsets on ``q``'s
+    device, ``lengths``: the same on the host); a token attends to the tokens of its own sequence only
+    (causally with ``causal``). ``Hq`` a multiple of ``Hk`` (GQA); ``Dv <= D``. Returns ``[T, Hq, Dv]``.
+    The kernel is :func:`varlen_attention_backend`'s (docs/upstream_contracts.md)."""
+    T, Hq, D = q.shape
+    Hk, Dv = k.shape[1], v.shape[2]
+    kind = varlen_attention_backend(q.device, q.dtype, D)
+    try:
+        if kind == "flash":
+            return _flash_varlen(q, k, v, cu_seqlens, max(lengths), scale, causal)[..., :Dv]
+        if kind == "npu_fusion":
+            return _npu_varlen(q, k, v, lengths, scale, causal)
+    except torch.OutOfMemoryError:
+        raise
+    except (RuntimeError, NotImplementedError, TypeError) as e:  # not run on hardware here: do not fail a rollout
+        _VARLEN_FAILED[q.device.type] = f"{type(e).__name__}: {e}"
+        logging.getLogger(__name__).warning("varlen attention (%s) raised on %s, the per-sequence SDPA runs "
+                                            "instead from now on: %s", kind, q.device, _VARLEN_FAILED[q.device.type])
+    # one SDPA per sequence, written into one output: the work of the sequences themselves, no padding;
+    # narrower value heads (MLA) zero-padded to the key width, so SDPA takes its fused kernel, not the math one
+    out = q.new_empty((T, Hq, D))
+    if Dv != D:
+        v = torch.nn.functional.pad(v, (0, D - Dv))
+    qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, T, D] views
+    start = 0
+    for n in lengths:
+        end = start + n
+        if n:
+            o = torch.nn.functional.scaled_dot_product_attention(
+                qt[None, :, start:end], kt[None, :, start:end], vt[None, :, start:end], is_causal=causal and n > 1,
+                scale=scale, enable_gqa=Hq != Hk)  # [1, Hq, n, D]
+            out[start:end] = o[0].transpose(0, 1)
+        start = end
+    return out[..., :Dv]
+
+
+def _npu_varlen(q, k, v, lengths, scale, causal):
+    """``torch_npu.npu_fusion_attention`` in the ``TND`` layout (docs/upstream_contracts.md): cumulative
+    sequence ends as host ints, the causal mask as ``sparse_mode=3`` (rightDownCausal) over its
+    2048 x 2048 compressed mask; ``Dk >= Dv`` is allowed, GQA by head counts."""
+    cum = list(itertools.accumulate(int(n) for n in lengths))  # each sequence's end, no leading 0
+    mask, mode = None, 0
+    if causal:
+        mask = _NPU_CAUSAL_MASKS.get(q.device)
+        if mask is None:
+            mask = _NPU_CAUSAL_MASKS[q.device] = torch.triu(
+                torch.ones((2048, 2048), dtype=torch.bool, device=q.device), diagonal=1)  # True: masked out
+        mode = 3
+    out = _npu_fusion_attention()(q.contiguous(), k.contiguous(), v.contiguous(), q.shape[1], "TND", atten_mask=mask,
+                                  scale=scale, actual_seq_qlen=cum, actual_seq_kvlen=cum, sparse_mode=mode)
+    return out[0]
+
+
+def _flash_varlen(q, k, v, cu_seqlens, max_len, scale, causal):
+    """FlashAttention's varlen forward (torch's build): equal q / k / v head dims, so ``v`` is
+    zero-padded to ``D`` (its extra output columns are dropped by the caller)."""
+    D, Dv = q.shape[2], v.shape[2]
+    if Dv != D:
+        v = torch.nn.functional.pad(v, (0, D - Dv))
+    cu = cu_seqlens.to(torch.int32)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    kind, fn = _cuda_varlen()
+    if kind == "public":
+        return fn(q, k, v, cu, cu, max_len, max_len, scale=scale, window_size=(-1, 0) if causal else (-1, -1),
+                  enable_gqa=q.shape[1] != k.shape[1])
+    return fn(q, k, v, cu, cu, max_len, max_len, 0.0, causal, False, scale=scale)[0]
 
 
 # dense bf16/fp16 tensor-core peak per device (vendor datasheets, without sparsity), by name prefix

@@ -28,8 +28,11 @@ TRAIN_KEYS = {"part", "name", "engine", "shape", "options", "dtype", "params", "
               "mfu", "peak_bytes", "loaded_bytes", "plan_total_bytes", "peak_over_plan", "plan_breakdown_gib",
               "grad_norm", "load_s", "steps", "write_s", "seconds", "moe_grouped_mm", "experts_implementation",
               "compile_layers", "first_step_s", "grad_norm_first"}
-DECODE_KEYS = {"part", "name", "shape", "batch", "prompt_len", "new_tokens", "decode", "prefill", "cache", "dtype",
-               "native_s", "native_tokens", "native_tokens_per_s", "native_peak_bytes", "speedup", "seconds"}
+DECODE_KEYS = {"part", "name", "shape", "batch", "prompt_len", "new_tokens", "decode", "prefill", "prefill_layout",
+               "cache", "dtype", "native_s", "native_tokens", "native_tokens_per_s", "native_peak_bytes", "speedup",
+               "seconds"}
+PREFILL_KEYS = {"part", "name", "shape", "dist", "batch", "max_len", "tokens", "padded_tokens", "packed_s", "padded_s",
+                "same_tokens", "max_logprob_diff", "speedup", "attention_backend", "decode", "cache", "seconds"}
 GENERATE_KEYS = {"hf_generate_s", "hf_generate_tokens", "hf_generate_tokens_per_s", "hf_generate_peak_bytes"}
 RL_KEYS = {"part", "name", "case", "driver", "algorithm", "recipe", "shape", "prompts", "samples_per_prompt",
            "prompt_len", "max_new_tokens", "params", "overrides", "multi_turn", "lora_rank", "steps", "measured_step",
@@ -98,6 +101,12 @@ def test_cpu_mode_runs_every_part_and_writes_its_results(tmp_path):
 
     decode = by(lines, "decode")
     d = prof["decode"]
+    prefill = [x for x in decode if x["name"].startswith("prefill packed vs padded")]
+    assert [x["dist"] for x in prefill] == d["prefill"]["dists"]
+    for x in prefill:  # the same engine in both layouts: the same tokens, the packed row shorter
+        assert PREFILL_KEYS <= set(x), PREFILL_KEYS - set(x)
+        assert x["same_tokens"] and x["max_logprob_diff"] < 1e-4 and x["attention_backend"] == "sdpa"
+        assert x["tokens"] < x["padded_tokens"] and x["packed_s"] > 0 and x["padded_s"] > 0
     vs = {x["batch"]: x for x in decode if x["name"].startswith("native vs generate")}
     assert sorted(vs) == sorted(d["generate_batches"])
     alone = [x for x in decode if x["name"].startswith("native batch=") and "options" not in x]

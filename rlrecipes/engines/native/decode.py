@@ -17,11 +17,13 @@ drops the rest:
 The layers, attention modules and MoE blocks are HF's own (or the engine's TP/EP replacements:
 DTensor-parallel linears, ``EPExperts``), so the math -- Qwen3 ``q_norm``/``k_norm``, DeepSeek MLA
 latent expansion, routing -- and the TP/EP collectives are exactly those of ``model.forward``.
-Prefill (:meth:`FastDecoder.prefill`) runs the prompt through the same per-layer machinery with a
-causal (+ left-padding) mask, writing K/V straight into the buffers (no HF cache object, no copy);
-the last layer computes its query / MLP on the last position only. When a layer has no
-hand-written step (``mode="layers"``, other attention types), prefill falls back to a normal
-``model.forward`` over a ``DynamicCache``, whose states are then copied in (:meth:`FastDecoder.begin`).
+Prefill (:meth:`FastDecoder.prefill`, ``prefill.py``) runs the prompts through the same per-layer
+machinery, writing K/V straight into the buffers (no HF cache object, no copy), either as the
+left-padded square with a causal (+ left-padding) mask or packed into one row of the prompts' own
+tokens with attention restricted to each prompt (``prefill_layout``); the last layer computes its
+query / MLP on the last position only. When a layer has no hand-written step (``mode="layers"``,
+other attention types), prefill falls back to a normal ``model.forward`` over a ``DynamicCache``,
+whose states are then copied in (:meth:`FastDecoder.begin`).
 
 Static steps (``static=True``, the engine's default where every layer has a hand-written step): the
 decode step reads nothing that changes per token from Python. Its inputs and outputs live in
@@ -50,12 +52,13 @@ import torch.nn.functional as F
 
 from rlrecipes import device as devmod
 from rlrecipes.engines.native.kv_buffers import KVBuffers
+from rlrecipes.engines.native.prefill import PREFILL_LAYOUTS, PromptPrefill
 from rlrecipes.engines.native.static_step import MAX_BUCKET, StaticStep, bucket_rows
 from rlrecipes.engines.native.decode_parts import attention_kind, fast_call, mlp_call, rotate_half, supports_fast_decode
 
 log = logging.getLogger(__name__)
 
-class FastDecoder:
+class FastDecoder(PromptPrefill):
     """Runs 1-token decode steps of an HF causal LM on its own KV buffers (see module docstring).
 
     One ``generate`` call: :meth:`prefill` (or :meth:`begin` after an HF prefill), then :meth:`step` per token.
@@ -70,14 +73,18 @@ class FastDecoder:
     ``kv_lora_rank + qk_rope_head_dim`` cache elements per position (after the fast prefill, V is
     stored zero-padded to ``qk_head_dim`` so SDPA runs its fused kernel). Any other layer, or
     ``mode="layers"``, calls the HF decoder layer itself with :class:`KVBuffers` as its cache.
+    ``prefill_layout``: ``"packed"`` or ``"padded"`` (``prefill.py``).
     """
 
     def __init__(self, model: nn.Module, mode: str = "fast", *, static: bool = False, capture: bool = False,
-                 max_bucket: int = MAX_BUCKET):
+                 max_bucket: int = MAX_BUCKET, prefill_layout: str = "padded"):
         if not supports_fast_decode(model):
             raise ValueError(f"{type(model).__name__}: no fast decode path")
         if mode not in ("fast", "layers"):
             raise ValueError(f"mode={mode!r}: expected 'fast' or 'layers'")
+        if prefill_layout not in PREFILL_LAYOUTS:
+            raise ValueError(f"prefill_layout={prefill_layout!r}: expected one of {PREFILL_LAYOUTS}")
+        self.prefill_layout = prefill_layout
         self.model = model
         backbone = model.model
         self.embed = backbone.embed_tokens
@@ -147,110 +154,6 @@ class FastDecoder:
         self._set_decode_mask(prompt_mask, capacity, bool(prompt_mask.all()))
         self._arm(prompt_mask)
 
-    @torch.no_grad()
-    def prefill(self, ids: torch.Tensor, prompt_mask: torch.Tensor, pos: torch.Tensor, *, capacity: int,
-                steps: int) -> torch.Tensor:
-        """Run the prompt through the layers, writing K/V straight into the buffers; next-token logits ``[B, V]``.
-
-        ``ids, prompt_mask, pos [B, P]`` (left-padded prompt, 1 = real token, position ids
-        ``cumsum(mask) - 1`` clamped at 0). Same per-layer machinery as :meth:`step`: the layers'
-        own q/k/v/o, norm, MLP / MoE modules; rope, the buffer write and causal (+ left-padding)
-        ``scaled_dot_product_attention`` by hand. Padded query rows also see themselves, so no
-        softmax row is empty (their outputs are never read). The last layer runs its query,
-        ``o_proj`` and MLP on the last position only (only that position's logits are returned).
-        Also sets up the rotary / mask of the ``steps`` decode steps that may follow.
-        Requires :attr:`fast_prefill`.
-        """
-        if not self.fast_prefill:
-            raise RuntimeError("prefill: some layers have no hand-written step; use model.forward + begin")
-        self._prepare()
-        B, P = ids.shape
-        dev = ids.device
-        all_real = bool(prompt_mask.all())
-        h = self._embed(ids)  # [B, P, H]
-        all_pos = torch.cat([pos, pos[:, -1:] + 1 + torch.arange(max(steps, 1), device=dev)], 1)  # [B, P + S]
-        cos, sin = self.rotary(h, all_pos)  # [B, P + S, D] each, in h's dtype
-        self._set_rotary(cos[:, P:], sin[:, P:])
-        self._set_decode_mask(prompt_mask, capacity, all_real)
-        if all_real:
-            mask = None  # plain causal
-        else:
-            ar = torch.arange(P, device=dev)
-            causal = ar[None, :] <= ar[:, None]  # [P(query), P(key)]
-            keep = prompt_mask.bool()[:, None, None, :] | torch.eye(P, dtype=torch.bool, device=dev)  # [B, 1, P, P]
-            mask = keep & causal
-        pcos, psin = cos[:, :P], sin[:, :P]  # [B, P, D]
-        if self.rope_interleave:
-            pcos, psin = pcos[..., : pcos.shape[-1] // 2], psin[..., : psin.shape[-1] // 2]
-        half = psin.shape[-1] // 2
-        psin_signed = torch.cat([-psin[..., :half], psin[..., half:]], -1)
-        buf = self.buffers
-        self._set_rows(B)
-        buf.reset(capacity)
-        last = len(self.layers) - 1
-        for i, (kind, layer, plan) in enumerate(zip(self.kinds, self.layers, self._plan)):
-            a = plan["in_norm"](h)
-            if kind == "gqa":
-                a = self._gqa_prefill(plan, a, i, capacity, pcos[:, :, None], psin_signed[:, :, None], mask,
-                                      last_only=i == last)
-            else:
-                a = self._mla_prefill(layer.self_attn, plan, a, i, capacity, pcos, psin, mask, last_only=i == last)
-            if i == last:
-                h = h[:, -1:]  # [B, 1, H]: only the last position's logits are needed
-            h = h + a
-            h = h + plan["mlp"](plan["post_norm"](h))
-        buf.advance(P)
-        self._arm(prompt_mask)
-        return self._head(self._final_norm(h[:, -1:]))[:, -1]  # [B, V]
-
-    # ------------------------------------------------------------------------------- multi-turn
-    @torch.no_grad()
-    def extend(self, ids: torch.Tensor, keep: torch.Tensor, pos: torch.Tensor, history: torch.Tensor, *,
-               capacity: int) -> torch.Tensor:
-        """Append a chunk after the filled columns; next-token logits ``[B, V]`` at its last column.
-
-        The multi-turn session's prefill (``session.py``): ``ids, keep, pos [B, T]`` are the chunk
-        (left-padded per row, 1 = real token, each row's own position ids), ``history [B, n]`` says
-        which filled columns each row may attend to (0 on padding, on columns of turns the row sat
-        out, and on other rows' tool observations). The chunk's K/V go to columns ``[n, n + T)``; with
-        ``n == 0`` this is :meth:`prefill`. Buffers are allocated (``n == 0``) or must already hold
-        ``capacity`` columns (:meth:`grow`). Call :meth:`set_steps` before decode steps.
-        """
-        if not self.fast_prefill:
-            raise RuntimeError("extend: some layers have no hand-written step")
-        n = self.buffers.length
-        if n == 0:
-            return self.prefill(ids, keep, pos, capacity=capacity, steps=1)
-        self._prepare()
-        self._st = None  # set_steps arms the static step of the decode steps that follow
-        B, T = ids.shape
-        dev = ids.device
-        h = self._embed(ids)  # [B, T, H]
-        cos, sin = self.rotary(h, pos)  # [B, T, D]
-        ar = torch.arange(T, device=dev)
-        own = (keep.bool()[:, None, :] & (ar[None, :] <= ar[:, None])[None]) | torch.eye(T, dtype=torch.bool, device=dev)
-        mask = torch.cat([history.bool()[:, None, :].expand(B, T, n), own], -1)[:, None]  # [B, 1, T, n + T]
-        pcos, psin = cos, sin
-        if self.rope_interleave:
-            pcos, psin = pcos[..., : pcos.shape[-1] // 2], psin[..., : psin.shape[-1] // 2]
-        half = psin.shape[-1] // 2
-        psin_signed = torch.cat([-psin[..., :half], psin[..., half:]], -1)
-        last = len(self.layers) - 1
-        for i, (kind, layer, plan) in enumerate(zip(self.kinds, self.layers, self._plan)):
-            a = plan["in_norm"](h)
-            if kind == "gqa":
-                a = self._gqa_prefill(plan, a, i, capacity, pcos[:, :, None], psin_signed[:, :, None], mask,
-                                      last_only=i == last, start=n)
-            else:
-                a = self._mla_prefill(layer.self_attn, plan, a, i, capacity, pcos, psin, mask, last_only=i == last,
-                                      start=n)
-            if i == last:
-                h = h[:, -1:]
-            h = h + a
-            h = h + plan["mlp"](plan["post_norm"](h))
-        self.buffers.advance(T)
-        return self._head(self._final_norm(h[:, -1:]))[:, -1]  # [B, V]
-
     def set_steps(self, first_pos: torch.Tensor, steps: int, keep: torch.Tensor, like: torch.Tensor) -> None:
         """Rotary of ``steps`` decode steps from ``first_pos [B, 1]`` and the keep-mask ``[B, L]`` the
         steps attend through (the caller sets each step's own column in it before the step)."""
@@ -275,84 +178,12 @@ class FastDecoder:
                 t[:, :, :W].copy_(torch.gather(t[:, :, :n], 2, g))
         buf.length = W
 
-    @staticmethod
-    def _causal_last(mask, last_only: bool):
-        """The attention mask of the query rows computed: all rows, or the last one (``[B, 1, 1, P]``)."""
-        if not last_only:
-            return mask, mask is None
-        return (None if mask is None else mask[:, :, -1:]), False  # the last row sees every real key
-
-    def _gqa_prefill(self, plan, x, li, capacity, cos, sin_signed, mask, last_only, start=0):
-        """Qwen-style attention over the prompt ``x [B, P, H]``; K/V go to the buffers' ``[start:start + P]``
-        (``start > 0``: a chunk after earlier columns, :meth:`extend`; ``mask`` then covers them all)."""
-        B, P = x.shape[:2]
-        D = plan["head_dim"]
-        xq = x[:, -1:] if last_only else x
-        q = plan["q"](xq).view(B, xq.shape[1], -1, D)  # [B, Pq, Hq, D]
-        k = plan["k"](x).view(B, P, -1, D)  # [B, P, Hk, D]
-        v = plan["v"](x).view(B, P, -1, D)  # [B, P, Hk, D]
-        if plan["q_norm"] is not None:
-            q, k = plan["q_norm"](q), plan["k_norm"](k)
-        Hq, Hk = q.shape[2], k.shape[2]
-        k = k * cos + k.roll(D // 2, -1) * sin_signed
-        if last_only:
-            q = q * cos[:, -1:] + q.roll(D // 2, -1) * sin_signed[:, -1:]
-        else:
-            q = q * cos + q.roll(D // 2, -1) * sin_signed
-        if start:
-            K, V = self.buffers.keys[li], self.buffers.values[li]
-        else:
-            K, V = self.buffers.reserve(li, (B, Hk, P, D), (B, Hk, P, D), capacity, x)  # [B, Hk, L, D]
-        end = start + P
-        K[:, :, start:end].copy_(k.transpose(1, 2))
-        V[:, :, start:end].copy_(v.transpose(1, 2))
-        m, causal = self._causal_last(mask, last_only)
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), K[:, :, :end], V[:, :, :end], attn_mask=m,
-                                           is_causal=causal, scale=plan["scale"],
-                                           enable_gqa=Hq != Hk)  # [B, Hq, Pq, D]
-        return plan["o"](o.transpose(1, 2).reshape(B, -1, Hq * D))  # [B, Pq, H]
-
     def _mla_rope(self, x: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
         """DeepSeek's rotary on the rope part ``x [..., rope]`` (interleaved pairs or rotate-half)."""
         if self.rope_interleave:
             x1, x2 = x[..., 0::2], x[..., 1::2]
             return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
         return x * c + rotate_half(x) * s
-
-    def _mla_prefill(self, attn, plan, x, li, capacity, cos, sin, mask, last_only, start=0):
-        """DeepSeek MLA over the prompt ``x [B, P, H]``, writing expanded per-head K/V to the buffers
-        (at ``[start:start + P]``, as :meth:`_gqa_prefill`)."""
-        B, P = x.shape[:2]
-        xq = x[:, -1:] if last_only else x
-        if attn.q_lora_rank is None:
-            q = plan["q_proj"](xq)
-        else:
-            q = plan["q_b_proj"](plan["q_a_layernorm"](plan["q_a_proj"](xq)))
-        q = q.view(B, xq.shape[1], -1, attn.qk_head_dim).transpose(1, 2)  # [B, H, Pq, qk]
-        q_pass, q_rot = torch.split(q, [attn.qk_nope_head_dim, attn.qk_rope_head_dim], dim=-1)
-        ckv = plan["kv_a_proj_with_mqa"](x)  # [B, P, r + rope]
-        kv_nope, k_rot = torch.split(ckv, [attn.kv_lora_rank, attn.qk_rope_head_dim], dim=-1)
-        kv_nope = plan["kv_a_layernorm"](kv_nope).view(B, 1, P, attn.kv_lora_rank)  # [B, 1, P, r]
-        k_rot = k_rot.view(B, 1, P, attn.qk_rope_head_dim)  # [B, 1, P, rope]
-        c, s = cos[:, None], sin[:, None]  # [B, 1, P, D or D/2]
-        cq, sq = (c[:, :, -1:], s[:, :, -1:]) if last_only else (c, s)
-        q_rot, k_rot = self._mla_rope(q_rot, cq, sq), self._mla_rope(k_rot, c, s)
-        query = torch.cat((q_pass, q_rot), dim=-1)  # [B, H, Pq, qk]
-        key, value = attn.expand_kv(kv_nope, k_rot)  # [B, H, P, qk], [B, H, P, v]
-        dv = value.shape[-1]
-        # V is stored zero-padded to the key width: SDPA then takes its fused (flash) CPU kernel
-        # instead of the math fallback for qk != v head dims; the extra output columns are dropped
-        if start:
-            K, V = self.buffers.keys[li], self.buffers.values[li]
-        else:
-            K, V = self.buffers.reserve(li, tuple(key.shape), tuple(key.shape), capacity, key)
-        end = start + P
-        K[:, :, start:end].copy_(key)
-        V[:, :, start:end, :dv].copy_(value)
-        m, causal = self._causal_last(mask, last_only)
-        o = F.scaled_dot_product_attention(query, key if not start else K[:, :, :end], V[:, :, :end], attn_mask=m,
-                                           is_causal=causal, scale=attn.scaling)[..., :dv]  # [B, H, Pq, v]
-        return plan["o"](o.transpose(1, 2).reshape(B, query.shape[2], -1))  # [B, Pq, H]
 
     @staticmethod
     def _layer_plan(kind: str, layer: nn.Module) -> dict | None:

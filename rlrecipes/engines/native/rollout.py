@@ -1,7 +1,8 @@
 """Native rollout engine: a lean batched sampler over an HF model with a pre-allocated KV cache.
 
 The loop is one prefill over the prompt (``prefill=``: the fast decoder's own layer loop writing
-straight into its K/V buffers, or HF ``model.forward``), then one 1-token decode step per generated
+straight into its K/V buffers, over the prompts packed into one row or the left-padded square
+(``prefill_layout=``), or HF ``model.forward``), then one 1-token decode step per generated
 token, plus the sampling arithmetic; none of ``generate()``'s logits processors, stopping criteria or
 per-step input preparation. Decode steps (``decode=``):
 
@@ -41,6 +42,7 @@ group always continues the same sequences. Different DP groups sample different 
 """
 from __future__ import annotations
 
+import functools
 import time
 from typing import Iterable, Sequence
 
@@ -57,11 +59,17 @@ from rlrecipes.engines.native import CAPABILITIES, MOE_GROUPED_MM
 from rlrecipes.engines.native.batching import MeshRanks
 from rlrecipes.engines.native import vision as vis
 from rlrecipes.engines.native.decode import FastDecoder, supports_fast_decode
+from rlrecipes.engines.native.prefill import PREFILL_LAYOUTS
 from rlrecipes.engines.native.loader import ModelSource, build_model
 from rlrecipes.core.mesh import build_mesh, world_layout
 from rlrecipes.core.parallel import ParallelLayout
 from rlrecipes.core.swap import SwappedStorages
 from rlrecipes.engines.native.train import _resolve_dtype, resolve_device
+
+
+#: the fast prefill's default layout (``prefill.py``): packed, chosen by the CPU measurement of
+#: ``benchmarks/prefill_packed.py`` (docs/engines.md); on GPUs / NPUs it is not yet measured
+DEFAULT_PREFILL_LAYOUT = "packed"
 
 
 def left_pad(prompts: Sequence[torch.Tensor], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -158,6 +166,12 @@ class NativeRolloutEngine(MeshRanks, base.RolloutEngine):
         moe_grouped_mm: MoE experts as grouped GEMMs, else a loop over the experts, in prefill and decode
             (the train engine's option of the same name, :mod:`.experts`; default
             :data:`~rlrecipes.engines.native.MOE_GROUPED_MM`).
+        prefill_layout: the fast prefill's layout, ``"packed"`` (default, :data:`DEFAULT_PREFILL_LAYOUT`):
+            the prompts concatenated into one row, attention restricted to each prompt (FlashAttention's
+            varlen kernel on CUDA, ``npu_fusion_attention`` TND on Ascend, one SDPA per prompt on the
+            host; ``engines/native/prefill.py``), or ``"padded"``: the left-padded ``[B, P]`` square.
+            The K/V land in the same buffer columns either way. ``self.prefill_layout`` says which one
+            runs (``"padded"`` for the HF prefill).
 
     Weights arrive from the resharder through :meth:`load_shards` in the ROLLOUT layout
     (docs/conventions.md slices for this rank); :meth:`shard_shapes` says what each rank expects.
@@ -169,13 +183,16 @@ class NativeRolloutEngine(MeshRanks, base.RolloutEngine):
                  device: torch.device | str | None = None, seed: int = 0, dtype: str | torch.dtype = "auto",
                  cache: str = "static", attn_implementation: str = "sdpa", decode: str = "fast",
                  prefill: str = "fast", lora=None, decode_graphs: str = "auto",
-                 moe_grouped_mm: bool = MOE_GROUPED_MM):
+                 moe_grouped_mm: bool = MOE_GROUPED_MM, prefill_layout: str | None = None):
         if cache not in ("static", "dynamic"):
             raise ValueError(f"cache={cache!r}: expected 'static' or 'dynamic'")
         if decode not in ("fast", "layers", "hf"):
             raise ValueError(f"decode={decode!r}: expected 'fast', 'layers' or 'hf'")
         if prefill not in ("fast", "hf"):
             raise ValueError(f"prefill={prefill!r}: expected 'fast' or 'hf'")
+        prefill_layout = DEFAULT_PREFILL_LAYOUT if prefill_layout is None else prefill_layout
+        if prefill_layout not in PREFILL_LAYOUTS:
+            raise ValueError(f"prefill_layout={prefill_layout!r}: expected one of {PREFILL_LAYOUTS}")
         if decode_graphs not in ("auto", "eager", "off"):
             raise ValueError(f"decode_graphs={decode_graphs!r}: expected 'auto', 'eager' or 'off'")
         layout = world_layout(layout, role="rollout")  # a ParallelLayout, or (tp, ep)
@@ -215,7 +232,7 @@ class NativeRolloutEngine(MeshRanks, base.RolloutEngine):
         moe = any(hasattr(getattr(layer, "mlp", None), "experts") for layer in layers)
         capture = decode_graphs == "auto" and devmod.graph_capture_supported(self.device) and not moe
         self._fast = (FastDecoder(self.model, mode=decode, static=capture or decode_graphs == "eager",
-                                  capture=capture)
+                                  capture=capture, prefill_layout=prefill_layout)
                       if decode != "hf" and supports_fast_decode(self.model) else None)
         self.decode_path = decode if self._fast is not None else "hf"
         self.prefill_path = ("fast" if prefill == "fast" and self._fast is not None and self._fast.fast_prefill
@@ -229,6 +246,19 @@ class NativeRolloutEngine(MeshRanks, base.RolloutEngine):
         if fast is None or not fast.static:
             return "off"
         return "captured" if fast.capture else "static"
+
+    @property
+    def prefill_layout(self) -> str:
+        """The fast prefill's layout (``"packed"`` / ``"padded"``); ``"padded"`` for the HF prefill."""
+        return self._fast.prefill_layout if self.prefill_path == "fast" else "padded"
+
+    @prefill_layout.setter
+    def prefill_layout(self, layout: str) -> None:
+        """Switch the fast prefill's layout between calls (the benchmarks compare both on one engine)."""
+        if layout not in PREFILL_LAYOUTS:
+            raise ValueError(f"prefill_layout={layout!r}: expected one of {PREFILL_LAYOUTS}")
+        if self._fast is not None:
+            self._fast.prefill_layout = layout
 
     @classmethod
     def create(cls, spec: base.EngineSpec) -> "NativeRolloutEngine":
@@ -319,18 +349,18 @@ class NativeRolloutEngine(MeshRanks, base.RolloutEngine):
         self._cache_key = key
         return self._cache
 
-    def _prefill_fast(self, ids, pmask, pos, max_new_tokens):
+    def _prefill_fast(self, ids, pmask, pos, max_new_tokens, lengths=None):
         """:class:`FastDecoder` prefill (K/V written straight into its buffers) and decode steps.
 
         Falls back to an HF forward over the prompt into a ``DynamicCache``, copied into the
         buffers, when the fast prefill does not apply (``prefill="hf"``, ``decode="layers"``,
-        layers without a hand-written step).
+        layers without a hand-written step). ``lengths``: the prompts' lengths (else read from ``pmask``).
         """
         from transformers import DynamicCache
 
         if self.prefill_path == "fast":
             logits = self._fast.prefill(ids, pmask, pos, capacity=ids.shape[1] + max_new_tokens,
-                                        steps=max_new_tokens)  # [B, V]
+                                        steps=max_new_tokens, lengths=lengths)  # [B, V]
             return logits, (self._fast.step if max_new_tokens > 1 else None)
         cache = DynamicCache(config=self.config)
         logits = self.model(input_ids=ids, attention_mask=pmask, position_ids=pos, past_key_values=cache,
@@ -436,7 +466,8 @@ class NativeRolloutEngine(MeshRanks, base.RolloutEngine):
         if images is not None and self._vision is None and any(v is not None for v in images):
             raise ValueError(f"images given to a text-only model ({type(self.model).__name__}); train a "
                              "vision-language family (model.family: qwen2_5_vl)")
-        prefill = self._prefill_fast if self._fast is not None else self._prefill_hf
+        prefill = (functools.partial(self._prefill_fast, lengths=[int(p.numel()) for p in prompts])
+                   if self._fast is not None else self._prefill_hf)
         banned = self._vision.special_ids if self._vision is not None else ()
         if self._vision is not None:
             prefill = lambda i, m, _p, n: self._prefill_vision(i, m, prompts, images or [None] * B, n)  # noqa: E731
@@ -493,4 +524,4 @@ class NativeRolloutEngine(MeshRanks, base.RolloutEngine):
                                                 "rollout/steps": steps}, routed)
 
 
-__all__ = ["NativeRolloutEngine", "left_pad", "sample_next"]
+__all__ = ["DEFAULT_PREFILL_LAYOUT", "NativeRolloutEngine", "left_pad", "sample_next"]

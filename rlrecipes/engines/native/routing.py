@@ -106,7 +106,8 @@ def per_sample_routing(records: list[list[torch.Tensor]], prompt_lens: list[int]
                        response_lens: list[int]) -> list[torch.Tensor]:
     """Assemble the sampler's records into ``[p_i + r_i, layers, k]`` per sample.
 
-    ``records[layer][0]`` is the prefill over the left-padded prompts: ``[B * P, k]``, or ``[B, k]``
+    ``records[layer][0]`` is the prefill over the left-padded prompts: ``[B * P, k]``, over the
+    packed prompts (``prefill_layout="packed"``: ``[sum(p_i), k]``, prompt after prompt), or ``[B, k]``
     when the sampler ran that layer on the last prompt position only (the last layer's other
     positions feed nothing); ``records[layer][t]`` for ``t >= 1`` is the decode step that fed
     response token ``t - 1`` (``[B, k]``). Positions no call covered (the last response token,
@@ -115,15 +116,19 @@ def per_sample_routing(records: list[list[torch.Tensor]], prompt_lens: list[int]
     B, P = len(prompt_lens), padded_prompt_len
     layers, k = len(records), records[0][0].shape[-1]
     prefill = torch.full((B, P, layers, k), UNSET, dtype=torch.int32)  # [B, P, layers, k]
+    packed = sum(prompt_lens)  # B * P without padding, B with one-token prompts: the same layouts then
     for layer, calls in enumerate(records):
         first = calls[0]
         if first.shape[0] == B * P:
             prefill[:, :, layer] = first.reshape(B, P, k)
+        elif first.shape[0] == packed:
+            for i, part in enumerate(first.split(list(prompt_lens))):
+                prefill[i, P - part.shape[0]:, layer] = part
         elif first.shape[0] == B:
             prefill[:, P - 1, layer] = first
         else:
             raise RuntimeError(f"routing record: layer {layer}'s prefill routed {first.shape[0]} tokens, "
-                               f"expected {B * P} or {B}")
+                               f"expected {B * P}, {packed} or {B}")
     n_steps = min(len(calls) for calls in records) - 1
     steps = (torch.stack([torch.stack(calls[1:1 + n_steps], dim=1) for calls in records], dim=2)
              if n_steps > 0 else torch.empty((B, 0, layers, k), dtype=torch.int32))  # [B, steps, layers, k]
