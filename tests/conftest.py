@@ -57,3 +57,15 @@ def one_rank_group():
     dist.init_process_group("gloo", rank=0, world_size=1)
     yield
     dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def vl_tokenizer(tmp_path_factory):
+    """The smoke tokenizer with Qwen2.5-VL's vision tokens, written here (no hub)."""
+    from transformers import AutoTokenizer
+
+    from rlrecipes.data.smoke import build_smoke_tokenizer
+
+    d = tmp_path_factory.mktemp("vl_tok")
+    build_smoke_tokenizer(d, vision=True)
+    return AutoTokenizer.from_pretrained(str(d), local_files_only=True)

@@ -16,17 +16,12 @@ import torch
 
 from rlrecipes.engines.native import compiled
 from rlrecipes.models import SMOKE
+from model_inputs import padded_micro_batch  # tests/model_inputs.py
 
 pytestmark = pytest.mark.usefixtures("one_rank_group")  # tests/conftest.py
 
 
-def _batch(vocab: int, seed: int, B: int = 3, P: int = 6, R: int = 5) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(1, vocab, (B, P + R), generator=g)  # [B, T]
-    am = torch.ones_like(ids)
-    am[0, :2] = 0  # left padding
-    am[1, P + 3:] = 0  # right padding
-    return {"input_ids": ids * am, "attention_mask": am, "response_mask": am[:, P:].clone()}
+_batch = padded_micro_batch
 
 
 def _loss(logp, _ent, mb):

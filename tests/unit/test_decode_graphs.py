@@ -18,6 +18,7 @@ from rlrecipes.engines.base import SamplingParams
 from rlrecipes.engines.native import decode as dec
 from rlrecipes.engines.native.rollout import NativeRolloutEngine
 from rlrecipes.models import SMOKE
+from model_inputs import assert_same_rollout, engine_pair, random_prompts  # tests/model_inputs.py
 
 pytestmark = pytest.mark.usefixtures("one_rank_group")  # tests/conftest.py
 
@@ -27,17 +28,11 @@ SAMPLING = [{"temperature": 0}, {"temperature": 1.0, "seed": 3},
 ATOL = 1e-5
 
 
-def _prompts(seed, lens):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(1, 32, (n,), generator=g) for n in lens]
+_prompts = random_prompts
 
 
 def _same(a, b, what=""):
-    assert len(a.responses) == len(b.responses)
-    for x, y in zip(a.responses, b.responses):
-        assert torch.equal(x, y), (what, x, y)
-    for x, y in zip(a.log_probs, b.log_probs):
-        torch.testing.assert_close(x, y, atol=ATOL, rtol=0)
+    assert_same_rollout(a, b, what, atol=ATOL)
 
 
 def _lora():
@@ -49,15 +44,7 @@ def _lora():
 
 def _pair(family, lora=None, **kw):
     """The static-step engine and the per-call-shaped one, with the same weights (random adapters: B != 0)."""
-    a = NativeRolloutEngine(SMOKE[family], device="cpu", dtype="fp32", seed=0, lora=lora, decode_graphs="eager", **kw)
-    b = NativeRolloutEngine(SMOKE[family], device="cpu", dtype="fp32", seed=0, lora=lora, decode_graphs="off", **kw)
-    if lora is not None:
-        g = torch.Generator().manual_seed(1)
-        with torch.no_grad():
-            for name, p in a.model.named_parameters():
-                if ".lora_" in name:
-                    p.copy_(0.3 * torch.randn(p.shape, generator=g))
-        b.load_shards(a.local_shards().items())
+    a, b = engine_pair(SMOKE[family], {"decode_graphs": "eager"}, {"decode_graphs": "off"}, lora, **kw)
     assert a.decode_graphs == "static" and b.decode_graphs == "off"
     return a, b
 

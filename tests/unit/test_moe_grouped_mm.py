@@ -8,6 +8,7 @@ import torch
 
 from rlrecipes.engines.native import experts as ex
 from rlrecipes.models import SMOKE
+from model_inputs import padded_micro_batch  # tests/model_inputs.py
 
 pytestmark = [pytest.mark.usefixtures("one_rank_group"),  # tests/conftest.py
               pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no grouped GEMM")]
@@ -15,13 +16,7 @@ pytestmark = [pytest.mark.usefixtures("one_rank_group"),  # tests/conftest.py
 MOE = ["qwen3_moe", "deepseek_v3"]
 
 
-def _batch(vocab: int, seed: int, B: int = 3, P: int = 6, R: int = 5) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(1, vocab, (B, P + R), generator=g)  # [B, T]
-    am = torch.ones_like(ids)
-    am[0, :2] = 0  # left padding
-    am[1, P + 3:] = 0  # right padding
-    return {"input_ids": ids * am, "attention_mask": am, "response_mask": am[:, P:].clone()}
+_batch = padded_micro_batch
 
 
 def _loss(logp, mb):

@@ -16,6 +16,7 @@ from rlrecipes.engines.base import SamplingParams
 from rlrecipes.engines.native import prefill as prefill_mod
 from rlrecipes.engines.native.rollout import DEFAULT_PREFILL_LAYOUT, NativeRolloutEngine, left_pad
 from rlrecipes.models import SMOKE
+from model_inputs import assert_same_rollout, engine_pair, random_prompts  # tests/model_inputs.py
 
 pytestmark = pytest.mark.usefixtures("one_rank_group")  # tests/conftest.py
 
@@ -27,32 +28,16 @@ MODELS = {"qwen2": SMOKE["qwen2"], "qwen2_gqa": GQA, "qwen3_moe": SMOKE["qwen3_m
 SKEWED = [(1, 40, 3, 17, 1), (1, 1, 60), (45, 1)]
 
 
-def _prompts(seed, lens):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(1, 32, (n,), generator=g) for n in lens]
+_prompts = random_prompts
 
 
 def _same(a, b, what=""):
-    assert len(a.responses) == len(b.responses)
-    for x, y in zip(a.responses, b.responses):
-        assert torch.equal(x, y), (what, x, y)
-    for x, y in zip(a.log_probs, b.log_probs):
-        torch.testing.assert_close(x, y, atol=ATOL, rtol=0)
+    assert_same_rollout(a, b, what, atol=ATOL)
 
 
 def _pair(model, lora=None, **kw):
     """A packed and a padded engine with the same weights (random adapters: B != 0)."""
-    a = NativeRolloutEngine(MODELS[model], device="cpu", dtype="fp32", seed=0, lora=lora, prefill_layout="packed",
-                            **kw)
-    b = NativeRolloutEngine(MODELS[model], device="cpu", dtype="fp32", seed=0, lora=lora, prefill_layout="padded",
-                            **kw)
-    if lora is not None:
-        g = torch.Generator().manual_seed(1)
-        with torch.no_grad():
-            for name, p in a.model.named_parameters():
-                if ".lora_" in name:
-                    p.copy_(0.3 * torch.randn(p.shape, generator=g))
-        b.load_shards(a.local_shards().items())
+    a, b = engine_pair(MODELS[model], {"prefill_layout": "packed"}, {"prefill_layout": "padded"}, lora, **kw)
     assert a.prefill_layout == "packed" and b.prefill_layout == "padded"
     return a, b
 

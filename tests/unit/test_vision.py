@@ -10,7 +10,6 @@ import torch
 
 from rlrecipes.data import DataError, PromptDataset, load_prompt_rows
 from rlrecipes.data.images import COLORS, decode_image, decode_png, draw_shape, encode_png, vision_smoke_dataset
-from rlrecipes.data.smoke import build_smoke_tokenizer
 from rlrecipes.models import SMOKE, hf_config, param_specs
 from rlrecipes.models.catalog import dims_from_hf_config
 from rlrecipes.models.vision import VisionSettings, mrope_positions
@@ -20,12 +19,8 @@ DIMS = SMOKE["qwen2_5_vl"]
 
 
 @pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    d = tmp_path_factory.mktemp("vl_tok")
-    build_smoke_tokenizer(d, vision=True)
-    return AutoTokenizer.from_pretrained(str(d), local_files_only=True)
+def tok(vl_tokenizer):  # tests/conftest.py
+    return vl_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,6 @@ pytestmark = pytest.mark.vllm
 from rlrecipes.algos.rollout_correction import mismatch_stats  # noqa: E402
 from rlrecipes.data import PromptDataset  # noqa: E402
 from rlrecipes.data.images import COLORS, draw_shape, vision_smoke_dataset  # noqa: E402
-from rlrecipes.data.smoke import build_smoke_tokenizer  # noqa: E402
 from rlrecipes.engines.base import EngineSpec, SamplingParams, SeqBatch  # noqa: E402
 from rlrecipes.engines.registry import build_rollout_engine  # noqa: E402
 from rlrecipes.models import SMOKE  # noqa: E402
@@ -32,12 +31,8 @@ PARAMS = SamplingParams(max_new_tokens=6, eos_token_id=2)
 
 
 @pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    d = tmp_path_factory.mktemp("vl_tok")
-    build_smoke_tokenizer(d, vision=True)
-    return AutoTokenizer.from_pretrained(str(d), local_files_only=True)
+def tok(vl_tokenizer):  # tests/conftest.py
+    return vl_tokenizer
 
 
 @pytest.fixture(scope="module")
