@@ -264,14 +264,19 @@ def test_a_vision_language_step_pays_the_towers_flops_in_every_pass(monkeypatch)
     per_image = vision_flops_per_image(dims, r, 600)
     assert 600 < image_tokens(dims, r) and per_image > 0
     assert any("600 image tokens" in a for a in trained.assumptions)
-    # the ref pass: one tower forward per sample on each device of the sample's group (TP1: one)
+    # the ref pass: one tower forward per sample on each device of the sample's group: the tower is
+    # replicated over TP and runs whole images on every SP rank (the recipe's published SP4: four)
+    ref = plan.roles["ref"]
+    group = ref.tp * ref.sp
+    assert group == 4
     with monkeypatch.context() as m:
         m.setattr(vision, "vision_flops_per_image", lambda *a, **k: 0.0)
         _, _, blind = _pred("qwen25_vl_7b", *base, "actor.freeze_vision_tower=false")
-    assert _flops(trained, "ref") - _flops(blind, "ref") == pytest.approx(samples * per_image, rel=0.02)
+    assert _flops(trained, "ref") - _flops(blind, "ref") == pytest.approx(group * samples * per_image, rel=0.02)
     # a trained tower runs backward too (3 forward-equivalents, +1 recomputed), a frozen one forward only
     extra = 2 + (1 if r.actor.recompute else 0)
-    assert _flops(trained, "update") - _flops(frozen, "update") == pytest.approx(extra * samples * per_image, rel=0.02)
+    assert _flops(trained, "update") - _flops(frozen, "update") == pytest.approx(
+        extra * group * samples * per_image, rel=0.02)
     # the image tokens are the mean prompt's: an image is never counted larger than the prompt
     _, _, short = _pred("qwen25_vl_7b", "data.expected_prompt_tokens=50", "rollout.expected_response_tokens=400")
     assert any("50 image tokens" in a for a in short.assumptions)
