@@ -105,7 +105,7 @@ class PromptPrefill:
                         steps: int) -> torch.Tensor:
         """The padded square: every layer over ``[B, P]`` with a causal (+ left-padding) mask. Padded
         query rows also see themselves, so no softmax row is empty (their outputs are never read)."""
-        B, P = ids.shape
+        P = ids.shape[1]
         dev = ids.device
         all_real = bool(prompt_mask.all())
         h = self._embed(ids)  # [B, P, H]
@@ -121,29 +121,20 @@ class PromptPrefill:
             keep = prompt_mask.bool()[:, None, None, :] | torch.eye(P, dtype=torch.bool, device=dev)  # [B, 1, P, P]
             mask = keep & causal
         pcos, psin, psin_signed = self._prompt_rotary(cos[:, :P], sin[:, :P])  # [B, P, D] each
-        buf = self.buffers
-        self._set_rows(B)
-        buf.reset(capacity)
-        last = len(self.layers) - 1
-        for i, (kind, layer, plan) in enumerate(zip(self.kinds, self.layers, self._plan)):
-            a = plan["in_norm"](h)
+
+        def attend(i, kind, layer, plan, a, last_only):
             if kind == "gqa":
-                a = self._gqa_prefill(plan, a, i, capacity, pcos[:, :, None], psin_signed[:, :, None], mask,
-                                      last_only=i == last)
-            else:
-                a = self._mla_prefill(layer.self_attn, plan, a, i, capacity, pcos, psin, mask, last_only=i == last)
-            if i == last:
-                h = h[:, -1:]  # [B, 1, H]: only the last position's logits are needed
-            h = h + a
-            h = h + plan["mlp"](plan["post_norm"](h))
-        buf.advance(P)
-        self._arm(prompt_mask)
-        return self._head(self._final_norm(h[:, -1:]))[:, -1]  # [B, V]
+                return self._gqa_prefill(plan, a, i, capacity, pcos[:, :, None], psin_signed[:, :, None], mask,
+                                         last_only=last_only)
+            return self._mla_prefill(layer.self_attn, plan, a, i, capacity, pcos, psin, mask, last_only=last_only)
+
+        # only the last position's logits are needed: [B, 1, H]
+        return self._through_layers(h, attend, lambda x: x[:, -1:], prompt_mask, capacity)
 
     def _prefill_packed(self, ids: torch.Tensor, prompt_mask: torch.Tensor, pos: torch.Tensor, *, capacity: int,
                         steps: int, lengths: list[int]) -> torch.Tensor:
         """The prompts as one packed row of ``T = sum(lengths)`` tokens (module docstring)."""
-        B, P = ids.shape
+        P = ids.shape[1]
         dev = ids.device
         pk = PackedPrompts(lengths, P, dev)
         h = self._embed(ids[pk.rows, pk.cols][None])  # [1, T, H]
@@ -153,25 +144,35 @@ class PromptPrefill:
         self._set_decode_mask(prompt_mask, capacity, False)
         pcos, psin, psin_signed = self._prompt_rotary(cos, sin)  # [1, T, D] each
         keep = prompt_mask.bool()[:, None, None, :]  # [B, 1, 1, P]: the last layer's keys
-        buf = self.buffers
+
+        def attend(i, kind, layer, plan, a, last_only):
+            if kind == "gqa":
+                return self._gqa_packed(plan, a, i, capacity, pcos[:, :, None], psin_signed[:, :, None], pk, keep,
+                                        last_only=last_only)
+            return self._mla_packed(layer.self_attn, plan, a, i, capacity, pcos, psin, pk, keep, last_only=last_only)
+
+        # only the prompts' last positions' logits are needed: [B, 1, H]
+        return self._through_layers(h, attend, lambda x: x[0, pk.last][:, None], prompt_mask, capacity)
+
+    def _through_layers(self, h: torch.Tensor, attend, last_rows, prompt_mask: torch.Tensor,
+                        capacity: int) -> torch.Tensor:
+        """The decoder stack over the prompt's hidden states ``h``, one layout's attention (``attend``,
+        which writes the layer's K/V into the buffers) per layer; before the last layer's residual add
+        ``last_rows`` keeps each prompt's last position ``[B, 1, H]``. Then the buffers advance past the
+        prompt, the decode step is armed, and the last positions' logits ``[B, V]`` are returned."""
+        B, P = prompt_mask.shape
         self._set_rows(B)
-        buf.reset(capacity)
+        self.buffers.reset(capacity)
         last = len(self.layers) - 1
         for i, (kind, layer, plan) in enumerate(zip(self.kinds, self.layers, self._plan)):
-            a = plan["in_norm"](h)
-            if kind == "gqa":
-                a = self._gqa_packed(plan, a, i, capacity, pcos[:, :, None], psin_signed[:, :, None], pk, keep,
-                                     last_only=i == last)
-            else:
-                a = self._mla_packed(layer.self_attn, plan, a, i, capacity, pcos, psin, pk, keep,
-                                     last_only=i == last)
+            a = attend(i, kind, layer, plan, plan["in_norm"](h), i == last)
             if i == last:
-                h = h[0, pk.last][:, None]  # [B, 1, H]: only the prompts' last positions' logits are needed
+                h = last_rows(h)
             h = h + a
             h = h + plan["mlp"](plan["post_norm"](h))
-        buf.advance(P)
+        self.buffers.advance(P)
         self._arm(prompt_mask)
-        return self._head(self._final_norm(h))[:, -1]  # [B, V]
+        return self._head(self._final_norm(h[:, -1:]))[:, -1]
 
     def _gqa_packed(self, plan, x, li, capacity, cos, sin_signed, pk: PackedPrompts, keep, last_only):
         """Qwen-style attention over the packed row ``x [1, T, H]``: K/V scattered to the buffers'
